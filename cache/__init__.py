@@ -1,0 +1,3 @@
+"""cache package."""
+
+import config  # noqa: F401  (loads OpenBLAS before the first mlx import)

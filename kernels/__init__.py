@@ -1,0 +1,3 @@
+"""kernels package."""
+
+import config  # noqa: F401  (loads OpenBLAS before the first mlx import)
