@@ -1,0 +1,83 @@
+"""make_cache: the per-layer cache list for a policy, with the router installed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from cache.h2o import H2OKVCache
+from cache.presets import split_budget
+from cache.router import install_router
+from cache.scores import EMA_ALPHA
+
+POLICIES = ("full", "rotating", "h2o")
+DEFAULT_SCORE = "attn"
+
+
+def _is_sliding_layer(layer: nn.Module) -> bool:
+    """mlx-lm marks sliding-window layers with one of these flags."""
+    attn = getattr(layer, "self_attn", None)
+    return any(
+        bool(getattr(obj, flag, False))
+        for obj in (layer, attn)
+        if obj is not None
+        for flag in ("use_sliding", "is_sliding")
+    )
+
+
+def _sliding_window(model: nn.Module) -> int | None:
+    args = getattr(model, "args", None)
+    return getattr(args, "sliding_window", None)
+
+
+def make_cache(
+    model: nn.Module,
+    policy: str = "h2o",
+    max_kv: int = 256,
+    preset: str = "heavy",
+    score: str = DEFAULT_SCORE,
+    sink: int | None = None,
+    heavy: int | None = None,
+    recent: int | None = None,
+    alpha: float = EMA_ALPHA,
+) -> list[Any]:
+    """One cache per layer for `policy` (full | rotating | h2o).
+
+    Layers whose model-provided cache is already bounded (sliding windows,
+    recurrent state) keep it. For `h2o` the attention router is installed into
+    the model (idempotent) so plain `mlx_lm.stream_generate(..., prompt_cache=...)`
+    feeds scores to the caches.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
+    budget = split_budget(max_kv, preset, sink=sink, heavy=heavy, recent=recent)
+    base = make_prompt_cache(model)
+    layers = getattr(model, "layers", None) or [None] * len(base)
+    window = _sliding_window(model)
+
+    caches = []
+    for layer, provided in zip(layers, base):
+        if type(provided) is not KVCache:
+            caches.append(provided)  # bounded or non-attention state: keep it
+        elif layer is not None and window and _is_sliding_layer(layer):
+            caches.append(RotatingKVCache(max_size=window))
+        elif policy == "full":
+            caches.append(KVCache())
+        elif policy == "rotating":
+            caches.append(RotatingKVCache(max_size=max_kv, keep=budget.sink))
+        else:
+            caches.append(
+                H2OKVCache(
+                    budget.max_size,
+                    sink=budget.sink,
+                    heavy=budget.heavy,
+                    recent=budget.recent,
+                    score=score,
+                    alpha=alpha,
+                )
+            )
+    if policy == "h2o":
+        install_router(model)
+    return caches
