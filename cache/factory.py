@@ -58,7 +58,7 @@ def make_cache(
     window = _sliding_window(model)
 
     caches = []
-    for layer, provided in zip(layers, base):
+    for layer, provided in zip(layers, base, strict=True):
         if type(provided) is not KVCache:
             caches.append(provided)  # bounded or non-attention state: keep it
         elif layer is not None and window and _is_sliding_layer(layer):

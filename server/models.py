@@ -13,7 +13,6 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-import config  # noqa: F401  (loads OpenBLAS before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten

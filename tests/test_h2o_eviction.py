@@ -1,0 +1,214 @@
+"""H2OKVCache eviction against a brute-force oracle, on random scores.
+
+The oracle keeps, per KV head, a plain dict {position: accumulated score}
+and applies H2O literally: add every key's share of attention, then while
+over budget drop the lowest-scored token that is neither a sink nor in the
+recent window (top-k by full sort for a chunk). The cache must keep exactly
+the oracle's positions at every step.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import cache  # noqa: F401  (registers the class with mlx-lm)
+from cache import H2OKVCache, split_budget
+
+B, N_Q, N_KV, D = 1, 6, 2, 8
+ALPHA = 0.95
+
+
+class Oracle:
+    def __init__(self, max_size: int, sink: int, recent: int, rule: str):
+        self.max_size, self.sink, self.recent, self.rule = max_size, sink, recent, rule
+        self.kept = [dict() for _ in range(N_KV)]  # per KV head: position -> score
+        self.offset = 0
+
+    def step(self, logit_table: np.ndarray, n_new: int) -> None:
+        """logit_table[q_head, row, position]: logits of this call's query rows."""
+        new = range(self.offset, self.offset + n_new)
+        for kept in self.kept:
+            kept.update({p: 0.0 for p in new})
+        self.offset += n_new
+        group = N_Q // N_KV
+        for h, kept in enumerate(self.kept):
+            positions = np.array(sorted(kept))
+            increment = np.zeros(len(positions))
+            for q in range(h * group, (h + 1) * group):
+                rows = np.zeros(len(positions))
+                decay = 1.0
+                for r in range(n_new):
+                    query_pos = self.offset - n_new + r
+                    logits = logit_table[q, r, positions].astype(np.float64)
+                    visible = positions <= query_pos
+                    if self.rule == "attn":
+                        e = np.where(visible, np.exp(logits - logits[visible].max()), 0.0)
+                        rows += e / e.sum()
+                    else:
+                        w = (1 - ALPHA) * ALPHA ** (n_new - 1 - r)
+                        rows += w * np.where(visible, np.abs(logits), 0.0)
+                increment += rows / group
+            if self.rule == "ema":
+                decay = ALPHA**n_new
+            for p, inc in zip(positions, increment, strict=True):
+                kept[p] = decay * kept[p] + inc
+            self._evict(kept)
+
+    def _evict(self, kept: dict) -> None:
+        excess = len(kept) - self.max_size
+        if excess <= 0:
+            return
+        middle = [p for p in kept if self.sink <= p < self.offset - self.recent]
+        middle.sort(key=lambda p: kept[p])
+        for p in middle[:excess]:
+            del kept[p]
+
+
+def cache_positions(c: H2OKVCache) -> list[set]:
+    """The set of token positions each KV head holds (the hole excluded)."""
+    c._drop_hole()
+    pos = np.array(c.positions[0, :, : c._len])
+    return [set(pos[h].tolist()) for h in range(N_KV)]
+
+
+def feed(c: H2OKVCache, oracle: Oracle, rng: np.random.Generator, n_new: int) -> int:
+    """One attention call of n_new tokens with random logits. Returns the size inside the call."""
+    k = mx.array(rng.standard_normal((B, N_KV, n_new, D)).astype(np.float32))
+    c.update_and_fetch(k, k)
+    inside = c.size()
+    table = rng.standard_normal((N_Q, n_new, oracle.offset + n_new)).astype(np.float32) * 3
+    # Scores as the kernel exports them: per slot, by the position the slot holds,
+    # masked (-inf) where the query may not see the key.
+    slot_pos = np.array(c.positions[0, :, : c._len])  # [N_KV, S]
+    group = N_Q // N_KV
+    scores = np.empty((B, N_Q, n_new, c._len), np.float32)
+    for q in range(N_Q):
+        pos = slot_pos[q // group]
+        for r in range(n_new):
+            query_pos = oracle.offset + r
+            scores[0, q, r] = np.where(pos <= query_pos, table[q, r, pos], -np.inf)
+    c.update_scores(mx.array(scores))
+    oracle.step(table, n_new)
+    return inside
+
+
+@pytest.mark.parametrize("rule", ["attn", "ema"])
+@pytest.mark.parametrize("preset", ["heavy", "balanced"])
+def test_decode_eviction_matches_oracle(rule, preset):
+    rng = np.random.default_rng(0)
+    budget = split_budget(24, preset)
+    c = H2OKVCache(24, budget.sink, budget.heavy, budget.recent, score=rule)
+    oracle = Oracle(24, budget.sink, budget.recent, rule)
+    feed(c, oracle, rng, 10)  # short prefill
+    for step in range(120):
+        feed(c, oracle, rng, 1)
+        assert c.size() <= 24
+        assert c.offset == oracle.offset
+        held = cache_positions(c)
+        assert held == [set(k) for k in oracle.kept], f"step {step}"
+        for h in range(N_KV):
+            assert set(range(budget.sink)) <= held[h]
+            assert set(range(max(0, c.offset - budget.recent), c.offset)) <= held[h]
+    assert c.evicted == oracle.offset - 24
+
+
+@pytest.mark.parametrize("rule", ["attn", "ema"])
+def test_chunked_prefill_eviction_matches_oracle(rule):
+    rng = np.random.default_rng(1)
+    max_size, step = 32, 20
+    budget = split_budget(max_size, "heavy")
+    c = H2OKVCache(max_size, budget.sink, budget.heavy, budget.recent, score=rule)
+    oracle = Oracle(max_size, budget.sink, budget.recent, rule)
+    for _ in range(5):
+        inside = feed(c, oracle, rng, step)
+        assert inside <= max_size + step
+        assert c.size() <= max_size
+        assert cache_positions(c) == [set(k) for k in oracle.kept]
+    # decode after chunks, then another chunk on top of a hole
+    for _ in range(3):
+        feed(c, oracle, rng, 1)
+    feed(c, oracle, rng, 7)
+    assert cache_positions(c) == [set(k) for k in oracle.kept]
+
+
+class SnapshotCache(H2OKVCache):
+    """Records every slot's position and accumulated score just before eviction."""
+
+    def _evict_if_over(self):
+        n = self._len
+        self.snapshot = (np.array(self.positions[0, :, :n]), np.array(self.scores[0, :, :n]))
+        super()._evict_if_over()
+
+
+@pytest.mark.parametrize("n_new", [1, 9])
+def test_kept_middle_is_top_heavy_by_score(n_new):
+    rng = np.random.default_rng(2)
+    c = SnapshotCache(16, sink=2, heavy=8, recent=6)
+    oracle = Oracle(16, 2, 6, "attn")
+    feed(c, oracle, rng, 12)
+    for _ in range(8):
+        feed(c, oracle, rng, n_new)
+        positions, scores = c.snapshot
+        if positions.shape[1] <= 16:
+            continue  # not over budget yet: nothing was evicted
+        held = cache_positions(c)
+        for h in range(N_KV):
+            middle = (positions[h] >= 2) & (positions[h] < c.offset - 6)
+            kept = np.array([p in held[h] for p in positions[h]])
+            assert (kept | middle).all()  # only middle tokens are ever evicted
+            assert (kept & middle).sum() == 8  # exactly `heavy` of them stay
+            assert scores[h][kept & middle].min() >= scores[h][~kept].max()
+
+
+def test_offset_counts_every_token_and_size_is_bounded():
+    c = H2OKVCache(8, sink=1, heavy=3, recent=4)
+    k = mx.zeros((1, 1, 1, 4))
+    for i in range(50):
+        c.update_and_fetch(k, k)
+        c.update_scores(mx.zeros((1, 1, 1, c._len)))
+        assert c.offset == i + 1
+        assert c.size() == min(i + 1, 8)
+    assert c.evicted == 42
+
+
+def test_mask_for_chunk_after_eviction():
+    c = H2OKVCache(8, sink=1, heavy=3, recent=4)
+    k = mx.zeros((1, 1, 20, 4))
+    c.update_and_fetch(k, k)
+    c.update_scores(mx.zeros((1, 1, 20, 20)))
+    assert c.size() == 8 and c.offset == 20
+    mask = c.make_mask(3, return_array=True)
+    expected = np.concatenate([np.ones((3, 8), bool), np.tril(np.ones((3, 3), bool))], axis=1)
+    np.testing.assert_array_equal(np.array(mask), expected)
+    assert c.make_mask(1) is None
+    assert c.make_mask(3) == "causal"
+
+
+def test_nbytes_counts_every_buffer():
+    c = H2OKVCache(16, sink=2, heavy=6, recent=8)
+    assert c.nbytes == 0
+    k = mx.zeros((1, 2, 5, 8))
+    c.update_and_fetch(k, k)
+    cap = c.keys.shape[2]
+    assert c.nbytes == 2 * (2 * cap * 8 * 4) + 2 * cap * 4 + 2 * cap * 4
+
+
+def test_trim_never_crosses_an_eviction():
+    c = H2OKVCache(8, sink=1, heavy=3, recent=4)
+    k = mx.zeros((1, 1, 1, 4))
+    for _ in range(12):
+        c.update_and_fetch(k, k)
+        c.update_scores(mx.zeros((1, 1, 1, c._len)))
+    assert not c.is_trimmable() and c.trim(3) == 0
+    c2 = H2OKVCache(64)
+    c2.update_and_fetch(mx.zeros((1, 1, 10, 4)), mx.zeros((1, 1, 10, 4)))
+    assert c2.trim(4) == 4 and c2.offset == 6 and c2.size() == 6
+
+
+def test_bad_budgets_are_rejected():
+    with pytest.raises(ValueError):
+        split_budget(16, "nope")
+    with pytest.raises(ValueError):
+        H2OKVCache(8, sink=4, heavy=6, recent=2)
+    with pytest.raises(ValueError):
+        H2OKVCache(8, score="nope")
