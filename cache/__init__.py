@@ -1,8 +1,9 @@
 """H2O KV caches, score rules, budget presets and the attention router."""
 
+import config  # noqa: F401  (loads OpenBLAS before the first mlx import)
+
 import mlx_lm.models.cache as _mlx_lm_cache
 
-import config  # noqa: F401  (loads OpenBLAS before the first mlx import)
 from cache.factory import POLICIES, make_cache
 from cache.h2o import H2OKVCache
 from cache.presets import PRESETS, H2OBudget, split_budget

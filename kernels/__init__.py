@@ -7,6 +7,7 @@ the H2O_KERNEL environment variable (`reference`, or `auto`).
 """
 
 import config  # noqa: F401  (loads OpenBLAS before the first mlx import)
+
 from kernels.dispatch import available_backends, sdpa_with_scores, select_backend
 
 __all__ = ["available_backends", "select_backend", "sdpa_with_scores"]

@@ -229,8 +229,7 @@ def _to_float32(model: nn.Module) -> None:
     """Cast floating-point parameters to float32 (the CPU backend's fast path)."""
     params = tree_flatten(model.parameters())
     cast = [
-        (k, v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v)
-        for k, v in params
+        (k, v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in params
     ]
     model.update(tree_unflatten(cast))
     mx.eval(model.parameters())

@@ -1,6 +1,6 @@
-import pytest
-
 import config  # noqa: F401  (loads OpenBLAS before the first mlx import)
+
+import pytest
 
 
 @pytest.fixture(scope="session")

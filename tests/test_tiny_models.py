@@ -5,10 +5,9 @@ layers. Each model is a few thousand parameters in float32, so the whole file
 runs in seconds on a CPU.
 """
 
-import config  # noqa: F401  (loads OpenBLAS before the first mlx import)
-
-# isort: split
 import importlib
+
+import config  # noqa: F401  (loads OpenBLAS before the first mlx import)
 
 import mlx.core as mx
 import pytest

@@ -1,0 +1,141 @@
+"""`h2o-server` command line: `generate` streams one completion to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from config.settings import CacheSettings
+
+from pydantic import ValidationError
+
+
+def _add_cache_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("KV cache")
+    g.add_argument("--policy", default="h2o", choices=["full", "rotating", "h2o"])
+    g.add_argument(
+        "--max-kv",
+        "--h2o-max-size",
+        dest="max_kv",
+        type=int,
+        default=256,
+        help="cache size in tokens per layer",
+    )
+    g.add_argument(
+        "--preset",
+        default="heavy",
+        choices=["heavy", "balanced"],
+        help="heavy: heavy=max/2, recent=max/2-sink; balanced: heavy=max/4",
+    )
+    g.add_argument(
+        "--score",
+        default="attn",
+        choices=["attn", "ema"],
+        help="attn: summed softmax (original H2O); ema: EMA of |logit| (MLX paper)",
+    )
+    g.add_argument("--h2o-sink-size", "--sink", dest="sink", type=int, default=None)
+    g.add_argument("--h2o-heavy-budget", "--heavy", dest="heavy", type=int, default=None)
+    g.add_argument("--h2o-recent-budget", "--recent", dest="recent", type=int, default=None)
+
+
+def _cache_settings(args: argparse.Namespace) -> CacheSettings:
+    return CacheSettings(
+        policy=args.policy,
+        max_kv=args.max_kv,
+        preset=args.preset,
+        score=args.score,
+        sink=args.sink,
+        heavy=args.heavy,
+        recent=args.recent,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="h2o-server", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="stream one completion to stdout")
+    gen.add_argument(
+        "--model",
+        default="default",
+        help="'default', a .gguf file, a local model folder or a HF repo id",
+    )
+    gen.add_argument("--prompt", required=True, help="the user message ('-' reads stdin)")
+    gen.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temp", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--prefill-step", type=int, default=512, help="prompt tokens per forward pass")
+    gen.add_argument("--stats", action="store_true", help="print speed and cache stats to stderr")
+    _add_cache_flags(gen)
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from server.models import load_model
+
+    settings = _cache_settings(args)
+    model, tokenizer = load_model(args.model)
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.raw or not tokenizer.has_chat_template:
+        prompt = tokenizer.encode(text)
+    else:
+        messages = [{"role": "user", "content": text}]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    caches = settings.make(model)
+    sampler = make_sampler(temp=args.temp, top_p=args.top_p)
+    start, last = time.perf_counter(), None
+    for last in stream_generate(
+        model,
+        tokenizer,
+        prompt,
+        max_tokens=args.max_tokens,
+        sampler=sampler,
+        prompt_cache=caches,
+        prefill_step_size=args.prefill_step,
+    ):
+        sys.stdout.write(last.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if args.stats and last is not None:
+        attn = [c for c in caches if hasattr(c, "offset")]
+        print(
+            f"prompt {last.prompt_tokens} tok @ {last.prompt_tps:.1f} tok/s, "
+            f"generated {last.generation_tokens} tok @ {last.generation_tps:.1f} tok/s, "
+            f"{time.perf_counter() - start:.1f}s; "
+            f"cache: {settings.policy} max_kv={settings.max_kv}, "
+            f"stored {max(c.size() for c in attn)} of {attn[0].offset} tokens, "
+            f"{sum(c.nbytes for c in caches) / 2**20:.1f} MiB, "
+            f"evicted {max(getattr(c, 'evicted', 0) for c in caches)}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import config  # noqa: F401  (loads OpenBLAS before mlx)
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+    except ValidationError as e:
+        print(f"h2o-server: invalid settings:\n{e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # bad model name, bad budget split, ...
+        print(f"h2o-server: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
