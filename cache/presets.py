@@ -23,7 +23,10 @@ class H2OBudget:
         if self.recent < 1:
             raise ValueError("the recent window must hold at least the newest token")
         if self.sink + self.heavy + self.recent != self.max_size:
-            raise ValueError(f"sink + heavy + recent must equal max_size in {self}")
+            raise ValueError(
+                f"sink ({self.sink}) + heavy ({self.heavy}) + recent ({self.recent}) "
+                f"must equal max_kv ({self.max_size})"
+            )
 
 
 def split_budget(

