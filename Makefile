@@ -22,7 +22,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: setup
-	$(VENV)/bin/h2o-server serve --model default
+	# The HTTP server is not built yet: chat with the default model in the terminal.
+	$(VENV)/bin/h2o-server chat --model default
 
 test: setup
 	$(PY) -m pytest -q

