@@ -37,13 +37,4 @@ class CacheSettings(BaseModel):
     def make(self, model) -> list:
         from cache import make_cache
 
-        return make_cache(
-            model,
-            policy=self.policy,
-            max_kv=self.max_kv,
-            preset=self.preset,
-            score=self.score,
-            sink=self.sink,
-            heavy=self.heavy,
-            recent=self.recent,
-        )
+        return make_cache(model, **self.model_dump())

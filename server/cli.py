@@ -40,14 +40,22 @@ def _add_cache_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _cache_settings(args: argparse.Namespace) -> CacheSettings:
-    return CacheSettings(
-        policy=args.policy,
-        max_kv=args.max_kv,
-        preset=args.preset,
-        score=args.score,
-        sink=args.sink,
-        heavy=args.heavy,
-        recent=args.recent,
+    return CacheSettings(**{name: getattr(args, name) for name in CacheSettings.model_fields})
+
+
+def _stream(model, tokenizer, prompt: list[int], caches: list, args: argparse.Namespace):
+    """mlx-lm's stream_generate with the command's sampling and prefill flags."""
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    return stream_generate(
+        model,
+        tokenizer,
+        prompt,
+        max_tokens=args.max_tokens,
+        sampler=make_sampler(temp=args.temp, top_p=args.top_p),
+        prompt_cache=caches,
+        prefill_step_size=args.prefill_step,
     )
 
 
@@ -86,8 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import mlx.core as mx
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
 
     from server.models import load_model
 
@@ -102,17 +108,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.seed is not None:
         mx.random.seed(args.seed)
     caches = settings.make(model)
-    sampler = make_sampler(temp=args.temp, top_p=args.top_p)
     start, last = time.perf_counter(), None
-    for last in stream_generate(
-        model,
-        tokenizer,
-        prompt,
-        max_tokens=args.max_tokens,
-        sampler=sampler,
-        prompt_cache=caches,
-        prefill_step_size=args.prefill_step,
-    ):
+    for last in _stream(model, tokenizer, prompt, caches, args):
         sys.stdout.write(last.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -145,14 +142,11 @@ def _print_cache_line(caches: list, settings: CacheSettings, reused: int) -> Non
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Read user turns from stdin; only the tokens past the cached history are prefilled."""
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
 
     from server.models import load_model
 
     settings = _cache_settings(args)
     model, tokenizer = load_model(args.model)
-    sampler = make_sampler(temp=args.temp, top_p=args.top_p)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     caches, history = settings.make(model), []  # history: the tokens the caches hold
     interactive = sys.stdin.isatty()
@@ -171,15 +165,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             caches, history = settings.make(model), []
         reused, new = len(history), ids[len(history) :]
         reply, generated = "", []
-        for out in stream_generate(
-            model,
-            tokenizer,
-            new,
-            max_tokens=args.max_tokens,
-            sampler=sampler,
-            prompt_cache=caches,
-            prefill_step_size=args.prefill_step,
-        ):
+        for out in _stream(model, tokenizer, new, caches, args):
             reply += out.text
             generated.append(out.token)
             print(out.text, end="", flush=True)

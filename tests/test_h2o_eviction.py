@@ -160,12 +160,18 @@ def test_kept_middle_is_top_heavy_by_score(n_new):
             assert scores[h][kept & middle].min() >= scores[h][~kept].max()
 
 
-def test_offset_counts_every_token_and_size_is_bounded():
-    c = H2OKVCache(8, sink=1, heavy=3, recent=4)
+def decode_uniform(c: H2OKVCache, steps: int):
+    """Decode `steps` single tokens with all-zero keys and logits; yields after each."""
     k = mx.zeros((1, 1, 1, 4))
-    for i in range(50):
+    for i in range(steps):
         c.update_and_fetch(k, k)
         c.update_scores(mx.zeros((1, 1, 1, c._len)))
+        yield i
+
+
+def test_offset_counts_every_token_and_size_is_bounded():
+    c = H2OKVCache(8, sink=1, heavy=3, recent=4)
+    for i in decode_uniform(c, 50):
         assert c.offset == i + 1
         assert c.size() == min(i + 1, 8)
     assert c.evicted == 42
@@ -195,10 +201,8 @@ def test_nbytes_counts_every_buffer():
 
 def test_trim_never_crosses_an_eviction():
     c = H2OKVCache(8, sink=1, heavy=3, recent=4)
-    k = mx.zeros((1, 1, 1, 4))
-    for _ in range(12):
-        c.update_and_fetch(k, k)
-        c.update_scores(mx.zeros((1, 1, 1, c._len)))
+    for _ in decode_uniform(c, 12):
+        pass
     assert not c.is_trimmable() and c.trim(3) == 0
     c2 = H2OKVCache(64)
     c2.update_and_fetch(mx.zeros((1, 1, 10, 4)), mx.zeros((1, 1, 10, 4)))
