@@ -200,7 +200,7 @@ def test_chat_reuses_the_cached_history_across_turns():
     """Turn 2 prefills only what is new: the whole of turn 1 (prompt and reply) is reused."""
     turns = "My name is Ada and I like sailing.\nWhat is my name?\n"
     r = subprocess.run(
-        [*CMD, "chat", "--max-kv", "64", "--max-tokens", "24", "--temp", "0"],
+        [*CMD, "chat", "--max-kv", "48", "--max-tokens", "24", "--temp", "0"],
         cwd=REPO,
         input=turns,
         capture_output=True,
@@ -212,4 +212,4 @@ def test_chat_reuses_the_cached_history_across_turns():
     assert len(lines) == 2
     (seen1, stored1, reused1), (seen2, stored2, reused2) = [tuple(map(int, x)) for x in lines]
     assert reused1 == 0 and reused2 == seen1  # all of turn 1 came from the cache
-    assert stored1 <= 64 and stored2 <= 64 and seen2 > seen1 > 64  # evicting, bounded
+    assert stored1 <= 48 and stored2 <= 48 and seen2 > seen1 > 48  # evicting, bounded
