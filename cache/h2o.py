@@ -131,7 +131,7 @@ class H2OKVCache:
         if n == 0:
             return 0
         self._drop_hole()
-        keep = self.positions[..., : self._len] < self.offset - n
+        keep = self._live(self.positions) < self.offset - n
         self._select(keep, self._len - n)
         self.offset -= n
         return n

@@ -34,29 +34,31 @@ def _route(original: Callable) -> Callable:
     return routed_sdpa
 
 
+def _attention_modules(model: nn.Module) -> dict[str, Callable]:
+    """Python modules defining the model's classes that call `_ATTR`, with its current value."""
+    names = {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}
+    found = {}
+    for name in sorted(names):
+        fn = getattr(sys.modules.get(name), _ATTR, None)
+        if callable(fn):
+            found[name] = fn
+    return found
+
+
 def install_router(model: nn.Module) -> list[str]:
     """Route attention in every module that defines the model's layers. Idempotent.
 
     Returns the names of the modules now routed.
     """
-    module_names = {type(m).__module__ for _, m in model.named_modules()}
-    module_names.add(type(model).__module__)
-    routed = []
-    for name in sorted(module_names):
-        module = sys.modules.get(name)
-        fn = getattr(module, _ATTR, None)
-        if fn is None or not callable(fn):
-            continue
+    modules = _attention_modules(model)
+    for name, fn in modules.items():
         if not hasattr(fn, "h2o_original"):
-            setattr(module, _ATTR, _route(fn))
-        routed.append(name)
-    return routed
+            setattr(sys.modules[name], _ATTR, _route(fn))
+    return list(modules)
 
 
 def uninstall_router(model: nn.Module) -> None:
     """Restore mlx-lm's original attention function in the model's modules."""
-    for _, m in [("", model), *model.named_modules()]:
-        module = sys.modules.get(type(m).__module__)
-        fn = getattr(module, _ATTR, None)
-        if fn is not None and hasattr(fn, "h2o_original"):
-            setattr(module, _ATTR, fn.h2o_original)
+    for name, fn in _attention_modules(model).items():
+        if hasattr(fn, "h2o_original"):
+            setattr(sys.modules[name], _ATTR, fn.h2o_original)

@@ -115,34 +115,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     if args.stats and last is not None:
-        attn = [c for c in caches if hasattr(c, "offset")]
+        seen, stored, mib = _cache_usage(caches)
         print(
             f"prompt {last.prompt_tokens} tok @ {last.prompt_tps:.1f} tok/s, "
             f"generated {last.generation_tokens} tok @ {last.generation_tps:.1f} tok/s, "
             f"{time.perf_counter() - start:.1f}s; "
             f"cache: {settings.policy} max_kv={settings.max_kv}, "
-            f"stored {max(c.size() for c in attn)} of {attn[0].offset} tokens, "
-            f"{sum(c.nbytes for c in caches) / 2**20:.1f} MiB, "
-            f"evicted {attn[0].offset - max(c.size() for c in attn)}",
+            f"stored {stored} of {seen} tokens, {mib:.1f} MiB, evicted {seen - stored}",
             file=sys.stderr,
         )
     return 0
 
 
-def _print_cache_line(caches: list, settings: CacheSettings, reused: int) -> None:
-    attn = [c for c in caches if hasattr(c, "offset")]
-    stored = max(c.size() for c in attn)
-    print(
-        f"[{settings.policy} max_kv={settings.max_kv}: {attn[0].offset} tokens seen, "
-        f"{stored} stored, {sum(c.nbytes for c in caches) / 2**20:.1f} MiB, "
-        f"{reused} history tokens reused]",
-        file=sys.stderr,
-    )
+def _cache_usage(caches: list) -> tuple[int, int, float]:
+    """(tokens seen, tokens stored, MiB held) over a model's per-layer caches."""
+    attention = [c for c in caches if hasattr(c, "offset")]
+    seen = attention[0].offset
+    stored = max(c.size() for c in attention)
+    return seen, stored, sum(c.nbytes for c in caches) / 2**20
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Read user turns from stdin; only the tokens past the cached history are prefilled."""
-
     from server.models import load_model
 
     settings = _cache_settings(args)
@@ -172,10 +166,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
         print()
         # mlx-lm feeds a sampled token to the model before yielding it, except the
         # last one at max_tokens: the caches' offset says how far history reaches.
-        processed = next(c.offset for c in caches if hasattr(c, "offset"))
-        history = (ids + generated)[:processed]
+        seen, stored, mib = _cache_usage(caches)
+        history = (ids + generated)[:seen]
         messages.append({"role": "assistant", "content": reply})
-        _print_cache_line(caches, settings, reused)
+        print(
+            f"[{settings.policy} max_kv={settings.max_kv}: {seen} tokens seen, "
+            f"{stored} stored, {mib:.1f} MiB, {reused} history tokens reused]",
+            file=sys.stderr,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

