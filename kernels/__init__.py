@@ -1,13 +1,28 @@
 """Attention kernels that export pre-softmax scores.
 
-`sdpa_with_scores(q, k, v, scale, mask) -> (out, scores)` dispatches to the
-fastest correct backend for the device and shape. Only `reference` exists so
-far; Metal and CUDA kernels register here when they land. Force a backend with
-the H2O_KERNEL environment variable (`reference`, or `auto`).
+`sdpa_with_scores(q, k, v, scale, mask) -> (out, scores)` and its quantized twin
+`quantized_sdpa_with_scores(q, k_q, v_q, scale, mask, group_size, bits)` dispatch to the
+fastest correct backend for the device and shape: metal (Apple GPUs), cuda (MLX's CUDA
+backend), else reference (MLX ops, everywhere). Force one with `force_backend(name)` or
+the H2O_KERNEL environment variable (auto, reference, metal, cuda).
 """
 
 import config  # noqa: F401  (loads OpenBLAS before the first mlx import)
 
-from kernels.dispatch import available_backends, sdpa_with_scores, select_backend
+from kernels.dispatch import (
+    BACKEND_NAMES,
+    available_backends,
+    force_backend,
+    quantized_sdpa_with_scores,
+    sdpa_with_scores,
+    select_backend,
+)
 
-__all__ = ["available_backends", "select_backend", "sdpa_with_scores"]
+__all__ = [
+    "BACKEND_NAMES",
+    "available_backends",
+    "force_backend",
+    "quantized_sdpa_with_scores",
+    "sdpa_with_scores",
+    "select_backend",
+]

@@ -1,41 +1,116 @@
-"""Pick an attention backend per call: forced by H2O_KERNEL, else the best available."""
+"""Pick an attention backend per call: forced, else the first available that fits.
+
+Order of preference: metal, cuda, reference. A backend is forced by `force_backend(name)`
+(the `--kernel` flag) or, failing that, by the H2O_KERNEL environment variable, read on
+every call; values: auto, reference, metal, cuda. Forcing a backend this machine lacks
+raises ValueError. A forced GPU backend still hands shapes it does not support
+(prefill chunks, odd head dims) to the reference, so a forced run never fails on them.
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import mlx.core as mx
 
-from kernels import reference
+from kernels import cuda, metal, reference
+from kernels.reference import Mask, QuantizedTensor
 
-Kernel = Callable[..., tuple[mx.array, mx.array]]
+AUTO = "auto"
+ENV_VAR = "H2O_KERNEL"
 
-# name -> (is_available(), supports(q, k) , kernel); ordered by preference.
-_BACKENDS: dict[str, tuple[Callable[[], bool], Callable[[mx.array, mx.array], bool], Kernel]] = {
-    "reference": (lambda: True, lambda q, k: True, reference.sdpa_with_scores),
+
+@dataclass(frozen=True)
+class Backend:
+    is_available: Callable[[], bool]
+    # supports(q, k, mask, group_size=..., bits=...): k is the keys or the packed key words.
+    supports: Callable[..., bool]
+    dense: Callable[..., tuple[mx.array, mx.array]]
+    quantized: Callable[..., tuple[mx.array, mx.array]]
+
+
+_BACKENDS: dict[str, Backend] = {
+    "metal": Backend(
+        metal.is_available, metal.supports, metal.sdpa_with_scores, metal.quantized_sdpa_with_scores
+    ),
+    "cuda": Backend(
+        cuda.is_available, cuda.supports, cuda.sdpa_with_scores, cuda.quantized_sdpa_with_scores
+    ),
+    "reference": Backend(
+        lambda: True,
+        lambda *args, **kwargs: True,
+        reference.sdpa_with_scores,
+        reference.quantized_sdpa_with_scores,
+    ),
 }
+BACKEND_NAMES = (AUTO, *_BACKENDS)
+
+_forced: str | None = None
+
+
+def force_backend(name: str | None) -> None:
+    """Force a backend for every later call (None or "auto" undoes it; beats H2O_KERNEL)."""
+    global _forced
+    _forced = None if name in (None, AUTO) else _check_forcible(name, "force_backend")
 
 
 def available_backends() -> list[str]:
-    return [name for name, (available, _, _) in _BACKENDS.items() if available()]
+    return [name for name, backend in _BACKENDS.items() if backend.is_available()]
 
 
-def select_backend(q: mx.array, k: mx.array) -> str:
-    forced = os.environ.get("H2O_KERNEL", "auto")
-    if forced != "auto":
-        if forced not in _BACKENDS:
-            raise ValueError(f"H2O_KERNEL={forced!r}: known backends are {sorted(_BACKENDS)}")
-        return forced
-    for name, (available, supports, _) in _BACKENDS.items():
-        if name != "reference" and available() and supports(q, k):
+def select_backend(
+    q: mx.array,
+    k: mx.array,
+    mask: Mask = None,
+    *,
+    group_size: int | None = None,
+    bits: int | None = None,
+) -> str:
+    """The backend for this call (k: keys, or the packed key words when quantized)."""
+    forced = _forced or os.environ.get(ENV_VAR, AUTO)
+    if forced != AUTO:
+        _check_forcible(forced, ENV_VAR)
+        candidates = [forced]
+    else:
+        candidates = [name for name in _BACKENDS if name != "reference"]
+    for name in candidates:
+        backend = _BACKENDS[name]
+        if backend.is_available() and backend.supports(
+            q, k, mask, group_size=group_size, bits=bits
+        ):
             return name
     return "reference"
 
 
 def sdpa_with_scores(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: reference.Mask = None
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask = None
 ) -> tuple[mx.array, mx.array]:
     """Attention output and float32 pre-softmax scores [B, n_q_heads, L_q, L_k]."""
-    kernel = _BACKENDS[select_backend(q, k)][2]
-    return kernel(q, k, v, scale, mask)
+    return _BACKENDS[select_backend(q, k, mask)].dense(q, k, v, scale, mask)
+
+
+def quantized_sdpa_with_scores(
+    q: mx.array,
+    k_q: QuantizedTensor,
+    v_q: QuantizedTensor,
+    scale: float,
+    mask: Mask = None,
+    group_size: int = 64,
+    bits: int = 8,
+) -> tuple[mx.array, mx.array]:
+    """`sdpa_with_scores` over K/V packed by `mx.quantize` as (weights, scales, biases)."""
+    name = select_backend(q, k_q[0], mask, group_size=group_size, bits=bits)
+    return _BACKENDS[name].quantized(q, k_q, v_q, scale, mask, group_size, bits)
+
+
+def _check_forcible(name: str, source: str) -> str:
+    if name not in _BACKENDS:
+        raise ValueError(f"{source}={name!r}: known backends are {list(BACKEND_NAMES)}")
+    if not _BACKENDS[name].is_available():
+        raise ValueError(
+            f"{source}={name!r}: that backend is not available on this machine "
+            f"(available: {available_backends()})"
+        )
+    return name

@@ -42,17 +42,7 @@ def sdpa_with_scores(
     qg = (_f32(q) * scale).reshape(B, n_kv, rep * L_q, D)
     scores = qg @ _f32(k).swapaxes(-1, -2)  # [B, n_kv, rep * L_q, L_k]
 
-    m = expand_mask(mask, L_q, L_k)
-    if m is not None:
-        scores = scores.reshape(B, n_kv, rep, L_q, L_k)
-        if m.ndim == 4:  # [B, 1 or n_q, L_q, L_k]
-            m = m.reshape(m.shape[0], n_kv, rep, L_q, L_k) if m.shape[1] == n_q else m[:, :, None]
-        if m.dtype == mx.bool_:
-            scores = mx.where(m, scores, -mx.inf)
-        else:
-            scores = scores + m.astype(mx.float32)
-        scores = scores.reshape(B, n_kv, rep * L_q, L_k)
-
+    scores = _apply_mask(scores, mask, B, n_kv, rep, L_q, L_k)
     probs = mx.softmax(scores, axis=-1, precise=True)
     out = ((probs if v.dtype == mx.float32 else probs.astype(v.dtype)) @ v).reshape(
         B, n_q, L_q, v.shape[-1]
@@ -62,5 +52,61 @@ def sdpa_with_scores(
     return out, scores.reshape(B, n_q, L_q, L_k)
 
 
+def _apply_mask(
+    scores: mx.array, mask: Mask, B: int, n_kv: int, rep: int, L_q: int, L_k: int
+) -> mx.array:
+    """Mask scores laid out [B, n_kv, rep * L_q, L_k]: boolean keeps, additive adds."""
+    m = expand_mask(mask, L_q, L_k)
+    if m is None:
+        return scores
+    scores = scores.reshape(B, n_kv, rep, L_q, L_k)
+    if m.ndim == 4:  # [B or 1, 1 or n_q, L_q, L_k]
+        m = (
+            m.reshape(m.shape[0], n_kv, rep, L_q, L_k)
+            if m.shape[1] == n_kv * rep
+            else m[:, :, None]
+        )
+    if m.dtype == mx.bool_:
+        scores = mx.where(m, scores, -mx.inf)
+    else:
+        scores = scores + m.astype(mx.float32)
+    return scores.reshape(B, n_kv, rep * L_q, L_k)
+
+
 def _f32(x: mx.array) -> mx.array:
     return x if x.dtype == mx.float32 else x.astype(mx.float32)
+
+
+QuantizedTensor = tuple[mx.array, mx.array, mx.array]
+
+
+def quantized_sdpa_with_scores(
+    q: mx.array,
+    k_q: QuantizedTensor,
+    v_q: QuantizedTensor,
+    scale: float,
+    mask: Mask = None,
+    group_size: int = 64,
+    bits: int = 8,
+) -> tuple[mx.array, mx.array]:
+    """`sdpa_with_scores` over K/V packed by `mx.quantize(x, group_size, bits)`.
+
+    k_q, v_q: (weights, scales, biases) of keys/values [B, n_kv_heads, L_k, D], packed
+    along D. Same outputs as `sdpa_with_scores` on the dequantized K/V.
+    """
+    B, n_q, L_q, D = q.shape
+    k_w, k_scales, k_biases = k_q
+    v_w, v_scales, v_biases = v_q
+    n_kv, L_k = k_w.shape[1], k_w.shape[2]
+    rep = n_q // n_kv
+    # Float32 scales/biases keep the oracle in float32 whatever the cache dtype.
+    qmm = {"group_size": group_size, "bits": bits}
+    qg = (_f32(q) * scale).reshape(B, n_kv, rep * L_q, D)
+    scores = mx.quantized_matmul(qg, k_w, _f32(k_scales), _f32(k_biases), transpose=True, **qmm)
+    scores = _apply_mask(scores, mask, B, n_kv, rep, L_q, L_k)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    out = mx.quantized_matmul(probs, v_w, _f32(v_scales), _f32(v_biases), transpose=False, **qmm)
+    out = out.reshape(B, n_q, L_q, D)
+    if out.dtype != q.dtype:
+        out = out.astype(q.dtype)
+    return out, scores.reshape(B, n_q, L_q, L_k)

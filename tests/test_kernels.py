@@ -1,0 +1,427 @@
+"""Attention kernels with score export: reference against independent oracles, every
+backend present on this machine against the reference, dispatch, and source assembly."""
+
+import re
+
+import config  # noqa: F401  (loads OpenBLAS before the first mlx import)
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kernels import cuda, dispatch, metal, reference
+from kernels.src import BODIES, assemble, launch
+
+GPU_BACKENDS = {"metal": metal, "cuda": cuda}
+TOLERANCE = {mx.float32: 1e-5, mx.float16: 1e-3, mx.bfloat16: 1e-2}
+MASKS = ("none", "bool", "additive", "causal")
+
+
+# --- inputs ---------------------------------------------------------------------------
+
+
+def make_inputs(
+    L_k: int,
+    D: int = 64,
+    gqa: int = 3,
+    L_q: int = 1,
+    B: int = 1,
+    n_kv: int = 2,
+    mask: str = "none",
+    seed: int = 0,
+):
+    """q, k, v (float32) and a mask of the named kind, broadcast forms included."""
+    rng = np.random.default_rng(seed)
+    n_q = n_kv * gqa
+    q = mx.array(rng.standard_normal((B, n_q, L_q, D), dtype=np.float32))
+    k = mx.array(rng.standard_normal((B, n_kv, L_k, D), dtype=np.float32))
+    v = mx.array(rng.standard_normal((B, n_kv, L_k, D), dtype=np.float32))
+    if mask == "none":
+        m = None
+    elif mask == "causal":
+        m = "causal"
+    elif mask == "bool":  # per batch, shared by heads; the last key always visible
+        keep = rng.random((B, 1, L_q, L_k)) < 0.7
+        keep[..., -1] = True
+        m = mx.array(keep)
+    else:  # additive, per head, shared by the batch; some keys at -inf
+        bias = rng.standard_normal((1, n_q, L_q, L_k)).astype(np.float32)
+        bias[..., : L_k - 1 : 3] = -np.inf
+        m = mx.array(bias)
+    return q, k, v, m
+
+
+def query_len(L_k: int) -> int:
+    # A causal mask needs L_q <= L_k, else the first query rows see no key at all.
+    return 1 if L_k < 3 else 3
+
+
+def quantize(x: mx.array, group_size: int, bits: int):
+    return mx.quantize(x, group_size=group_size, bits=bits)
+
+
+def dequantize(packed, group_size: int, bits: int) -> mx.array:
+    return mx.dequantize(*packed, group_size=group_size, bits=bits)
+
+
+# --- comparison -----------------------------------------------------------------------
+
+
+def assert_close(actual: mx.array, expected, tol: float, what: str) -> None:
+    a = np.array(actual.astype(mx.float32) if isinstance(actual, mx.array) else actual)
+    e = np.array(expected.astype(mx.float32) if isinstance(expected, mx.array) else expected)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+    # Masked scores must be -inf in both, at the same places.
+    np.testing.assert_array_equal(np.isneginf(a), np.isneginf(e), err_msg=f"{what}: -inf")
+    finite = ~np.isneginf(e)
+    np.testing.assert_allclose(a[finite], e[finite], rtol=tol, atol=tol, err_msg=what)
+
+
+def numpy_attention(q, k, v, scale, mask):
+    """Independent float64 oracle: repeat KV heads for GQA, mask, softmax, weight V."""
+    q, k, v = (np.array(x, dtype=np.float64) for x in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+    scores = scale * q @ k.swapaxes(-1, -2)
+    L_q, L_k = scores.shape[-2:]
+    if isinstance(mask, str):
+        keep = np.arange(L_k)[None] <= np.arange(L_k - L_q, L_k)[:, None]
+        scores = np.where(keep, scores, -np.inf)
+    elif mask is not None and mask.dtype == mx.bool_:
+        scores = np.where(np.array(mask), scores, -np.inf)
+    elif mask is not None:
+        scores = scores + np.array(mask, dtype=np.float64)
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    return probs @ v, scores
+
+
+# --- the reference against independent oracles -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "L_k, D, gqa, mask",
+    [
+        (1, 64, 1, "none"),
+        (7, 128, 3, "causal"),
+        (64, 64, 8, "bool"),
+        (1000, 128, 3, "additive"),
+        (4096, 64, 3, "none"),
+    ],
+)
+def test_reference_matches_float64_numpy(L_k, D, gqa, mask):
+    q, k, v, m = make_inputs(L_k, D, gqa, L_q=query_len(L_k), B=2, mask=mask)
+    out, scores = reference.sdpa_with_scores(q, k, v, D**-0.5, m)
+    want_out, want_scores = numpy_attention(q, k, v, D**-0.5, m)
+    assert scores.dtype == mx.float32 and out.dtype == q.dtype
+    assert_close(scores, want_scores, 1e-5, "scores")
+    assert_close(out, want_out, 1e-5, "out")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64])
+@pytest.mark.parametrize(
+    "L_k, D, gqa, mask",
+    [
+        (1, 64, 1, "none"),
+        (7, 128, 3, "causal"),
+        (64, 64, 8, "bool"),
+        (1000, 128, 3, "additive"),
+    ],
+)
+def test_quantized_reference_matches_dense_on_dequantized(L_k, D, gqa, mask, bits, group_size):
+    q, k, v, m = make_inputs(L_k, D, gqa, L_q=query_len(L_k), B=2, mask=mask)
+    k_q, v_q = quantize(k, group_size, bits), quantize(v, group_size, bits)
+    out, scores = reference.quantized_sdpa_with_scores(q, k_q, v_q, D**-0.5, m, group_size, bits)
+    want_out, want_scores = reference.sdpa_with_scores(
+        q, dequantize(k_q, group_size, bits), dequantize(v_q, group_size, bits), D**-0.5, m
+    )
+    assert scores.dtype == mx.float32 and scores.shape == want_scores.shape
+    assert_close(scores, want_scores, 1e-5, "scores")
+    assert_close(out, want_out, 1e-5, "out")
+
+
+def test_quantized_reference_long_cache_half_precision():
+    """4096 keys packed from float16 K/V; the oracle still computes in float32."""
+    q, k, v, _ = make_inputs(4096, 64, 3)
+    q, k, v = (x.astype(mx.float16) for x in (q, k, v))
+    k_q, v_q = quantize(k, 64, 8), quantize(v, 64, 8)
+    out, scores = reference.quantized_sdpa_with_scores(q, k_q, v_q, 0.125, None, 64, 8)
+    # Dequantized with float32 scales and biases: exactly what the oracle computes.
+    deq = [
+        dequantize((w, s.astype(mx.float32), b.astype(mx.float32)), 64, 8) for w, s, b in (k_q, v_q)
+    ]
+    want_out, want_scores = reference.sdpa_with_scores(q.astype(mx.float32), *deq, 0.125)
+    assert out.dtype == mx.float16 and scores.dtype == mx.float32
+    assert_close(scores, want_scores, 1e-5, "scores")
+    assert_close(out, want_out, 1e-3, "out")
+
+
+# --- every GPU backend present against the reference -----------------------------------
+
+
+def gpu_backend(name: str):
+    backend = GPU_BACKENDS[name]
+    if not backend.is_available():
+        why = {
+            "metal": "Metal needs an Apple GPU (mx.metal.is_available() is False)",
+            "cuda": "MLX's CUDA backend is not present (mx.cuda.is_available() is False)",
+        }
+        pytest.skip(why[name])
+    return backend
+
+
+GPU_MATRIX = [
+    pytest.param(L_k, D, gqa, mask, id=f"Lk{L_k}-D{D}-gqa{gqa}-{mask}")
+    for L_k in (1, 7, 64, 1000, 4096)
+    for D in (64, 128)
+    for gqa in (1, 3, 8)
+    for mask in MASKS
+]
+
+
+@pytest.mark.parametrize("name", list(GPU_BACKENDS))
+@pytest.mark.parametrize("L_k, D, gqa, mask", GPU_MATRIX)
+def test_gpu_dense_matches_reference(name, L_k, D, gqa, mask):
+    backend = gpu_backend(name)
+    q, k, v, m = make_inputs(L_k, D, gqa, L_q=query_len(L_k), B=2, mask=mask)
+    assert backend.supports(q, k, m)
+    out, scores = backend.sdpa_with_scores(q, k, v, D**-0.5, m)
+    want_out, want_scores = reference.sdpa_with_scores(q, k, v, D**-0.5, m)
+    assert_close(scores, want_scores, 1e-5, "scores")
+    assert_close(out, want_out, 1e-5, "out")
+
+
+@pytest.mark.parametrize("name", list(GPU_BACKENDS))
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("L_k, D, gqa, mask", GPU_MATRIX)
+def test_gpu_quantized_matches_reference(name, L_k, D, gqa, mask, bits):
+    backend = gpu_backend(name)
+    group_size = 32 if gqa == 3 else 64
+    q, k, v, m = make_inputs(L_k, D, gqa, L_q=query_len(L_k), B=2, mask=mask)
+    k_q, v_q = quantize(k, group_size, bits), quantize(v, group_size, bits)
+    assert backend.supports(q, k_q[0], m, group_size=group_size, bits=bits)
+    out, scores = backend.quantized_sdpa_with_scores(q, k_q, v_q, D**-0.5, m, group_size, bits)
+    want_out, want_scores = reference.quantized_sdpa_with_scores(
+        q, k_q, v_q, D**-0.5, m, group_size, bits
+    )
+    assert_close(scores, want_scores, 1e-5, "scores")
+    assert_close(out, want_out, 1e-5, "out")
+
+
+@pytest.mark.parametrize("name", list(GPU_BACKENDS))
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_gpu_half_precision(name, dtype, D):
+    """Half inputs: scores and output within the half tolerance of a float32 reference."""
+    backend = gpu_backend(name)
+    q, k, v, m = make_inputs(1000, D, 3, mask="bool")
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    up = [x.astype(mx.float32) for x in (q, k, v)]
+    out, scores = backend.sdpa_with_scores(q, k, v, D**-0.5, m)
+    want_out, want_scores = reference.sdpa_with_scores(*up, D**-0.5, m)
+    assert out.dtype == dtype
+    assert_close(scores, want_scores, 1e-5, "scores")
+    assert_close(out, want_out, TOLERANCE[dtype], "out")
+
+    k_q, v_q = quantize(k, 64, 4), quantize(v, 64, 4)
+    out, scores = backend.quantized_sdpa_with_scores(q, k_q, v_q, D**-0.5, m, 64, 4)
+    want_out, want_scores = reference.quantized_sdpa_with_scores(up[0], k_q, v_q, D**-0.5, m, 64, 4)
+    assert_close(scores, want_scores, 1e-5, "quantized scores")
+    assert_close(out, want_out, TOLERANCE[dtype], "quantized out")
+
+
+@pytest.mark.parametrize("name", list(GPU_BACKENDS))
+@pytest.mark.parametrize("n_blocks", [1, 2, 5, 64])
+def test_gpu_split_over_key_blocks(name, n_blocks):
+    """Single pass and two-pass give the reference's result, empty blocks included."""
+    backend = gpu_backend(name)
+    q, k, v, m = make_inputs(300, 128, 8, L_q=2, B=2, mask="additive")
+    want_out, want_scores = reference.sdpa_with_scores(q, k, v, 0.1, m)
+    out, scores = backend.sdpa_with_scores(q, k, v, 0.1, m, n_blocks=n_blocks)
+    assert_close(scores, want_scores, 1e-5, "scores")
+    assert_close(out, want_out, 1e-5, "out")
+
+
+@pytest.mark.parametrize("name", list(GPU_BACKENDS))
+def test_gpu_strided_views(name):
+    """Cache slices and transposed queries are read through strides, not copied."""
+    backend = gpu_backend(name)
+    _, k, v, _ = make_inputs(96, 64, 3, mask="none")
+    q = mx.random.normal((1, 1, 6, 64)).transpose(0, 2, 1, 3)  # [B, H, L_q, D] view
+    k, v = k[:, :, 10:70], v[:, :, 10:70]
+    out, scores = backend.sdpa_with_scores(q, k, v, 0.125)
+    want_out, want_scores = reference.sdpa_with_scores(q, k, v, 0.125)
+    assert_close(scores, want_scores, 1e-5, "scores")
+    assert_close(out, want_out, 1e-5, "out")
+
+
+# --- shape support ---------------------------------------------------------------------
+
+
+def test_supports_decode_shapes_only():
+    q, k, _, m = make_inputs(64, 64, 3, mask="bool")
+    assert launch.supports(q, k, m)
+    assert launch.supports(q, k, "causal")
+    k_q = quantize(k, 64, 4)
+    assert launch.supports(q, k_q[0], group_size=64, bits=4)
+    assert not launch.supports(q, k_q[0], group_size=128, bits=4)  # untested group size
+    assert not launch.supports(q, k_q[0], group_size=64, bits=8)  # words do not fit D
+    q96, k96, _, _ = make_inputs(8, 96, 1)
+    assert not launch.supports(q96, k96)  # head dim
+    q_long, k_long, _, _ = make_inputs(64, 64, 3, L_q=16)
+    assert not launch.supports(q_long, k_long)  # a prefill chunk
+    assert not launch.supports(q, k, mx.zeros((2, 1, 64), dtype=mx.bool_))  # not broadcastable
+    assert not launch.supports(q, k, "sliding")
+
+
+def test_split_heuristic():
+    assert launch.choose_blocks(rows=9, L_k=64) == 1
+    assert launch.choose_blocks(rows=9, L_k=4096) == 32
+    assert launch.choose_blocks(rows=4096, L_k=4096) == 1
+    assert 1 <= launch.choose_blocks(rows=1, L_k=10**6) <= 64
+
+
+# --- dispatch --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def auto_dispatch(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    dispatch.force_backend(None)
+    yield
+    dispatch.force_backend(None)
+
+
+def unavailable_backend() -> str:
+    missing = [name for name in GPU_BACKENDS if not GPU_BACKENDS[name].is_available()]
+    if not missing:
+        pytest.skip("every backend is available here")
+    return missing[0]
+
+
+def test_dispatch_auto_picks_an_available_backend(auto_dispatch):
+    q, k, v, _ = make_inputs(64, 64, 3)
+    assert "reference" in dispatch.available_backends()
+    name = dispatch.select_backend(q, k)
+    assert name in dispatch.available_backends()
+    if name == "reference":  # no GPU: the dispatched call is the reference itself
+        got = dispatch.sdpa_with_scores(q, k, v, 0.125)
+        want = reference.sdpa_with_scores(q, k, v, 0.125)
+        assert all(mx.array_equal(a, b).item() for a, b in zip(got, want, strict=True))
+    # Prefill-sized queries always go to the reference.
+    q_long, k_long, _, _ = make_inputs(64, 64, 3, L_q=32)
+    assert dispatch.select_backend(q_long, k_long) == "reference"
+
+
+def test_dispatch_env_var_read_per_call(auto_dispatch, monkeypatch):
+    q, k, v, _ = make_inputs(7, 64, 3)
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    assert dispatch.select_backend(q, k) == "reference"
+    monkeypatch.setenv(dispatch.ENV_VAR, "no-such-kernel")
+    with pytest.raises(ValueError, match="known backends"):
+        dispatch.sdpa_with_scores(q, k, v, 0.125)
+    monkeypatch.setenv(dispatch.ENV_VAR, unavailable_backend())
+    with pytest.raises(ValueError, match="not available"):
+        dispatch.sdpa_with_scores(q, k, v, 0.125)
+
+
+def test_force_backend_beats_env_and_resets(auto_dispatch, monkeypatch):
+    q, k, _, _ = make_inputs(7, 64, 3)
+    with pytest.raises(ValueError, match="not available"):
+        dispatch.force_backend(unavailable_backend())
+    monkeypatch.setenv(dispatch.ENV_VAR, unavailable_backend())
+    dispatch.force_backend("reference")
+    assert dispatch.select_backend(q, k) == "reference"
+    dispatch.force_backend("auto")
+    with pytest.raises(ValueError):  # the env var applies again
+        dispatch.select_backend(q, k)
+
+
+def test_dispatch_quantized(auto_dispatch, monkeypatch):
+    q, k, v, m = make_inputs(64, 64, 3, mask="causal", L_q=3)
+    k_q, v_q = quantize(k, 32, 4), quantize(v, 32, 4)
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    got = dispatch.quantized_sdpa_with_scores(q, k_q, v_q, 0.125, m, 32, 4)
+    want = reference.quantized_sdpa_with_scores(q, k_q, v_q, 0.125, m, 32, 4)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want, strict=True))
+
+
+# --- source assembly: Metal and CUDA compile the same body text ------------------------
+
+# Words that belong to one dialect and must stay out of the shared bodies.
+DIALECT_WORDS = (
+    "simd_",
+    "simdgroup",
+    "threadgroup",
+    "metal::",
+    "device ",
+    "constant ",
+    "__shfl",
+    "__syncthreads",
+    "__shared__",
+    "__device__",
+    "threadIdx",
+    "blockIdx",
+    "gridDim",
+    "__half",
+    "expf",
+    "half",
+)
+
+
+@pytest.mark.parametrize("body", BODIES)
+def test_metal_and_cuda_sources_share_the_body(body):
+    text = (launch_src_dir() / f"{body}.body").read_text()
+    defines = {"QUANTIZED": 1, "SPLIT": 1} if body == "decode_attention" else {}
+    metal_src = assemble(body, "metal", defines)
+    cuda_src = assemble(body, "cuda", defines)
+    assert metal_src.source.endswith(text) and cuda_src.source.endswith(text)
+    common = (launch_src_dir() / "common.h").read_text()
+    assert common in metal_src.header and common in cuda_src.header
+    for word in DIALECT_WORDS:
+        assert word not in text and word not in common, f"{word!r} leaked into shared code"
+    # Metal's generated signature gets each thread attribute only if the source names it.
+    for attribute in ("thread_index_in_simdgroup", "threadgroup_position_in_grid"):
+        assert attribute in metal_src.source
+    assert "threadIdx" in cuda_src.source and "__shfl_xor_sync" in cuda_src.header
+
+
+def test_prologues_declare_the_same_coordinates():
+    def declared(dialect: str) -> set[str]:
+        text = (launch_src_dir() / f"prologue_{dialect}.inc").read_text()
+        return set(re.findall(r"const int (\w+) =", text))
+
+    assert (
+        declared("metal")
+        == declared("cuda")
+        == {
+            "tid",
+            "lane",
+            "warp",
+            "group_y",
+            "group_z",
+            "n_groups_z",
+        }
+    )
+
+
+def test_dialect_headers_define_the_same_macros():
+    def defined(dialect: str) -> set[str]:
+        text = (launch_src_dir() / f"dialect_{dialect}.h").read_text()
+        return set(re.findall(r"#define (\w+)", text)) | set(re.findall(r"float (\w+)\(", text))
+
+    assert defined("metal") == defined("cuda")
+
+
+def test_assemble_rejects_unknown_names():
+    with pytest.raises(ValueError):
+        assemble("decode_attention", "opencl")
+    with pytest.raises(ValueError):
+        assemble("prefill", "metal")
+
+
+def launch_src_dir():
+    from kernels.src import SRC_DIR
+
+    return SRC_DIR
