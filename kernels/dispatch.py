@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import mlx.core as mx
 
@@ -57,7 +58,13 @@ def force_backend(name: str | None) -> None:
 
 
 def available_backends() -> list[str]:
-    return [name for name, backend in _BACKENDS.items() if backend.is_available()]
+    return [name for name in _BACKENDS if _is_available(name)]
+
+
+@cache
+def _is_available(name: str) -> bool:
+    # The device does not change while the process runs; decode asks once per layer.
+    return _BACKENDS[name].is_available()
 
 
 def select_backend(
@@ -76,8 +83,7 @@ def select_backend(
     else:
         candidates = [name for name in _BACKENDS if name != "reference"]
     for name in candidates:
-        backend = _BACKENDS[name]
-        if backend.is_available() and backend.supports(
+        if _is_available(name) and _BACKENDS[name].supports(
             q, k, mask, group_size=group_size, bits=bits
         ):
             return name
@@ -108,7 +114,7 @@ def quantized_sdpa_with_scores(
 def _check_forcible(name: str, source: str) -> str:
     if name not in _BACKENDS:
         raise ValueError(f"{source}={name!r}: known backends are {list(BACKEND_NAMES)}")
-    if not _BACKENDS[name].is_available():
+    if not _is_available(name):
         raise ValueError(
             f"{source}={name!r}: that backend is not available on this machine "
             f"(available: {available_backends()})"

@@ -2,6 +2,7 @@
 backend present on this machine against the reference, dispatch, and source assembly."""
 
 import re
+from types import SimpleNamespace
 
 import config  # noqa: F401  (loads OpenBLAS before the first mlx import)
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from kernels import cuda, dispatch, metal, reference
-from kernels.src import BODIES, assemble, launch
+from kernels.src import BODIES, EMULATOR_DIALECT, SRC_DIR, assemble, emulator, launch
 
 GPU_BACKENDS = {"metal": metal, "cuda": cuda}
 TOLERANCE = {mx.float32: 1e-5, mx.float16: 1e-3, mx.bfloat16: 1e-2}
@@ -157,18 +158,58 @@ def test_quantized_reference_long_cache_half_precision():
     assert_close(out, want_out, 1e-3, "out")
 
 
-# --- every GPU backend present against the reference -----------------------------------
+# --- every kernel backend present against the reference --------------------------------
+
+# The Metal/CUDA launch code and kernel bodies, run on CPU fibers with the host dialect:
+# on a machine without a GPU this is what executes the shared body text.
+_emulated_kernels = launch.DecodeKernels(EMULATOR_DIALECT, emulator.make_kernel)
+EMULATED = SimpleNamespace(
+    is_available=lambda: emulator.compiler() is not None,
+    supports=launch.supports,
+    sdpa_with_scores=_emulated_kernels.dense,
+    quantized_sdpa_with_scores=_emulated_kernels.quantized,
+)
+BACKENDS = {"metal": metal, "cuda": cuda, "emulated": EMULATED}
+SKIP_REASONS = {
+    "metal": "Metal needs an Apple GPU (mx.metal.is_available() is False)",
+    "cuda": "MLX's CUDA backend is not present (mx.cuda.is_available() is False)",
+    "emulated": "the CPU emulation of the kernel bodies needs a C++ compiler",
+}
 
 
-def gpu_backend(name: str):
-    backend = GPU_BACKENDS[name]
+def kernel_backend(name: str):
+    backend = BACKENDS[name]
     if not backend.is_available():
-        why = {
-            "metal": "Metal needs an Apple GPU (mx.metal.is_available() is False)",
-            "cuda": "MLX's CUDA backend is not present (mx.cuda.is_available() is False)",
-        }
-        pytest.skip(why[name])
+        pytest.skip(SKIP_REASONS[name])
     return backend
+
+
+def check_dense(backend, L_k, D, gqa, mask, B=2, L_q=None, dtype=mx.float32, n_blocks=None):
+    q, k, v, m = make_inputs(L_k, D, gqa, L_q=L_q or query_len(L_k), B=B, mask=mask)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    assert backend.supports(q, k, m)
+    extra = {} if n_blocks is None else {"n_blocks": n_blocks}
+    out, scores = backend.sdpa_with_scores(q, k, v, D**-0.5, m, **extra)
+    # Half inputs: compared with the float32 reference on the same (upcast) values.
+    up = [x.astype(mx.float32) for x in (q, k, v)]
+    want_out, want_scores = reference.sdpa_with_scores(*up, D**-0.5, m)
+    assert out.dtype == dtype and scores.dtype == mx.float32
+    assert_close(scores, want_scores, 1e-5, "scores")
+    assert_close(out, want_out, TOLERANCE[dtype], "out")
+
+
+def check_quantized(backend, L_k, D, gqa, mask, bits, group_size, B=2, dtype=mx.float32):
+    q, k, v, m = make_inputs(L_k, D, gqa, L_q=query_len(L_k), B=B, mask=mask)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    k_q, v_q = quantize(k, group_size, bits), quantize(v, group_size, bits)
+    assert backend.supports(q, k_q[0], m, group_size=group_size, bits=bits)
+    out, scores = backend.quantized_sdpa_with_scores(q, k_q, v_q, D**-0.5, m, group_size, bits)
+    want_out, want_scores = reference.quantized_sdpa_with_scores(
+        q.astype(mx.float32), k_q, v_q, D**-0.5, m, group_size, bits
+    )
+    assert out.dtype == dtype and scores.dtype == mx.float32
+    assert_close(scores, want_scores, 1e-5, "scores")
+    assert_close(out, want_out, TOLERANCE[dtype], "out")
 
 
 GPU_MATRIX = [
@@ -180,73 +221,85 @@ GPU_MATRIX = [
 ]
 
 
-@pytest.mark.parametrize("name", list(GPU_BACKENDS))
+@pytest.mark.parametrize("name", ["metal", "cuda"])
 @pytest.mark.parametrize("L_k, D, gqa, mask", GPU_MATRIX)
 def test_gpu_dense_matches_reference(name, L_k, D, gqa, mask):
-    backend = gpu_backend(name)
-    q, k, v, m = make_inputs(L_k, D, gqa, L_q=query_len(L_k), B=2, mask=mask)
-    assert backend.supports(q, k, m)
-    out, scores = backend.sdpa_with_scores(q, k, v, D**-0.5, m)
-    want_out, want_scores = reference.sdpa_with_scores(q, k, v, D**-0.5, m)
-    assert_close(scores, want_scores, 1e-5, "scores")
-    assert_close(out, want_out, 1e-5, "out")
+    check_dense(kernel_backend(name), L_k, D, gqa, mask)
 
 
-@pytest.mark.parametrize("name", list(GPU_BACKENDS))
+@pytest.mark.parametrize("name", ["metal", "cuda"])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("L_k, D, gqa, mask", GPU_MATRIX)
 def test_gpu_quantized_matches_reference(name, L_k, D, gqa, mask, bits):
-    backend = gpu_backend(name)
     group_size = 32 if gqa == 3 else 64
-    q, k, v, m = make_inputs(L_k, D, gqa, L_q=query_len(L_k), B=2, mask=mask)
-    k_q, v_q = quantize(k, group_size, bits), quantize(v, group_size, bits)
-    assert backend.supports(q, k_q[0], m, group_size=group_size, bits=bits)
-    out, scores = backend.quantized_sdpa_with_scores(q, k_q, v_q, D**-0.5, m, group_size, bits)
-    want_out, want_scores = reference.quantized_sdpa_with_scores(
-        q, k_q, v_q, D**-0.5, m, group_size, bits
-    )
-    assert_close(scores, want_scores, 1e-5, "scores")
-    assert_close(out, want_out, 1e-5, "out")
+    check_quantized(kernel_backend(name), L_k, D, gqa, mask, bits, group_size)
 
 
-@pytest.mark.parametrize("name", list(GPU_BACKENDS))
+@pytest.mark.parametrize("name", ["metal", "cuda"])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_gpu_half_precision(name, dtype, D):
-    """Half inputs: scores and output within the half tolerance of a float32 reference."""
-    backend = gpu_backend(name)
-    q, k, v, m = make_inputs(1000, D, 3, mask="bool")
-    q, k, v = (x.astype(dtype) for x in (q, k, v))
-    up = [x.astype(mx.float32) for x in (q, k, v)]
-    out, scores = backend.sdpa_with_scores(q, k, v, D**-0.5, m)
-    want_out, want_scores = reference.sdpa_with_scores(*up, D**-0.5, m)
-    assert out.dtype == dtype
-    assert_close(scores, want_scores, 1e-5, "scores")
-    assert_close(out, want_out, TOLERANCE[dtype], "out")
-
-    k_q, v_q = quantize(k, 64, 4), quantize(v, 64, 4)
-    out, scores = backend.quantized_sdpa_with_scores(q, k_q, v_q, D**-0.5, m, 64, 4)
-    want_out, want_scores = reference.quantized_sdpa_with_scores(up[0], k_q, v_q, D**-0.5, m, 64, 4)
-    assert_close(scores, want_scores, 1e-5, "quantized scores")
-    assert_close(out, want_out, TOLERANCE[dtype], "quantized out")
+    backend = kernel_backend(name)
+    check_dense(backend, 1000, D, 3, "bool", dtype=dtype)
+    check_quantized(backend, 1000, D, 3, "bool", 4, 64, dtype=dtype)
 
 
-@pytest.mark.parametrize("name", list(GPU_BACKENDS))
+# The emulator compiles one C++ file per kernel variant (~0.5 s each) and runs every GPU
+# thread as a fiber: a cover of the matrix rather than its full product. Every L_k, head
+# dim (256 too), GQA ratio, mask kind, bit width, group size, dtype and both passes.
+EMULATED_DENSE = [
+    # L_k, D, gqa, mask, B, dtype
+    (1, 64, 1, "none", 2, mx.float32),
+    (7, 128, 3, "causal", 2, mx.float32),
+    (64, 64, 8, "bool", 2, mx.float32),
+    (1000, 128, 3, "additive", 1, mx.float32),  # two-pass
+    (4096, 64, 3, "bool", 1, mx.float32),  # two-pass, 32 blocks
+    (300, 256, 3, "causal", 1, mx.float32),
+    (64, 64, 3, "additive", 1, mx.float16),
+]
+EMULATED_QUANTIZED = [
+    # L_k, D, gqa, mask, bits, group_size, B, dtype
+    (1, 64, 3, "none", 4, 64, 2, mx.float32),
+    (7, 128, 1, "causal", 8, 32, 2, mx.float32),
+    (64, 64, 8, "additive", 4, 32, 2, mx.float32),
+    (1000, 128, 3, "bool", 8, 64, 1, mx.float32),  # two-pass
+    (4096, 64, 3, "none", 4, 32, 1, mx.float32),  # two-pass, 32 blocks
+    (300, 256, 8, "bool", 8, 64, 1, mx.float32),
+    (64, 128, 3, "causal", 8, 64, 1, mx.float16),
+]
+
+
+def case_ids(cases) -> list[str]:
+    return ["-".join(str(x).removeprefix("mlx.core.") for x in case) for case in cases]
+
+
+@pytest.mark.parametrize(
+    "L_k, D, gqa, mask, B, dtype", EMULATED_DENSE, ids=case_ids(EMULATED_DENSE)
+)
+def test_emulated_dense_matches_reference(L_k, D, gqa, mask, B, dtype):
+    check_dense(kernel_backend("emulated"), L_k, D, gqa, mask, B=B, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "L_k, D, gqa, mask, bits, group_size, B, dtype",
+    EMULATED_QUANTIZED,
+    ids=case_ids(EMULATED_QUANTIZED),
+)
+def test_emulated_quantized_matches_reference(L_k, D, gqa, mask, bits, group_size, B, dtype):
+    check_quantized(kernel_backend("emulated"), L_k, D, gqa, mask, bits, group_size, B, dtype)
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
 @pytest.mark.parametrize("n_blocks", [1, 2, 5, 64])
-def test_gpu_split_over_key_blocks(name, n_blocks):
-    """Single pass and two-pass give the reference's result, empty blocks included."""
-    backend = gpu_backend(name)
-    q, k, v, m = make_inputs(300, 128, 8, L_q=2, B=2, mask="additive")
-    want_out, want_scores = reference.sdpa_with_scores(q, k, v, 0.1, m)
-    out, scores = backend.sdpa_with_scores(q, k, v, 0.1, m, n_blocks=n_blocks)
-    assert_close(scores, want_scores, 1e-5, "scores")
-    assert_close(out, want_out, 1e-5, "out")
+def test_split_over_key_blocks(name, n_blocks):
+    """Single pass and two-pass give the reference's result, empty blocks (64) included."""
+    check_dense(kernel_backend(name), 300, 64, 8, "additive", B=1, L_q=2, n_blocks=n_blocks)
 
 
-@pytest.mark.parametrize("name", list(GPU_BACKENDS))
-def test_gpu_strided_views(name):
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_strided_views(name):
     """Cache slices and transposed queries are read through strides, not copied."""
-    backend = gpu_backend(name)
+    backend = kernel_backend(name)
     _, k, v, _ = make_inputs(96, 64, 3, mask="none")
     q = mx.random.normal((1, 1, 6, 64)).transpose(0, 2, 1, 3)  # [B, H, L_q, D] view
     k, v = k[:, :, 10:70], v[:, :, 10:70]
@@ -372,46 +425,38 @@ DIALECT_WORDS = (
 
 @pytest.mark.parametrize("body", BODIES)
 def test_metal_and_cuda_sources_share_the_body(body):
-    text = (launch_src_dir() / f"{body}.body").read_text()
+    text = (SRC_DIR / f"{body}.body").read_text()
+    common = (SRC_DIR / "common.h").read_text()
     defines = {"QUANTIZED": 1, "SPLIT": 1} if body == "decode_attention" else {}
-    metal_src = assemble(body, "metal", defines)
-    cuda_src = assemble(body, "cuda", defines)
-    assert metal_src.source.endswith(text) and cuda_src.source.endswith(text)
-    common = (launch_src_dir() / "common.h").read_text()
-    assert common in metal_src.header and common in cuda_src.header
+    sources = {d: assemble(body, d, defines) for d in ("metal", "cuda", EMULATOR_DIALECT)}
+    for dialect, src in sources.items():  # the emulator runs the very same text
+        assert src.source.endswith(text), dialect
+        assert common in src.header, dialect
     for word in DIALECT_WORDS:
         assert word not in text and word not in common, f"{word!r} leaked into shared code"
     # Metal's generated signature gets each thread attribute only if the source names it.
     for attribute in ("thread_index_in_simdgroup", "threadgroup_position_in_grid"):
-        assert attribute in metal_src.source
-    assert "threadIdx" in cuda_src.source and "__shfl_xor_sync" in cuda_src.header
+        assert attribute in sources["metal"].source
+    assert "threadIdx" in sources["cuda"].source
+    assert "__shfl_xor_sync" in sources["cuda"].header
 
 
-def test_prologues_declare_the_same_coordinates():
-    def declared(dialect: str) -> set[str]:
-        text = (launch_src_dir() / f"prologue_{dialect}.inc").read_text()
-        return set(re.findall(r"const int (\w+) =", text))
+@pytest.mark.parametrize("dialect", ["cuda", EMULATOR_DIALECT])
+def test_dialects_declare_what_metal_declares(dialect):
+    """Same thread coordinates in every prologue; same macros and helpers in every header."""
 
-    assert (
-        declared("metal")
-        == declared("cuda")
-        == {
-            "tid",
-            "lane",
-            "warp",
-            "group_y",
-            "group_z",
-            "n_groups_z",
-        }
-    )
+    def coordinates(d: str) -> set[str]:
+        return set(re.findall(r"const int (\w+) =", (SRC_DIR / f"prologue_{d}.inc").read_text()))
 
+    def macros(d: str) -> set[str]:
+        text = (SRC_DIR / f"dialect_{d}.h").read_text()
+        return set(re.findall(r"#define (\w+)", text)) | set(
+            re.findall(r"float (warp_\w+)\(", text)
+        )
 
-def test_dialect_headers_define_the_same_macros():
-    def defined(dialect: str) -> set[str]:
-        text = (launch_src_dir() / f"dialect_{dialect}.h").read_text()
-        return set(re.findall(r"#define (\w+)", text)) | set(re.findall(r"float (\w+)\(", text))
-
-    assert defined("metal") == defined("cuda")
+    assert coordinates(dialect) == coordinates("metal")
+    assert coordinates("metal") == {"tid", "lane", "warp", "group_y", "group_z", "n_groups_z"}
+    assert macros(dialect) == macros("metal")
 
 
 def test_assemble_rejects_unknown_names():
@@ -419,9 +464,3 @@ def test_assemble_rejects_unknown_names():
         assemble("decode_attention", "opencl")
     with pytest.raises(ValueError):
         assemble("prefill", "metal")
-
-
-def launch_src_dir():
-    from kernels.src import SRC_DIR
-
-    return SRC_DIR

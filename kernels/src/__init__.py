@@ -20,7 +20,8 @@ from functools import cache
 from pathlib import Path
 
 SRC_DIR = Path(__file__).parent
-DIALECTS = ("metal", "cuda")
+DIALECTS = ("metal", "cuda")  # the GPU backends
+EMULATOR_DIALECT = "host"  # CPU emulation of the same bodies, for tests (emulator.py)
 BODIES = ("decode_attention", "combine_blocks")
 
 
@@ -38,9 +39,9 @@ def read(name: str) -> str:
 
 
 def assemble(body: str, dialect: str, defines: dict[str, int] | None = None) -> KernelSource:
-    """Header and function body of kernel `body` in `dialect` ("metal" or "cuda")."""
-    if dialect not in DIALECTS:
-        raise ValueError(f"unknown dialect {dialect!r}; known: {DIALECTS}")
+    """Header and function body of kernel `body` in `dialect` ("metal", "cuda" or "host")."""
+    if dialect not in (*DIALECTS, EMULATOR_DIALECT):
+        raise ValueError(f"unknown dialect {dialect!r}; known: {DIALECTS + (EMULATOR_DIALECT,)}")
     if body not in BODIES:
         raise ValueError(f"unknown kernel body {body!r}; known: {BODIES}")
     header = read(f"dialect_{dialect}.h") + "\n" + read("common.h")
