@@ -30,8 +30,17 @@ CASES = [
     ("full", {"policy": "full"}, None),
     ("h2o, no eviction (max_kv 4096)", {"policy": "h2o", "max_kv": 4096}, "full"),
     ("rotating 256", {"policy": "rotating", "max_kv": 256}, None),
-    ("h2o 256, evicting", {"policy": "h2o", "max_kv": 256}, "rotating 256"),
-    ("h2o 256 ema, evicting", {"policy": "h2o", "max_kv": 256, "score": "ema"}, "rotating 256"),
+    ("h2o 256, evicting (batch 16)", {"policy": "h2o", "max_kv": 256}, "rotating 256"),
+    (
+        "h2o 256 ema, evicting (batch 16)",
+        {"policy": "h2o", "max_kv": 256, "score": "ema"},
+        "rotating 256",
+    ),
+    (
+        "h2o 256, evicting 1 per step",
+        {"policy": "h2o", "max_kv": 256, "evict_batch": 1},
+        "rotating 256",
+    ),
 ]
 
 

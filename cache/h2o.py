@@ -4,17 +4,20 @@ It speaks mlx-lm's cache protocol (`update_and_fetch`, `state`, `meta_state`,
 `offset`, `nbytes`, `make_mask`, `is_trimmable`/`trim`) plus `update_scores`,
 which the attention router calls with each attention call's logits.
 
-Layout: slots [0, _len) of preallocated buffers hold one token each, per KV
+Layout: slots [0, size) of preallocated buffers hold one token each, per KV
 head (heads keep different tokens). `positions` records each slot's token
 index, which is all eviction needs; attention itself is order-free because
 keys carry RoPE already. `offset` counts every token ever seen (RoPE uses it)
 and never drops; the physical length `size()` does.
 
-Eviction runs after scoring, when the cache holds more than max_size tokens:
-- one token over (decode): the lowest-scored middle token's slot becomes a
-  hole that the next decoded token overwrites in place: no gather, no copy;
-- more (a prefill chunk): keep sinks, the recent window and the top-`heavy`
-  middle tokens (argpartition), gathered into fresh buffers.
+Eviction runs after scoring, when the cache holds more than max_size tokens.
+It drops the lowest-scored middle tokens (neither sink nor recent) per head,
+down to max_size + 1 - evict_batch, with one argpartition and one gather into
+buffers of max_size + 1 slots. The next evict_batch - 1 decode steps only
+append (two slice writes, like mlx-lm's KVCache), so the gather is amortized;
+evict_batch=1 is H2O evicting one token per step. Free slots always hold
+score 0 and the position the next appended token will have, so appending
+writes keys and values only.
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ from cache.presets import split_budget
 from cache.scores import EMA_ALPHA, SCORE_RULES, attn_increment, ema_increment
 
 
+def default_evict_batch(max_size: int, heavy: int) -> int:
+    """Tokens evicted at once: 1/16 of the cache, at most the heavy segment (>= 1)."""
+    return max(1, min(heavy, max_size // 16))
+
+
 class H2OKVCache:
     step = 256
 
@@ -39,6 +47,7 @@ class H2OKVCache:
         recent: int | None = None,
         score: str = "attn",
         alpha: float = EMA_ALPHA,
+        evict_batch: int | None = None,
     ):
         budget = split_budget(max_size, "heavy", sink=sink, heavy=heavy, recent=recent)
         if score not in SCORE_RULES:
@@ -49,6 +58,14 @@ class H2OKVCache:
             budget.heavy,
             budget.recent,
         )
+        if evict_batch is None:
+            evict_batch = default_evict_batch(self.max_size, self.heavy)
+        if not 1 <= evict_batch <= max(1, self.heavy):
+            raise ValueError(
+                f"evict_batch must be between 1 and the heavy budget ({self.heavy}), "
+                f"got {evict_batch}"
+            )
+        self.evict_batch = evict_batch
         self.score_rule = score
         self.alpha = alpha
         self.keys = self.values = None  # [B, H, capacity, D]
@@ -56,8 +73,7 @@ class H2OKVCache:
         self.positions = None  # int32 [B, H, capacity]: token index held by each slot
         self.offset = 0
         self.evicted = 0  # tokens evicted (per head; every head evicts as many)
-        self._len = 0  # slots in use, a hole included
-        self._hole = None  # uint32 [B, H, 1]: slot freed by the last single eviction
+        self._len = 0  # slots in use
         self._last_eviction = 0  # offset at the last eviction; trim never crosses it
 
     # ------------------------------------------------------------------ protocol
@@ -65,15 +81,17 @@ class H2OKVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Store N new tokens (post-RoPE keys) and return every stored key/value."""
         n_new = keys.shape[2]
-        if self._hole is not None:
-            if n_new == 1:
-                self._fill_hole(keys, values)
-                self.offset += 1
-                return self._fetch()
-            self._drop_hole()
-        self._append(keys, values)
+        end = self._len + n_new
+        if self.keys is None or end > self.keys.shape[2]:
+            self._grow(keys, values, end)
+        # Free slots already hold score 0 and these tokens' positions.
+        self.keys[..., self._len : end, :] = keys
+        self.values[..., self._len : end, :] = values
+        self._len = end
         self.offset += n_new
-        return self._fetch()
+        if end == self.keys.shape[2]:
+            return self.keys, self.values
+        return self.keys[..., :end, :], self.values[..., :end, :]
 
     def update_scores(self, scores: mx.array) -> None:
         """Accumulate one attention call's logits [B, n_q_heads, L_q, size], then evict."""
@@ -81,17 +99,19 @@ class H2OKVCache:
         if n != self._len:
             raise ValueError(f"scores cover {n} keys but the cache holds {self._len}")
         n_kv = self.keys.shape[1]
-        held = self._live(self.scores)
+        full = n == self.scores.shape[-1]
+        held = self.scores if full else self.scores[..., :n]
         if self.score_rule == "attn":
             updated = held + attn_increment(scores, n_kv)
         else:
             decay, increment = ema_increment(scores, n_kv, self.alpha)
             updated = decay * held + increment
-        if n == self.scores.shape[-1]:
+        if full:
             self.scores = updated
         else:
             self.scores[..., :n] = updated
-        self._evict_if_over()
+        if self._len > self.max_size:
+            self._evict()
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Mask for N new tokens: every stored key visible, the new keys causal.
@@ -110,7 +130,7 @@ class H2OKVCache:
 
     def size(self) -> int:
         """Tokens physically stored (per head)."""
-        return self._len - (1 if self._hole is not None else 0)
+        return self._len
 
     def empty(self) -> bool:
         return self.keys is None
@@ -130,17 +150,18 @@ class H2OKVCache:
         n = max(0, min(n, self.offset - self._last_eviction))
         if n == 0:
             return 0
-        self._drop_hole()
-        keep = self._live(self.positions) < self.offset - n
-        self._select(keep, self._len - n)
+        keep = self.positions[..., : self._len] < self.offset - n
+        slots = mx.arange(self._len)
+        # Kept slots first, in slot order: every head keeps the same count.
+        order = mx.sort(mx.where(keep, slots, self._len + slots), axis=-1)
         self.offset -= n
+        self._gather(order[..., : self._len - n], capacity=self.keys.shape[2])
         return n
 
     @property
     def state(self):
         if self.keys is None:
             return None, None, None, None, self.meta_state[0]
-        self._drop_hole()
         n = self._len
         return (
             self.keys[..., :n, :],
@@ -155,7 +176,6 @@ class H2OKVCache:
         self.keys, self.values, self.scores, self.positions, meta = v
         self.meta_state = (meta,)
         self._len = 0 if self.keys is None else self.keys.shape[2]
-        self._hole = None
 
     @property
     def meta_state(self) -> tuple[str]:
@@ -166,6 +186,7 @@ class H2OKVCache:
             "recent": self.recent,
             "score": self.score_rule,
             "alpha": self.alpha,
+            "evict_batch": self.evict_batch,
             "offset": self.offset,
             "evicted": self.evicted,
             "last_eviction": self._last_eviction,
@@ -182,6 +203,7 @@ class H2OKVCache:
             meta["recent"],
         )
         self.score_rule, self.alpha = meta["score"], meta["alpha"]
+        self.evict_batch = meta.get("evict_batch", 1)
         self.offset, self.evicted = meta["offset"], meta["evicted"]
         self._last_eviction = meta["last_eviction"]
 
@@ -193,26 +215,9 @@ class H2OKVCache:
 
     # ------------------------------------------------------------------ internals
 
-    def _fetch(self) -> tuple[mx.array, mx.array]:
-        if self._len == self.keys.shape[2]:
-            return self.keys, self.values
-        return self.keys[..., : self._len, :], self.values[..., : self._len, :]
-
-    def _append(self, keys: mx.array, values: mx.array) -> None:
-        B, H, n_new, _ = keys.shape
-        end = self._len + n_new
-        if self.keys is None or end > self.keys.shape[2]:
-            self._grow(keys, values, end)
-        self.keys[..., self._len : end, :] = keys
-        self.values[..., self._len : end, :] = values
-        new_pos = mx.arange(self.offset, self.offset + n_new, dtype=mx.int32)
-        self.positions[..., self._len : end] = mx.broadcast_to(new_pos, (B, H, n_new))
-        self.scores[..., self._len : end] = 0.0
-        self._len = end
-
     def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
-        # Decode needs max_size + 1 slots at most (one spare for the newest
-        # token); a prefill chunk gets exactly what it needs until it is evicted.
+        # Decode needs max_size + 1 slots at most (one for the newest token); a
+        # prefill chunk gets exactly what it needs until eviction cuts it back.
         if needed <= self.max_size + 1:
             capacity = min(-(-needed // self.step) * self.step, self.max_size + 1)
         else:
@@ -229,59 +234,44 @@ class H2OKVCache:
         self.values = grown(self.values, (values.shape[3],), values.dtype)
         self.scores = grown(self.scores, (), mx.float32)
         self.positions = grown(self.positions, (), mx.int32)
+        self._reset_free_slots()
 
-    def _fill_hole(self, keys: mx.array, values: mx.array) -> None:
-        slot = self._hole
-        self.keys = mx.put_along_axis(self.keys, slot[..., None], keys, axis=2)
-        self.values = mx.put_along_axis(self.values, slot[..., None], values, axis=2)
-        # Scalars broadcast into the slot: no per-step fill ops.
-        self.positions = mx.put_along_axis(
-            self.positions, slot, mx.array(self.offset, dtype=mx.int32), axis=2
-        )
-        self.scores = mx.put_along_axis(self.scores, slot, mx.array(0.0), axis=2)
-        self._hole = None
+    def _reset_free_slots(self) -> None:
+        """Free slots get score 0 and the positions the next appended tokens will have."""
+        free = self.positions.shape[-1] - self._len
+        if free:
+            self.positions[..., self._len :] = mx.arange(
+                self.offset, self.offset + free, dtype=mx.int32
+            )
+            self.scores[..., self._len :] = 0.0
 
-    def _drop_hole(self) -> None:
-        if self._hole is None:
-            return
-        keep = mx.arange(self._len) != self._hole
-        self._hole = None
-        self._select(keep, self._len - 1)
-
-    def _select(self, keep: mx.array, count: int) -> None:
-        """Keep `count` slots per head where `keep` [B, H, _len] is true, in slot order."""
-        slots = mx.arange(self._len)
-        order = mx.sort(mx.where(keep, slots, self._len + slots), axis=-1)[..., :count]
-        self._gather(order)
-
-    def _gather(self, idx: mx.array) -> None:
-        """Rebuild the buffers from slots `idx` [B, H, K] (compacts; drops spare capacity)."""
+    def _gather(self, idx: mx.array, capacity: int) -> None:
+        """Rebuild the buffers from slots `idx` [B, H, K] into `capacity` slots."""
         n = self._len
-        self.keys = mx.take_along_axis(self.keys[:, :, :n], idx[..., None], axis=2)
-        self.values = mx.take_along_axis(self.values[:, :, :n], idx[..., None], axis=2)
-        self.scores = mx.take_along_axis(self.scores[..., :n], idx, axis=-1)
-        self.positions = mx.take_along_axis(self.positions[..., :n], idx, axis=-1)
+
+        def gathered(buf: mx.array, idx: mx.array) -> mx.array:
+            picked = mx.take_along_axis(buf[:, :, :n], idx, axis=2)
+            if capacity == picked.shape[2]:
+                return picked
+            fresh = mx.zeros((*buf.shape[:2], capacity, *buf.shape[3:]), dtype=buf.dtype)
+            fresh[:, :, : picked.shape[2]] = picked
+            return fresh
+
+        self.keys = gathered(self.keys, idx[..., None])
+        self.values = gathered(self.values, idx[..., None])
+        self.scores = gathered(self.scores, idx)
+        self.positions = gathered(self.positions, idx)
         self._len = idx.shape[-1]
+        self._reset_free_slots()
 
-    def _live(self, buf: mx.array) -> mx.array:
-        """The used slots [..., :_len] of a [B, H, capacity] buffer (no slice when full)."""
-        return buf if self._len == buf.shape[-1] else buf[..., : self._len]
-
-    def _middle(self) -> mx.array:
-        """[B, H, _len] true for evictable slots: neither sink nor in the recent window."""
-        pos = self._live(self.positions)
-        return (pos >= self.sink) & (pos < self.offset - self.recent)
-
-    def _evict_if_over(self) -> None:
-        excess = self._len - self.max_size
-        if excess <= 0:
-            return
+    def _evict(self) -> None:
+        """Keep sinks, the recent window and the best middle tokens: max_size + 1 - batch."""
+        keep = self.max_size + 1 - self.evict_batch
+        pos = self.positions[..., : self._len]
+        middle = (pos >= self.sink) & (pos < self.offset - self.recent)
         # Protected slots score +inf so they always win.
-        ranked = mx.where(self._middle(), self._live(self.scores), mx.inf)
-        if excess == 1:
-            self._hole = mx.argmin(ranked, axis=-1, keepdims=True)
-        else:
-            top = mx.argpartition(-ranked, kth=self.max_size - 1, axis=-1)
-            self._gather(mx.sort(top[..., : self.max_size], axis=-1))
-        self.evicted += excess
+        ranked = mx.where(middle, self.scores[..., : self._len], mx.inf)
+        top = mx.argpartition(-ranked, kth=keep - 1, axis=-1)[..., :keep]
+        self.evicted += self._len - keep
         self._last_eviction = self.offset
+        self._gather(top, capacity=self.max_size + 1)

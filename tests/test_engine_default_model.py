@@ -49,8 +49,8 @@ def test_h2o_logits_equal_kvcache_until_eviction(default_model, essay_text):
 class OffsetResetBug(H2OKVCache):
     """The known RoPE bug: after evicting, offset is reset to the physical length."""
 
-    def _evict_if_over(self):
-        super()._evict_if_over()
+    def _evict(self):
+        super()._evict()
         self.offset = self.size()
 
 
@@ -82,7 +82,7 @@ def test_rope_positions_survive_eviction(default_model, essay_text, monkeypatch)
 
     caches = make_cache(model, "h2o", max_kv=128)
     h2o_ppl = decode_perplexity(model, ids, caches)
-    assert all(c.evicted >= 10 and c.offset == 400 and c.size() == 128 for c in caches)
+    assert all(c.evicted >= 10 and c.offset == 400 and c.size() <= 128 for c in caches)
     assert h2o_ppl <= 1.15 * full_ppl
 
     monkeypatch.setattr("cache.factory.H2OKVCache", OffsetResetBug)
@@ -131,19 +131,20 @@ def test_chunked_prefill_mask_and_output(default_model, essay_text, monkeypatch)
         explicit = np.einsum("hqk,hkd->hqd", probs, np.repeat(vn, rep, axis=0))
         np.testing.assert_allclose(np.array(out)[0], explicit, atol=1e-4)
         sizes.append(caches[layer].size())
-    assert sizes == [256] * len(sizes)
+    # Each overflowing chunk is cut back to max_kv + 1 - evict_batch (room to decode).
+    assert sizes == [257 - caches[layer].evict_batch] * len(sizes)
     assert caches[layer].offset == 3000
 
 
 def test_save_load_mid_conversation(default_model, essay_text, tmp_path):
-    """After evictions (and with a freed slot pending), save/load through mlx-lm and continue."""
+    """After evictions (with free slots pending), save/load through mlx-lm and continue."""
     model, tokenizer = default_model
     ids = essay_ids(tokenizer, essay_text, 200)
     caches = make_cache(model, "h2o", max_kv=128, score="ema", preset="balanced")
     logits = model(mx.array(ids)[None], cache=caches)[:, -1]
     for _ in range(12):
         logits = model(mx.argmax(logits, -1).reshape(1, 1), cache=caches)[:, -1]
-    assert caches[0]._hole is not None and caches[0].evicted > 0
+    assert caches[0].evicted > 0 and caches[0].size() < 128
 
     path = str(tmp_path / "conversation.safetensors")
     save_prompt_cache(path, caches, {"conversation": "c1"})

@@ -3,8 +3,8 @@
 The oracle keeps, per KV head, a plain dict {position: accumulated score}
 and applies H2O literally: add every key's share of attention, then while
 over budget drop the lowest-scored token that is neither a sink nor in the
-recent window (top-k by full sort for a chunk). The cache must keep exactly
-the oracle's positions at every step.
+recent window (by full sort), down to max_size + 1 - evict_batch tokens.
+The cache must keep exactly the oracle's positions at every step.
 """
 
 import mlx.core as mx
@@ -19,8 +19,9 @@ ALPHA = 0.95
 
 
 class Oracle:
-    def __init__(self, max_size: int, sink: int, recent: int, rule: str):
+    def __init__(self, max_size: int, sink: int, recent: int, rule: str, evict_batch: int = 1):
         self.max_size, self.sink, self.recent, self.rule = max_size, sink, recent, rule
+        self.evict_batch = evict_batch
         self.kept = [dict() for _ in range(N_KV)]  # per KV head: position -> score
         self.offset = 0
 
@@ -55,9 +56,9 @@ class Oracle:
             self._evict(kept)
 
     def _evict(self, kept: dict) -> None:
-        excess = len(kept) - self.max_size
-        if excess <= 0:
+        if len(kept) <= self.max_size:
             return
+        excess = len(kept) - (self.max_size + 1 - self.evict_batch)
         middle = [p for p in kept if self.sink <= p < self.offset - self.recent]
         middle.sort(key=lambda p: kept[p])
         for p in middle[:excess]:
@@ -65,8 +66,7 @@ class Oracle:
 
 
 def cache_positions(c: H2OKVCache) -> list[set]:
-    """The set of token positions each KV head holds (the hole excluded)."""
-    c._drop_hole()
+    """The set of token positions each KV head holds."""
     pos = np.array(c.positions[0, :, : c._len])
     return [set(pos[h].tolist()) for h in range(N_KV)]
 
@@ -94,11 +94,12 @@ def feed(c: H2OKVCache, oracle: Oracle, rng: np.random.Generator, n_new: int) ->
 
 @pytest.mark.parametrize("rule", ["attn", "ema"])
 @pytest.mark.parametrize("preset", ["heavy", "balanced"])
-def test_decode_eviction_matches_oracle(rule, preset):
+@pytest.mark.parametrize("evict_batch", [1, 4])
+def test_decode_eviction_matches_oracle(rule, preset, evict_batch):
     rng = np.random.default_rng(0)
     budget = split_budget(24, preset)
-    c = H2OKVCache(24, budget.sink, budget.heavy, budget.recent, score=rule)
-    oracle = Oracle(24, budget.sink, budget.recent, rule)
+    c = H2OKVCache(24, budget.sink, budget.heavy, budget.recent, rule, evict_batch=evict_batch)
+    oracle = Oracle(24, budget.sink, budget.recent, rule, evict_batch)
     feed(c, oracle, rng, 10)  # short prefill
     for step in range(120):
         feed(c, oracle, rng, 1)
@@ -109,22 +110,24 @@ def test_decode_eviction_matches_oracle(rule, preset):
         for h in range(N_KV):
             assert set(range(budget.sink)) <= held[h]
             assert set(range(max(0, c.offset - budget.recent), c.offset)) <= held[h]
-    assert c.evicted == oracle.offset - 24
+    assert c.evicted == oracle.offset - c.size()
 
 
 @pytest.mark.parametrize("rule", ["attn", "ema"])
-def test_chunked_prefill_eviction_matches_oracle(rule):
+@pytest.mark.parametrize("evict_batch", [1, 3])
+def test_chunked_prefill_eviction_matches_oracle(rule, evict_batch):
     rng = np.random.default_rng(1)
     max_size, step = 32, 20
     budget = split_budget(max_size, "heavy")
-    c = H2OKVCache(max_size, budget.sink, budget.heavy, budget.recent, score=rule)
-    oracle = Oracle(max_size, budget.sink, budget.recent, rule)
+    segments = dict(sink=budget.sink, heavy=budget.heavy, recent=budget.recent)
+    c = H2OKVCache(max_size, **segments, score=rule, evict_batch=evict_batch)
+    oracle = Oracle(max_size, budget.sink, budget.recent, rule, evict_batch)
     for _ in range(5):
         inside = feed(c, oracle, rng, step)
         assert inside <= max_size + step
         assert c.size() <= max_size
         assert cache_positions(c) == [set(k) for k in oracle.kept]
-    # decode after chunks, then another chunk on top of a hole
+    # decode after chunks, then another chunk before the free slots are used up
     for _ in range(3):
         feed(c, oracle, rng, 1)
     feed(c, oracle, rng, 7)
@@ -134,23 +137,24 @@ def test_chunked_prefill_eviction_matches_oracle(rule):
 class SnapshotCache(H2OKVCache):
     """Records every slot's position and accumulated score just before eviction."""
 
-    def _evict_if_over(self):
+    def _evict(self):
         n = self._len
         self.snapshot = (np.array(self.positions[0, :, :n]), np.array(self.scores[0, :, :n]))
-        super()._evict_if_over()
+        super()._evict()
 
 
 @pytest.mark.parametrize("n_new", [1, 9])
 def test_kept_middle_is_top_heavy_by_score(n_new):
     rng = np.random.default_rng(2)
-    c = SnapshotCache(16, sink=2, heavy=8, recent=6)
+    c = SnapshotCache(16, sink=2, heavy=8, recent=6, evict_batch=1)
     oracle = Oracle(16, 2, 6, "attn")
     feed(c, oracle, rng, 12)
     for _ in range(8):
+        c.snapshot = None
         feed(c, oracle, rng, n_new)
+        if c.snapshot is None:
+            continue  # not over budget: nothing was evicted
         positions, scores = c.snapshot
-        if positions.shape[1] <= 16:
-            continue  # not over budget yet: nothing was evicted
         held = cache_positions(c)
         for h in range(N_KV):
             middle = (positions[h] >= 2) & (positions[h] < c.offset - 6)
@@ -209,6 +213,16 @@ def test_trim_never_crosses_an_eviction():
     assert c2.trim(4) == 4 and c2.offset == 6 and c2.size() == 6
 
 
+def test_batched_eviction_stays_inside_max_size():
+    """evict_batch=4: the cache drops to max_size - 3 and refills before evicting again."""
+    c = H2OKVCache(16, sink=2, heavy=6, recent=8, evict_batch=4)
+    sizes = [c.size() for _ in decode_uniform(c, 40)]
+    assert max(sizes) == 16 and min(sizes[16:]) == 13
+    assert sizes[16:24] == [13, 14, 15, 16, 13, 14, 15, 16]
+    assert c.evicted == 40 - c.size()
+    assert c.keys.shape[2] == 17  # one preallocated buffer, never regrown
+
+
 def test_bad_budgets_are_rejected():
     with pytest.raises(ValueError):
         split_budget(16, "nope")
@@ -216,3 +230,5 @@ def test_bad_budgets_are_rejected():
         H2OKVCache(8, sink=4, heavy=6, recent=2)
     with pytest.raises(ValueError):
         H2OKVCache(8, score="nope")
+    with pytest.raises(ValueError):
+        H2OKVCache(16, sink=2, heavy=6, recent=8, evict_batch=7)
