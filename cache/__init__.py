@@ -4,7 +4,7 @@ import config  # noqa: F401  (loads OpenBLAS before the first mlx import)
 
 import mlx_lm.models.cache as _mlx_lm_cache
 
-from cache.factory import POLICIES, make_cache
+from cache.factory import POLICIES, cache_usage, make_cache
 from cache.h2o import H2OKVCache
 from cache.presets import PRESETS, H2OBudget, split_budget
 from cache.router import install_router, uninstall_router
@@ -19,6 +19,7 @@ __all__ = [
     "SCORE_RULES",
     "H2OBudget",
     "H2OKVCache",
+    "cache_usage",
     "install_router",
     "make_cache",
     "split_budget",

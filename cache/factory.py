@@ -42,6 +42,7 @@ def make_cache(
     heavy: int | None = None,
     recent: int | None = None,
     alpha: float = EMA_ALPHA,
+    evict_batch: int | None = None,
 ) -> list[Any]:
     """One cache per layer for `policy` (full | rotating | h2o).
 
@@ -76,8 +77,23 @@ def make_cache(
                     recent=budget.recent,
                     score=score,
                     alpha=alpha,
+                    evict_batch=evict_batch,
                 )
             )
     if policy == "h2o":
         install_router(model)
     return caches
+
+
+def cache_usage(caches: list[Any]) -> tuple[int, int, int]:
+    """(tokens seen, tokens stored, bytes held) over a model's per-layer caches.
+
+    Seen is the longest offset; stored the largest physical size of a layer
+    (layers evict alike, bounded sliding-window layers hold fewer).
+    """
+    attention = [c for c in caches if hasattr(c, "offset")]
+    if not attention:
+        return 0, 0, 0
+    seen = max(c.offset for c in attention)
+    stored = max(c.size() for c in attention)
+    return seen, stored, sum(c.nbytes for c in caches)
