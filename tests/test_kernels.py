@@ -2,6 +2,7 @@
 backend present on this machine against the reference, dispatch, and source assembly."""
 
 import re
+import subprocess
 from types import SimpleNamespace
 
 import config  # noqa: F401  (loads OpenBLAS before the first mlx import)
@@ -464,3 +465,163 @@ def test_assemble_rejects_unknown_names():
         assemble("decode_attention", "opencl")
     with pytest.raises(ValueError):
         assemble("prefill", "metal")
+
+
+# --- syntax of the kernels exactly as MLX would generate them ---------------------------
+# No Metal or CUDA compiler here: rebuild the full kernel text the way mx.fast does
+# (mlx/backend/common/metal_kernel.cpp, mlx/backend/cuda/custom_kernel.cpp, MLX 0.32) and
+# parse it with the host C++ compiler against stub headers. Metal is C++14-based, so its
+# text is checked as C++14. Catches syntax, typing and template slips, not semantics.
+
+METAL_ATTRIBUTES = {
+    "simdgroup_index_in_threadgroup": "uint",
+    "thread_index_in_simdgroup": "uint",
+    "thread_index_in_threadgroup": "uint",
+    "threadgroup_position_in_grid": "uint3",
+    "threadgroups_per_grid": "uint3",
+    "thread_position_in_grid": "uint3",
+}
+METAL_TYPES = {
+    mx.float32: "float",
+    mx.float16: "float16_t",
+    mx.bfloat16: "bfloat16_t",
+    mx.bool_: "bool",
+    mx.uint32: "uint32_t",
+}
+CUDA_TYPES = {**METAL_TYPES, mx.float16: "__half", mx.bfloat16: "__nv_bfloat16"}
+
+_HALF_STUB = """
+struct {name} {{
+  {name}() = default;
+  {name}(float) {{}}
+  operator float() const {{ return 0.0f; }}
+}};
+"""
+METAL_STUBS = {
+    "metal_stdlib": "#pragma once\n#include <cmath>\n#include <cstdint>\n"
+    "#define device\n#define constant\n#define threadgroup\n"
+    "typedef unsigned int uint;\nstruct uint3 { uint x, y, z; };\n"
+    + _HALF_STUB.format(name="float16_t")
+    + _HALF_STUB.format(name="bfloat16_t")
+    + "namespace metal {\ninline float max(float a, float b) { return a > b ? a : b; }\n"
+    "namespace precise { inline float exp(float x) { return std::exp(x); } }\n"
+    "enum class mem_flags { mem_none, mem_threadgroup };\n"
+    "inline void threadgroup_barrier(mem_flags) {}\n}\n",
+    "metal_simdgroup": "#pragma once\n#include <metal_stdlib>\n"
+    "namespace metal { inline float simd_sum(float x) { return x; } }\n",
+}
+CUDA_STUBS = {
+    "mlx/backend/cuda/device/utils.cuh": "#pragma once\n#include <array>\n#include <cmath>\n"
+    "#include <cstdint>\n#define __global__\n#define __device__\n#define __forceinline__ inline\n"
+    "#define __shared__ static\n#define __grid_constant__\n"
+    "struct dim3 { unsigned x, y, z; };\nextern dim3 threadIdx, blockIdx, gridDim;\n"
+    "inline void __syncthreads() {}\n"
+    "inline float __shfl_xor_sync(unsigned, float x, int) { return x; }\n"
+    "inline float __int_as_float(int) { return 0.0f; }\n"
+    + _HALF_STUB.format(name="__half")
+    + _HALF_STUB.format(name="__nv_bfloat16")
+    + "namespace mlx::core::cu {\nusing Shape = std::array<int32_t, 8>;\n"
+    "using Strides = std::array<int64_t, 8>;\n}\n",
+    "cooperative_groups.h": "#pragma once\nnamespace cooperative_groups {}\n",
+}
+
+
+def metal_kernel_text(name, input_names, output_names, src, inputs, template, output_dtypes):
+    """What mx.fast.metal_kernel compiles (write_signature + the explicit instantiation)."""
+    params = []
+    for n, x in zip(input_names, inputs, strict=True):
+        space = "constant" if x.size < 8 else "device"
+        params.append(f"const {space} {METAL_TYPES[x.dtype]}* {n}")
+        if n + "_shape" in src.source:
+            params.append(f"const constant int* {n}_shape")
+        if n + "_strides" in src.source:
+            params.append(f"const constant int64_t* {n}_strides")
+    params += [
+        f"device {METAL_TYPES[d]}* {n}" for n, d in zip(output_names, output_dtypes, strict=True)
+    ]
+    params += [f"{t} {a} [[{a}]]" for a, t in METAL_ATTRIBUTES.items() if a in src.source]
+    kinds = ", ".join(("typename " if isinstance(v, mx.Dtype) else "int ") + k for k, v in template)
+    values = ", ".join(METAL_TYPES[v] if isinstance(v, mx.Dtype) else str(v) for _, v in template)
+    fn = f"custom_kernel_{name}"
+    return (
+        f"{src.header}template <{kinds}>\n[[kernel]] void {fn}(\n  "
+        + ",\n  ".join(params)
+        + f") {{\n{src.source}\n}}\n"
+        f'template [[host_name("{fn}")]] [[kernel]] decltype({fn}<{values}>) {fn}<{values}>;\n'
+    )
+
+
+def cuda_kernel_text(name, input_names, output_names, src, inputs, template, output_dtypes):
+    """What mx.fast.cuda_kernel compiles (build_kernel)."""
+    params = []
+    for n, x in zip(input_names, inputs, strict=True):
+        params.append(f"const {CUDA_TYPES[x.dtype]}* {n}")
+        if n + "_shape" in src.source:
+            params.append(f"const __grid_constant__ Shape {n}_shape")
+        if n + "_strides" in src.source:
+            params.append(f"const __grid_constant__ Strides {n}_strides")
+    params += [f"{CUDA_TYPES[d]}* {n}" for n, d in zip(output_names, output_dtypes, strict=True)]
+    constants = "".join(
+        f"  using {k} = {CUDA_TYPES[v]};\n"
+        if isinstance(v, mx.Dtype)
+        else f"  constexpr int {k} = {v};\n"
+        for k, v in template
+    )
+    return (
+        '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
+        f"{src.header}namespace mlx::core::cu {{\nnamespace cg = cooperative_groups;\n"
+        f"__global__ void custom_kernel_{name}(\n    "
+        + ",\n    ".join(params)
+        + f") {{\n{constants}\n{src.source}\n}}\n}} // namespace mlx::core::cu\n"
+    )
+
+
+def recorded_kernel_texts(dialect: str, dtype) -> list[str]:
+    """Drive the real launch code with a recording make_kernel; return the kernel texts."""
+    texts = []
+    build = metal_kernel_text if dialect == "metal" else cuda_kernel_text
+
+    def make_kernel(name, input_names, output_names, src):
+        def kernel(*, inputs, template, output_shapes, output_dtypes, **_):
+            texts.append(
+                build(name, input_names, output_names, src, inputs, template, output_dtypes)
+            )
+            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+
+        return kernel
+
+    kernels = launch.DecodeKernels(dialect, make_kernel)
+    q, k, v, m = make_inputs(1000, 128, 3, mask="bool")
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    k_q, v_q = quantize(k, 64, 4), quantize(v, 64, 4)
+    for n_blocks in (1, 4):  # single pass; two passes
+        kernels.dense(q, k, v, 0.1, m, n_blocks=n_blocks)
+        kernels.quantized(q, k_q, v_q, 0.1, "causal", 64, 4, n_blocks=n_blocks)
+    return texts
+
+
+@pytest.mark.skipif(emulator.compiler() is None, reason="needs a host C++ compiler")
+@pytest.mark.parametrize("dialect", ["metal", "cuda"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_generated_kernels_parse(dialect, dtype, tmp_path):
+    stubs = METAL_STUBS if dialect == "metal" else CUDA_STUBS
+    for path, text in stubs.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    texts = recorded_kernel_texts(dialect, dtype)
+    assert len(texts) == 6  # dense, quantized: single pass; two passes (+ the merge each)
+    for i, text in enumerate(texts):
+        source = tmp_path / f"kernel{i}.cpp"
+        source.write_text(text)
+        std = "-std=c++14" if dialect == "metal" else "-std=c++17"
+        cmd = [
+            emulator.compiler(),
+            std,
+            "-fsyntax-only",
+            "-pedantic-errors",
+            "-Wno-attributes",
+            "-I",
+            str(tmp_path),
+        ]
+        done = subprocess.run([*cmd, str(source)], capture_output=True, text=True)
+        assert done.returncode == 0, f"{dialect} kernel {i}:\n{done.stderr[-3000:]}\n{text}"
