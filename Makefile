@@ -22,8 +22,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: setup
-	# The HTTP server is not built yet: chat with the default model in the terminal.
-	$(VENV)/bin/h2o-server chat --model default
+	$(VENV)/bin/h2o-server serve --model default
 
 test: setup
 	$(PY) -m pytest -q

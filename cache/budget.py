@@ -17,6 +17,7 @@ from cache.presets import split_budget
 # heavy (8-bit) and recent (4-bit) segments at their share of the budget.
 QUANT_BITS = {"h2o-q8": 8, "h2o-q4": 4}
 H2O_BOOKKEEPING = 8  # float32 score + int32 position, per KV head and token
+FULL_CACHE_STEP = 256  # mlx-lm KVCache.step
 AUTO_FLOOR = 256  # `auto` switches to 8-bit below this many dense tokens
 _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 
@@ -67,12 +68,24 @@ def bytes_per_token(shape: ModelShape, policy: str, group_size: int = 64) -> flo
     return shape.layers * shape.kv_heads * per_head
 
 
+def max_kv_within(nbytes: int, shape: ModelShape, policy: str) -> int:
+    """The largest max_kv whose cache, as allocated, fits in `nbytes`.
+
+    H2O caches hold one spare slot (the newest token before eviction); mlx-lm's
+    KVCache grows 256 tokens at a time, so a full cache gets whole steps.
+    """
+    slots = int(nbytes // bytes_per_token(shape, policy))
+    if policy == "full":
+        return slots // FULL_CACHE_STEP * FULL_CACHE_STEP
+    return slots - 1 if policy.startswith("h2o") else slots
+
+
 @dataclass(frozen=True)
 class CachePlan:
     policy: str
     max_kv: int  # tokens per layer in one session's cache
     bytes_per_token: float
-    session_bytes: int  # the most one session's cache can hold
+    session_bytes: int  # one session's share of the budget; its cache never outgrows it
 
 
 def plan_cache(
@@ -81,24 +94,26 @@ def plan_cache(
     """Split `kv_budget` evenly over `max_sessions` and size each session's cache.
 
     `auto`: full when the model's whole context fits, else h2o, else h2o-q8 when
-    dense h2o would hold fewer than AUTO_FLOOR tokens.
+    dense h2o would hold fewer than AUTO_FLOOR tokens (and 8-bit caches exist).
     """
+    from cache.factory import POLICIES
+
     per_session = kv_budget // max_sessions
     if policy == "auto":
         if per_session >= shape.context * bytes_per_token(shape, "full"):
             policy = "full"
-        elif per_session >= AUTO_FLOOR * bytes_per_token(shape, "h2o"):
+        elif per_session >= AUTO_FLOOR * bytes_per_token(shape, "h2o") or "h2o-q8" not in POLICIES:
             policy = "h2o"
         else:
             policy = "h2o-q8"
     bpt = bytes_per_token(shape, policy)
-    max_kv = min(int(per_session // bpt), shape.context)
-    if policy != "full":
-        split_budget(max_kv, preset)  # raises when the budget is too small to split
+    max_kv = min(max_kv_within(per_session, shape, policy), shape.context)
     if max_kv < 16:
         raise ValueError(
             f"--kv-budget {kv_budget} B over {max_sessions} sessions leaves {max_kv} tokens "
             f"per session under {policy} ({bpt:.0f} B/token): raise the budget or lower "
             "--max-sessions"
         )
-    return CachePlan(policy, max_kv, bpt, int(max_kv * bpt))
+    if policy != "full":
+        split_budget(max_kv, preset)  # raises when the budget is too small to split
+    return CachePlan(policy, max_kv, bpt, per_session)

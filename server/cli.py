@@ -37,6 +37,12 @@ def _add_cache_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--h2o-sink-size", "--sink", dest="sink", type=int, default=None)
     g.add_argument("--h2o-heavy-budget", "--heavy", dest="heavy", type=int, default=None)
     g.add_argument("--h2o-recent-budget", "--recent", dest="recent", type=int, default=None)
+    g.add_argument(
+        "--evict-batch",
+        type=int,
+        default=None,
+        help="tokens evicted at once when the cache overflows (default max_kv/16; 1 = per step)",
+    )
 
 
 def _cache_settings(args: argparse.Namespace) -> CacheSettings:
@@ -89,7 +95,26 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--top-p", type=float, default=0.95)
     chat.add_argument("--prefill-step", type=int, default=512)
     _add_cache_flags(chat)
+    _add_serve_parser(sub)
     return parser
+
+
+def _add_serve_parser(sub) -> None:
+    """`serve` flags mirror config.settings.ServerSettings field by field."""
+    from config.settings import ServerSettings
+
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server",
+        description="Every flag is also an environment variable H2O_<FLAG>, e.g. H2O_KV_BUDGET.",
+    )
+    for name, field in ServerSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        if name == "allowed_origins":
+            serve.add_argument(flag, nargs="*", default=None, help=field.description)
+        else:
+            kind = field.annotation if field.annotation in (int, float) else str
+            serve.add_argument(flag, type=kind, default=None, help=field.description)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -129,10 +154,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _cache_usage(caches: list) -> tuple[int, int, float]:
     """(tokens seen, tokens stored, MiB held) over a model's per-layer caches."""
-    attention = [c for c in caches if hasattr(c, "offset")]
-    seen = attention[0].offset
-    stored = max(c.size() for c in attention)
-    return seen, stored, sum(c.nbytes for c in caches) / 2**20
+    from cache import cache_usage
+
+    seen, stored, nbytes = cache_usage(caches)
+    return seen, stored, nbytes / 2**20
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -176,6 +201,26 @@ def cmd_chat(args: argparse.Namespace) -> int:
         )
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Flags override H2O_* environment variables, which override the defaults."""
+    import logging
+
+    from config.settings import ServerSettings
+
+    import uvicorn
+
+    from server.app import create_app
+
+    given = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
+    settings = ServerSettings(**given)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
+    )
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     import config  # noqa: F401  (loads OpenBLAS before mlx)
 
@@ -185,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "chat":
             return cmd_chat(args)
+        if args.command == "serve":
+            return cmd_serve(args)
     except ValidationError as e:
         reasons = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
         print(f"h2o-server: invalid settings: {reasons}", file=sys.stderr)

@@ -20,3 +20,13 @@ def essay_text() -> str:
         return essay_text(max_files=12)
     except RuntimeError as e:
         pytest.skip(f"{e} (make setup installs it)")
+
+
+@pytest.fixture(scope="session")
+def api(tmp_path_factory):
+    """One real server on loopback for the black-box server tests (default model)."""
+    from server_harness import running_server
+
+    tmp = tmp_path_factory.mktemp("server")
+    with running_server(tmp, "--kv-budget", "512MiB", "--max-sessions", "8") as s:
+        yield s

@@ -1,0 +1,226 @@
+"""The worker: the one thread that touches MLX.
+
+Handlers submit Jobs; the worker admits them (finds or builds their session),
+then advances every active generation by one unit per round (a prefill chunk
+or a token), so all streams progress together. Events go back to the
+handler's asyncio queue. Anything else that needs MLX (deleting a session,
+reading cache sizes) runs here too, through `call`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from config.settings import ServerSettings
+
+from server.generation import Delta, Generation, SamplingParams
+from server.metrics import Metrics
+from server.sessions import CacheSpec, SessionBusy
+
+log = logging.getLogger("h2o_server.worker")
+
+
+class QueueFull(Exception):
+    """Too many requests are waiting; the client should retry later."""
+
+
+@dataclass
+class Started:
+    session_id: str
+    cached_tokens: int
+
+
+@dataclass
+class Finished:
+    usage: dict
+
+
+@dataclass
+class Failed:
+    status: int
+    message: str
+
+
+@dataclass(eq=False)
+class Job:
+    prompt: list[int]
+    params: SamplingParams
+    spec: CacheSpec
+    session_key: str | None
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, event: Started | Delta | Finished | Failed) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Worker:
+    def __init__(self, settings: ServerSettings, load_engine: Callable[[ServerSettings], Any]):
+        self.settings = settings
+        self.metrics = Metrics()
+        self.engine = None
+        self._load_engine = load_engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting: deque[Job] = deque()
+        self._active: list[tuple[Job, Generation]] = []
+        self._pending = 0  # submitted, not yet started
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._stopping = False
+        self._startup_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="mlx-worker", daemon=True)
+
+    # ------------------------------------------------------------------ handler side
+
+    def start(self) -> None:
+        """Start the thread and wait until the model is loaded (raises its error)."""
+        self._thread.start()
+        self._ready.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._inbox.put(None)
+        self._thread.join(timeout=30)
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if self._pending >= self.settings.max_queue:
+                self.metrics.add("requests_rejected_total")
+                raise QueueFull
+            self._pending += 1
+        self.metrics.add("requests_total")
+        self._inbox.put(job)
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run fn on the worker thread between steps."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put((fn, future))
+        return future
+
+    @property
+    def queue_depth(self) -> int:
+        return self._pending
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    # ------------------------------------------------------------------ worker thread
+
+    def _run(self) -> None:
+        try:
+            self.engine = self._load_engine(self.settings)
+        except BaseException as e:  # reported by start()
+            self._startup_error = e
+            self._ready.set()
+            return
+        self.engine.store.on_event = lambda name: self.metrics.add(f"sessions_{name}_total")
+        self._ready.set()
+        while not self._stopping:
+            self._take_inbox(block=not self._active and not self._waiting)
+            self._admit()
+            self._step_all()
+
+    def _take_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.25) if block else self._inbox.get_nowait()
+            while True:
+                if isinstance(item, Job):
+                    self._waiting.append(item)
+                elif item is not None:
+                    fn, future = item
+                    try:
+                        future.set_result(fn())
+                    except BaseException as e:
+                        future.set_exception(e)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _admit(self) -> None:
+        still_waiting: deque[Job] = deque()
+        while self._waiting:
+            job = self._waiting.popleft()
+            if job.cancelled.is_set():
+                self._started(job)
+                self.metrics.add("requests_cancelled_total")
+                continue
+            if len(self._active) >= self.settings.max_sessions:
+                still_waiting.append(job)
+                continue
+            try:
+                session, reused = self.engine.store.acquire(job.session_key, job.prompt, job.spec)
+            except SessionBusy:
+                still_waiting.append(job)  # same conversation, one turn at a time
+                continue
+            except Exception as e:
+                log.exception("could not start a request")
+                self._started(job)
+                self._fail(job, 500, f"could not prepare the session: {e}")
+                continue
+            self._started(job)
+            gen = Generation(
+                self.engine.model,
+                self.engine.tokenizer,
+                session,
+                job.prompt,
+                reused,
+                job.params,
+                self.settings.prefill_step,
+            )
+            job.emit(Started(session.id, reused))
+            self._active.append((job, gen))
+        self._waiting = still_waiting
+
+    def _started(self, job: Job) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def _step_all(self) -> None:
+        for job, gen in list(self._active):
+            if job.cancelled.is_set():
+                self._finish(job, gen)
+                self.metrics.add("requests_cancelled_total")
+                continue
+            try:
+                prefilling, t0 = gen.prefilling, time.perf_counter()
+                n_pending = len(gen.pending)
+                delta = gen.step()
+                if prefilling:
+                    self.metrics.add("prefill_tokens_total", n_pending - len(gen.pending))
+                else:
+                    self.metrics.add("decode_seconds_total", time.perf_counter() - t0)
+                if delta is not None:
+                    job.emit(delta)
+            except Exception as e:
+                log.exception("generation failed")
+                self._finish(job, gen, broken=True)
+                self._fail(job, 500, f"generation failed: {type(e).__name__}: {e}")
+                continue
+            if gen.done:
+                self._finish(job, gen)
+                usage = gen.usage()
+                self.metrics.add("prompt_tokens_total", usage["prompt_tokens"])
+                self.metrics.add("cached_prompt_tokens_total", gen.reused)
+                self.metrics.add("completion_tokens_total", usage["completion_tokens"])
+                job.emit(Finished(usage))
+
+    def _finish(self, job: Job, gen: Generation, broken: bool = False) -> None:
+        self._active.remove((job, gen))
+        self.engine.store.release(gen.session, broken=broken)
+
+    def _fail(self, job: Job, status: int, message: str) -> None:
+        self.metrics.add("requests_failed_total")
+        job.emit(Failed(status, message))

@@ -1,0 +1,117 @@
+"""Start the real `h2o-server serve` on a free loopback port for black-box tests."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+
+SCRIPT = Path(sys.executable).parent / "h2o-server"
+CMD = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "server.cli"]
+MODEL = "SmolLM2-135M-Instruct"
+
+
+class Response:
+    def __init__(self, status: int, headers: dict[str, str], body: bytes):
+        self.status_code, self.headers, self.body = status, headers, body
+
+    @property
+    def text(self) -> str:
+        return self.body.decode()
+
+    def json(self):
+        return json.loads(self.body)
+
+
+class Server:
+    def __init__(self, port: int, process: subprocess.Popen, log: Path):
+        self.port, self.process, self.log = port, process, log
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.client = openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0)
+
+    def connection(self, timeout: float = 120) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+
+    def request(
+        self, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None
+    ) -> Response:
+        """Plain HTTP, for what the SDK would refuse to send (bad JSON, bad bytes)."""
+        if isinstance(body, dict):
+            body = json.dumps(body).encode()
+        conn = self.connection()
+        try:
+            conn.request(
+                method,
+                path,
+                body=body,
+                headers={"Content-Type": "application/json", **(headers or {})},
+            )
+            r = conn.getresponse()
+            return Response(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
+        finally:
+            conn.close()
+
+    def get(self, path: str) -> Response:
+        return self.request("GET", path)
+
+    def post(self, path: str, body: bytes | dict, headers: dict | None = None) -> Response:
+        return self.request("POST", path, body, headers)
+
+    def metrics(self) -> dict[str, float]:
+        text = self.get("/metrics").text
+        return {
+            name: float(value)
+            for name, value in (line.split() for line in text.splitlines() if line[:1] != "#")
+        }
+
+    def sessions(self) -> dict[str, dict]:
+        return {s["id"]: s for s in self.get("/v1/sessions").json()["data"]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(tmp: Path, *flags: str, timeout: float = 120) -> Iterator[Server]:
+    port = _free_port()
+    log = tmp / f"server-{port}.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [*CMD, "serve", "--port", str(port), *flags],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    server = Server(port, process, log)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited:\n{log.read_text()}")
+            try:
+                if server.get("/health").status_code == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start:\n{log.read_text()}")
+            time.sleep(0.3)
+        yield server
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()

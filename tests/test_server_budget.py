@@ -1,0 +1,72 @@
+"""A tiny --kv-budget with more conversations than fit: spill, restore, drop."""
+
+from __future__ import annotations
+
+import pytest
+from server_harness import MODEL, running_server
+
+BUDGET = 8 * 2**20  # two sessions of ~89 tokens each (46.8 kB per token on CPU)
+
+
+def turn(api, key, history, text, max_tokens=12):
+    history.append({"role": "user", "content": text})
+    r = api.client.chat.completions.create(
+        model=MODEL,
+        messages=history,
+        temperature=0,
+        max_tokens=max_tokens,
+        extra_body={"prompt_cache_key": key},
+    )
+    history.append({"role": "assistant", "content": r.choices[0].message.content})
+    return r
+
+
+@pytest.fixture(scope="module")
+def spilling(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("budget")
+    flags = ["--kv-budget", str(BUDGET), "--max-sessions", "2", "--spill-dir", str(tmp / "spill")]
+    with running_server(tmp, *flags) as api:
+        yield api, tmp / "spill"
+
+
+def test_old_sessions_spill_and_resume(spilling):
+    api, spill_dir = spilling
+    histories = {k: [] for k in ("c1", "c2", "c3", "c4")}
+    for k, h in histories.items():
+        turn(api, k, h, f"My code word is {k.upper()}-77. Please say hello to me.")
+    sessions = api.sessions()
+    resident = [s for s in sessions.values() if not s["spilled"]]
+    assert len(resident) <= 2
+    assert sessions["c1"]["spilled"] and sessions["c2"]["spilled"]
+    assert sorted(p.stem for p in spill_dir.glob("*.safetensors")) == ["c1", "c2"]
+    m = api.metrics()
+    assert m["h2o_sessions_spilled_total"] >= 2
+    assert m["h2o_cache_bytes"] <= BUDGET
+    assert all(s["max_kv"] < 100 and s["cached_tokens"] <= s["max_kv"] for s in resident)
+
+    # the newest conversation is correct: same reply as a cold run of its history
+    newest = turn(api, "c4", histories["c4"], "What is my code word?")
+    cold = api.client.chat.completions.create(
+        model=MODEL, messages=histories["c4"][:-1], temperature=0, max_tokens=12,
+        extra_body={"prompt_cache_key": "c4-cold"},
+    )  # fmt: skip
+    assert newest.usage.prompt_tokens_details.cached_tokens > 0
+    assert newest.choices[0].message.content == cold.choices[0].message.content
+
+    # a spilled conversation comes back from disk with its cache
+    resumed = turn(api, "c1", histories["c1"], "What is my code word?")
+    assert resumed.usage.prompt_tokens_details.cached_tokens > 0
+    assert api.metrics()["h2o_sessions_restored_total"] >= 1
+    assert not api.sessions()["c1"]["spilled"]
+
+
+def test_without_spill_dir_old_sessions_are_dropped(tmp_path):
+    with running_server(tmp_path, "--kv-budget", str(BUDGET), "--max-sessions", "1") as api:
+        a, b = [], []
+        turn(api, "a", a, "Hello, I am A.")
+        turn(api, "b", b, "Hello, I am B.")
+        assert "a" not in api.sessions()
+        assert api.metrics()["h2o_sessions_dropped_total"] == 1
+        again = turn(api, "a", a, "Who am I?")  # rebuilt from the history the client sends
+        assert again.usage.prompt_tokens_details.cached_tokens == 0
+        assert again.choices[0].message.content

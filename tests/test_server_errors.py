@@ -1,0 +1,61 @@
+"""Bad input gets a 4xx in OpenAI's error shape, never a 500."""
+
+from __future__ import annotations
+
+import pytest
+from server_harness import MODEL
+
+OK = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+CASES = {
+    "malformed json": b'{"model": "x", "messages": [',
+    "not an object": b"[1, 2, 3]",
+    "wrong types": {**OK, "temperature": "hot", "max_tokens": "many"},
+    "empty messages": {**OK, "messages": []},
+    "unknown role": {**OK, "messages": [{"role": "wizard", "content": "hi"}]},
+    "negative max_tokens": {**OK, "max_tokens": -5},
+    "huge max_tokens": {**OK, "max_tokens": 10**9},
+    "unknown model": {**OK, "model": "gpt-9"},
+    "bad session id": {**OK, "prompt_cache_key": "../../etc/passwd"},
+    "invalid utf-8": b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", '
+    b'"content": "\xff\xfe"}]}',
+    "bad stop": {**OK, "stop": ["a", "b", "c", "d", "e"]},
+    "bad kv_cache": {**OK, "kv_cache": {"max_kv": 10**9}},
+    "unknown kv policy": {**OK, "kv_cache": {"policy": "lru"}},
+    "image content": {
+        **OK,
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+    },
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_request_gets_openai_error(api, case):
+    r = api.post("/v1/chat/completions", CASES[case])
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    error = r.json()["error"]
+    assert error["message"] and error["type"]
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_bad_session_header(api):
+    r = api.post("/v1/chat/completions", OK, headers={"X-Session-ID": "a b/c"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_session_id"
+
+
+def test_full_policy_rejects_a_prompt_longer_than_its_context(api):
+    long = {"role": "user", "content": "word " * 400}
+    body = {**OK, "messages": [long], "kv_cache": {"policy": "full", "max_kv": 128}}
+    r = api.post("/v1/chat/completions", body)
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_unknown_route_and_method(api):
+    assert api.get("/v1/nothing").status_code == 404
+    assert api.get("/v1/nothing").json()["error"]["type"]
+    assert api.get("/v1/chat/completions").status_code == 405
+
+
+def test_server_still_healthy_after_bad_input(api):
+    r = api.post("/v1/chat/completions", OK)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None

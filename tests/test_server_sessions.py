@@ -1,0 +1,131 @@
+"""Conversations across turns: cache reuse, isolation, concurrency and disconnects."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from server_harness import MODEL
+
+FACTS = {
+    "a": "My name is Alice and my favourite colour is green.",
+    "b": "My name is Bob and I keep three goats on a farm.",
+}
+
+
+def chat(api, messages, key=None, max_tokens=24, **kw):
+    extra = {"prompt_cache_key": key} if key else {}
+    return api.client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=max_tokens, extra_body=extra, **kw
+    )
+
+
+def test_second_turn_reuses_the_first(api):
+    key = f"t-{uuid.uuid4().hex[:8]}"
+    messages = [{"role": "user", "content": FACTS["a"] + " Say hello."}]
+    first = chat(api, messages, key)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "What is my name?"},
+    ]
+    second = chat(api, messages, key)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    turn1 = first.usage.prompt_tokens + first.usage.completion_tokens
+    assert turn1 - 3 <= cached < second.usage.prompt_tokens  # minus template slack
+    session = api.sessions()[key]
+    assert session["logical_tokens"] >= second.usage.prompt_tokens
+    assert session["policy"] == "h2o" and session["max_kv"] > 0 and session["bytes"] > 0
+
+
+def test_anonymous_follow_up_is_found_by_prefix(api):
+    messages = [{"role": "user", "content": "Remember the number 4812. Reply with OK."}]
+    first = chat(api, messages, max_tokens=8)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Which number?"},
+    ]
+    second = chat(api, messages, max_tokens=8)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+
+
+def test_interleaved_conversations_stay_apart(api):
+    """A and B alternate turns on their own sessions; each second turn equals a cold run."""
+    run = uuid.uuid4().hex[:6]
+    histories = {n: [{"role": "user", "content": FACTS[n] + " Say hello."}] for n in FACTS}
+    for n in FACTS:  # turn 1 of A, then of B
+        r = chat(api, histories[n], key=f"{n}-{run}")
+        histories[n] += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": "Tell me what you know about me."},
+        ]
+    warm = {n: chat(api, histories[n], key=f"{n}-{run}") for n in FACTS}
+    for n in FACTS:
+        assert warm[n].usage.prompt_tokens_details.cached_tokens > 0
+        cold = chat(api, histories[n], key=f"cold-{n}-{run}")
+        assert cold.usage.prompt_tokens_details.cached_tokens == 0
+        assert warm[n].choices[0].message.content == cold.choices[0].message.content
+    assert warm["a"].choices[0].message.content != warm["b"].choices[0].message.content
+
+
+def test_eight_concurrent_streams(api):
+    prompts = [f"Count from {i} to {i + 5}, separated by commas." for i in range(8)]
+
+    def expected(p):
+        return chat(api, [{"role": "user", "content": p}], max_tokens=16).choices[0].message.content
+
+    def streamed(p):
+        chunks = chat(api, [{"role": "user", "content": p}], max_tokens=16, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in chunks)
+
+    solo = [expected(p) for p in prompts]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(streamed, prompts))
+    assert together == solo
+
+
+def test_disconnect_stops_generation(api):
+    before = api.metrics()
+    conn = api.connection()
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a very long essay about rivers."}],
+        "max_tokens": 4000,
+        "stream": True,
+    }
+    conn.request(
+        "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
+    r = conn.getresponse()
+    assert r.status == 200
+    seen = b""
+    while seen.count(b"data:") < 4:
+        seen += r.read1(256)
+    conn.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 30
+    while True:
+        m = api.metrics()
+        if m["h2o_requests_cancelled_total"] > before["h2o_requests_cancelled_total"]:
+            break
+        assert time.monotonic() < deadline, "generation did not stop"
+        time.sleep(0.2)
+    assert m["h2o_active_generations"] == 0
+    assert m["h2o_completion_tokens_total"] - before["h2o_completion_tokens_total"] < 100
+    # the server keeps serving
+    assert (
+        "Paris"
+        in chat(api, [{"role": "user", "content": "What is the capital of France?"}])
+        .choices[0]
+        .message.content
+    )
+
+
+def test_delete_session(api):
+    key = f"del-{uuid.uuid4().hex[:8]}"
+    chat(api, [{"role": "user", "content": "Hi"}], key=key, max_tokens=4)
+    assert key in api.sessions()
+    assert api.request("DELETE", f"/v1/sessions/{key}").status_code == 200
+    assert key not in api.sessions()
+    assert api.request("DELETE", f"/v1/sessions/{key}").status_code == 404
