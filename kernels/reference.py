@@ -60,12 +60,9 @@ def _apply_mask(
     if m is None:
         return scores
     scores = scores.reshape(B, n_kv, rep, L_q, L_k)
-    if m.ndim == 4:  # [B or 1, 1 or n_q, L_q, L_k]
-        m = (
-            m.reshape(m.shape[0], n_kv, rep, L_q, L_k)
-            if m.shape[1] == n_kv * rep
-            else m[:, :, None]
-        )
+    if m.ndim >= 3:  # [(B or 1,) n_q or 1, L_q or 1, L_k or 1]: numpy broadcasting
+        m = m.reshape((1,) * (4 - m.ndim) + m.shape)
+        m = m.reshape(m.shape[0], n_kv, rep, *m.shape[2:]) if m.shape[1] > 1 else m[:, :, None]
     if m.dtype == mx.bool_:
         scores = mx.where(m, scores, -mx.inf)
     else:

@@ -1,5 +1,14 @@
-"""Attention kernels with score export: reference against independent oracles, every
-backend present on this machine against the reference, dispatch, and source assembly."""
+"""Attention kernels with score export.
+
+- the reference against a float64 numpy oracle, and the quantized reference against the
+  dense one on dequantized K/V;
+- every kernel backend present against the reference: metal, cuda, and "emulated" (the
+  shared Metal/CUDA bodies and launch code run on the CPU, so even a machine without a
+  GPU executes the kernel logic);
+- dispatch (auto, H2O_KERNEL, force_backend);
+- source assembly: Metal and CUDA built from the same body text, and that text parsed as
+  mx.fast would generate it.
+"""
 
 import re
 import subprocess
@@ -311,6 +320,35 @@ def test_strided_views(name):
     want_out, want_scores = reference.sdpa_with_scores(q, k, v, 0.125)
     assert_close(scores, want_scores, 1e-5, "scores")
     assert_close(out, want_out, 1e-5, "out")
+
+
+MASK_SHAPES = [(6, 2, 50), (6, 1, 50), (2, 1, 1, 50), (2, 6, 1, 50), (1, 50), (2, 50)]
+
+
+@pytest.mark.parametrize("shape", MASK_SHAPES, ids=str)
+def test_reference_broadcasts_masks_like_numpy(shape):
+    q, k, v, _ = make_inputs(50, 64, 3, L_q=2, B=2)  # scores [2, 6, 2, 50]
+    keep = mx.random.uniform(shape=shape, key=mx.random.key(1)) < 0.7
+    full = mx.broadcast_to(keep, (2, 6, 2, 50))
+    want_out, want_scores = numpy_attention(q, k, v, 0.1, full)
+    for m in (keep, mx.where(keep, 0.0, -mx.inf)):  # boolean and additive forms
+        out, scores = reference.sdpa_with_scores(q, k, v, 0.1, m)
+        assert_close(scores, want_scores, 1e-5, "scores")
+        assert_close(out, want_out, 1e-5, "out")
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_kernel_broadcasts_masks(name):
+    backend = kernel_backend(name)
+    q, k, v, _ = make_inputs(50, 64, 3, L_q=2, B=2)
+    for shape in MASK_SHAPES:
+        keep = mx.random.uniform(shape=shape, key=mx.random.key(2)) < 0.7
+        for m in (keep, mx.where(keep, 0.0, -mx.inf)):
+            assert backend.supports(q, k, m)
+            out, scores = backend.sdpa_with_scores(q, k, v, 0.1, m)
+            want_out, want_scores = reference.sdpa_with_scores(q, k, v, 0.1, m)
+            assert_close(scores, want_scores, 1e-5, f"scores, mask {shape}")
+            assert_close(out, want_out, 1e-5, f"out, mask {shape}")
 
 
 # --- shape support ---------------------------------------------------------------------
