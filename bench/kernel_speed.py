@@ -23,14 +23,15 @@ import config  # noqa: F401  (loads OpenBLAS before mlx)
 
 import mlx.core as mx
 
-from kernels import available_backends, dispatch
+from kernels import available_backends
+from kernels.dispatch import get_backend
 
 N_Q_HEADS, N_KV_HEADS, HEAD_DIM, GROUP_SIZE = 9, 3, 64, 64
 
 
 def make_cases(backend: str, L_k: int, dtype: mx.Dtype) -> dict[str, Callable[[], object]]:
     """label -> a thunk running one decode attention call (unevaluated)."""
-    impl = dispatch._BACKENDS[backend]
+    impl = get_backend(backend)
     q = mx.random.normal((1, N_Q_HEADS, 1, HEAD_DIM)).astype(dtype)
     k = mx.random.normal((1, N_KV_HEADS, L_k, HEAD_DIM)).astype(dtype)
     v = mx.random.normal((1, N_KV_HEADS, L_k, HEAD_DIM)).astype(dtype)
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{backend} L_k={L_k} round {r + 1}: {label}: {ms:.3f} ms", file=sys.stderr
                     )
 
+    dtype_name = str(dtype).removeprefix("mlx.core.")
     rows = [
         "| backend | L_k | case | ms per call (median) | vs dense |",
         "|---|---|---|---|---|",
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             f"Command: `python -m bench.kernel_speed {' '.join(argv or sys.argv[1:])}`",
             "",
             f"Machine: {platform.machine()} {platform.system()}, MLX {mx.__version__}, "
-            f"device {mx.default_device()}, dtype {dtype}; one layer, L_q 1, "
+            f"device {mx.default_device()}, {dtype_name}; one layer, L_q 1, "
             f"{N_Q_HEADS}:{N_KV_HEADS} heads, head dim {HEAD_DIM}, group size {GROUP_SIZE}; "
             f"median of {args.rounds} rounds of {args.iters} calls.",
             "",

@@ -57,6 +57,11 @@ def force_backend(name: str | None) -> None:
     _forced = None if name in (None, AUTO) else _check_forcible(name, "force_backend")
 
 
+def get_backend(name: str) -> Backend:
+    """One backend's functions, called directly (benchmarks, tests); no fallback."""
+    return _BACKENDS[_check_forcible(name, "backend")]
+
+
 def available_backends() -> list[str]:
     return [name for name in _BACKENDS if _is_available(name)]
 

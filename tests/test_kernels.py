@@ -433,6 +433,12 @@ def test_force_backend_beats_env_and_resets(auto_dispatch, monkeypatch):
         dispatch.select_backend(q, k)
 
 
+def test_get_backend():
+    assert dispatch.get_backend("reference").quantized is reference.quantized_sdpa_with_scores
+    with pytest.raises(ValueError, match="not available"):
+        dispatch.get_backend(unavailable_backend())
+
+
 def test_dispatch_quantized(auto_dispatch, monkeypatch):
     q, k, v, m = make_inputs(64, 64, 3, mask="causal", L_q=3)
     k_q, v_q = quantize(k, 32, 4), quantize(v, 32, 4)
