@@ -23,7 +23,7 @@ namespace emu {
 
 constexpr int WARP = 32;
 constexpr int MAX_WARPS = 32;
-constexpr size_t STACK_BYTES = 256 * 1024;
+constexpr size_t STACK_BYTES = 64 * 1024;  // the bodies keep a few small arrays
 
 struct Fiber {
   ucontext_t context;
