@@ -9,9 +9,12 @@ STAMP := $(VENV)/.installed
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
+	# OpenBLAS: 40x faster float32 matmuls on MLX's CPU backend. A C++ compiler:
+	# the kernel tests run the Metal/CUDA kernel bodies through a CPU emulation.
 	@if [ "$$(uname -s)" = Linux ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
-	    && ! ls /usr/lib/*/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then \
-	    apt-get update -qq && apt-get install -y -qq libopenblas0-pthread; fi
+	    && { ! ls /usr/lib/*/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1 \
+	         || ! command -v c++ >/dev/null; }; then \
+	    apt-get update -qq && apt-get install -y -qq libopenblas0-pthread g++; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev]"

@@ -70,6 +70,7 @@ class ServerSettings(BaseSettings):
     spill_dir: str | None = Field(
         None, description="folder for sessions spilled from memory (unset: drop them)"
     )
+    kernel: str = Field("auto", description="attention backend: auto, reference, metal, cuda")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>'")
     allowed_origins: list[str] = Field(default_factory=list, description="CORS origins")
     log_level: str = "info"

@@ -10,6 +10,7 @@ from config.settings import ServerSettings
 
 from cache import POLICIES, install_router, make_cache, split_budget
 from cache.budget import CachePlan, ModelShape, max_kv_within, parse_bytes, plan_cache
+from kernels import force_backend
 from server.models import DEFAULT_MODEL, load_model, on_cpu
 from server.protocol import CacheOptions
 from server.sessions import CacheSpec, SessionStore
@@ -47,6 +48,7 @@ class Engine:
         budget = (
             auto_kv_budget() if settings.kv_budget == "auto" else parse_bytes(settings.kv_budget)
         )
+        force_backend(settings.kernel)  # raises on a backend this machine lacks
         model, tokenizer = load_model(settings.model)
         shape = ModelShape.of(model, element_bytes=4 if on_cpu() else 2)
         plan = plan_cache(shape, settings.policy, budget, settings.max_sessions, settings.preset)
