@@ -33,10 +33,13 @@ class Response:
 
 
 class Server:
-    def __init__(self, port: int, process: subprocess.Popen, log: Path):
+    def __init__(self, port: int, process: subprocess.Popen, log: Path, api_key: str | None):
         self.port, self.process, self.log = port, process, log
+        self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = f"http://127.0.0.1:{port}"
-        self.client = openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0)
+        self.client = openai.OpenAI(
+            base_url=self.base_url + "/v1", api_key=api_key or "unused", max_retries=0
+        )
 
     def connection(self, timeout: float = 120) -> http.client.HTTPConnection:
         return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
@@ -53,7 +56,7 @@ class Server:
                 method,
                 path,
                 body=body,
-                headers={"Content-Type": "application/json", **(headers or {})},
+                headers={"Content-Type": "application/json", **self.auth, **(headers or {})},
             )
             r = conn.getresponse()
             return Response(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
@@ -94,7 +97,8 @@ def running_server(tmp: Path, *flags: str, timeout: float = 120) -> Iterator[Ser
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-    server = Server(port, process, log)
+    api_key = flags[flags.index("--api-key") + 1] if "--api-key" in flags else None
+    server = Server(port, process, log, api_key)
     try:
         deadline = time.monotonic() + timeout
         while True:

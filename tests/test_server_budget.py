@@ -61,7 +61,12 @@ def test_old_sessions_spill_and_resume(spilling):
 
 
 def test_without_spill_dir_old_sessions_are_dropped(tmp_path):
-    with running_server(tmp_path, "--kv-budget", str(BUDGET), "--max-sessions", "1") as api:
+    flags = ["--kv-budget", str(BUDGET), "--max-sessions", "1", "--api-key", "s3cret"]
+    with running_server(tmp_path, *flags) as api:
+        wrong = {"Authorization": "Bearer nope"}
+        denied = api.post("/v1/chat/completions", {"model": MODEL, "messages": []}, wrong)
+        assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+        assert api.get("/health").status_code == 200  # probes need no key
         a, b = [], []
         turn(api, "a", a, "Hello, I am A.")
         turn(api, "b", b, "Hello, I am B.")
