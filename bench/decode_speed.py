@@ -11,7 +11,6 @@ the median over rounds is reported.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import time
@@ -21,6 +20,7 @@ import config  # noqa: F401  (loads OpenBLAS before mlx)
 
 import mlx.core as mx
 
+from bench.report import command, machine, publish
 from bench.text import essay_token_ids
 from cache import make_cache
 from server.models import load_model
@@ -83,26 +83,15 @@ def main(argv: list[str] | None = None) -> int:
             per_round = [a / b for a, b in zip(tps[label], tps[base], strict=True)]
             ratio = f"{statistics.median(per_round):.3f}"
         rows.append(f"| {label} | {statistics.median(tps[label]):.2f} | {ratio} | {base or ''} |")
-    command = "python -m bench.decode_speed " + " ".join(argv if argv is not None else sys.argv[1:])
-    report = "\n".join(
-        [
-            "# Decode speed by cache policy",
-            "",
-            f"Model `{args.model}`, {args.context} tokens of context, {args.steps} timed "
-            f"decode steps, {args.rounds} interleaved rounds; ratio = median of per-round ratios.",
-            f"Machine: {platform.machine()}, {platform.system()}, MLX {mx.__version__}, "
-            f"device {mx.default_device()}.",
-            "",
-            f"Command: `{command.strip()}`",
-            "",
-            *rows,
-            "",
-        ]
+    publish(
+        "Decode speed by cache policy",
+        f"Model `{args.model}`, {args.context} tokens of context, {args.steps} timed "
+        f"decode steps, {args.rounds} interleaved rounds; ratio = median of per-round ratios. "
+        f"Machine: {machine()}.",
+        command("bench.decode_speed", argv),
+        rows,
+        args.out,
     )
-    print(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
     return 0
 
 

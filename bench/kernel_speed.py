@@ -12,7 +12,6 @@ a fused kernel. Cases interleave within a round; the median over rounds is repor
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import time
@@ -23,6 +22,7 @@ import config  # noqa: F401  (loads OpenBLAS before mlx)
 
 import mlx.core as mx
 
+from bench.report import command, machine, publish
 from kernels import available_backends
 from kernels.dispatch import get_backend
 
@@ -105,25 +105,15 @@ def main(argv: list[str] | None = None) -> int:
         ms = statistics.median(times)
         dense = statistics.median(results[(backend, L_k, "dense")])
         rows.append(f"| {backend} | {L_k} | {label} | {ms:.3f} | {ms / dense:.2f}x |")
-    report = "\n".join(
-        [
-            "# Decode attention time per kernel backend",
-            "",
-            f"Command: `python -m bench.kernel_speed {' '.join(argv or sys.argv[1:])}`",
-            "",
-            f"Machine: {platform.machine()} {platform.system()}, MLX {mx.__version__}, "
-            f"device {mx.default_device()}, {dtype_name}; one layer, L_q 1, "
-            f"{N_Q_HEADS}:{N_KV_HEADS} heads, head dim {HEAD_DIM}, group size {GROUP_SIZE}; "
-            f"median of {args.rounds} rounds of {args.iters} calls.",
-            "",
-            *rows,
-            "",
-        ]
+    publish(
+        "Decode attention time per kernel backend",
+        f"Machine: {machine()}, {dtype_name}; one layer, L_q 1, "
+        f"{N_Q_HEADS}:{N_KV_HEADS} heads, head dim {HEAD_DIM}, group size {GROUP_SIZE}; "
+        f"median of {args.rounds} rounds of {args.iters} calls.",
+        command("bench.kernel_speed", argv),
+        rows,
+        args.out,
     )
-    print(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
     return 0
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import openai
 
+from bench.report import command, publish
 from bench.text import essay_text
 
 MODEL = "default"
@@ -132,32 +133,22 @@ def main(argv: list[str] | None = None) -> int:
             f"| {turn} | {prompt} | {cached} | {warm_s:.2f} | {cold_s:.2f} | {ratio:.1f}x |"
         )
     later = [cold_s / warm_s for _, _, _, warm_s, cold_s in rows[1:]]
-    command = "python -m bench.server_ttft " + " ".join(argv if argv is not None else sys.argv[1:])
-    report = "\n".join(
-        [
-            "# Time to first token: session cache vs cold request",
-            "",
-            f"Default model, server policy `{args.policy}`, `--kv-budget {args.kv_budget}`, "
-            f"{args.turns} turns of ~{args.passage_chars} characters of essay text, replies of "
-            f"{args.reply_tokens} tokens, greedy. Warm = the conversation's own session (only "
-            "the new turn is prefilled); cold = the same history under a fresh session key. "
-            f"Machine: {platform.machine()} {platform.system()}, {os.cpu_count()} cores.",
-            "",
-            f"Command: `{command.strip()}`",
-            "",
-            *table,
-            "",
-            f"Median cold/warm ratio over turns 2..{args.turns}: "
-            f"**{statistics.median(later):.1f}x**."
-            if later
-            else "",
-            "",
-        ]
+    summary = (
+        f"Median cold/warm ratio over turns 2..{args.turns}: **{statistics.median(later):.1f}x**."
+        if later
+        else ""
     )
-    print(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
+    publish(
+        "Time to first token: session cache vs cold request",
+        f"Default model, server policy `{args.policy}`, `--kv-budget {args.kv_budget}`, "
+        f"{args.turns} turns of ~{args.passage_chars} characters of essay text, replies of "
+        f"{args.reply_tokens} tokens, greedy. Warm = the conversation's own session (only "
+        "the new turn is prefilled); cold = the same history under a fresh session key. "
+        f"Machine: {platform.machine()} {platform.system()}, {os.cpu_count()} cores.",
+        command("bench.server_ttft", argv),
+        [*table, "", summary],
+        args.out,
+    )
     return 0
 
 

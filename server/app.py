@@ -143,48 +143,18 @@ def create_app(settings: ServerSettings, load_engine=Engine.load) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(
-        body: ChatCompletionRequest,
-        request: Request,
-        x_session_id: str | None = Header(None),
+        body: ChatCompletionRequest, request: Request, x_session_id: str | None = Header(None)
     ):
-        engine = worker.engine
-        _check_model(engine, body.model)
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in body.messages
-        ]
-        try:
-            prompt = await run_in_threadpool(
-                engine.tokenizer.apply_chat_template, messages, add_generation_prompt=True
-            )
-        except Exception as e:  # the template rejects the conversation (roles, order)
-            raise APIError(400, f"the chat template rejected the messages: {e}") from None
-        job = _make_job(worker, body, prompt, body.prompt_cache_key or x_session_id)
-        builder = ReplyBuilder("chat", engine.model_id, engine.tokenizer, body.include_usage())
-        return await _respond(worker, job, request, body.stream, builder)
+        prompt = await _chat_prompt(worker.engine, body)
+        return await _generate(worker, body, prompt, request, x_session_id, "chat")
 
     @app.post("/v1/completions")
     async def completions(
-        body: CompletionRequest,
-        request: Request,
-        x_session_id: str | None = Header(None),
+        body: CompletionRequest, request: Request, x_session_id: str | None = Header(None)
     ):
-        engine = worker.engine
-        _check_model(engine, body.model)
-        if isinstance(body.prompt, str):
-            prompt = await run_in_threadpool(engine.tokenizer.encode, body.prompt)
-        else:
-            vocab = engine.tokenizer.vocab_size
-            if any(not 0 <= t < vocab for t in body.prompt):
-                raise APIError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
-            prompt = body.prompt
-        if not prompt:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        job = _make_job(worker, body, prompt, body.prompt_cache_key or x_session_id)
-        builder = ReplyBuilder("text", engine.model_id, engine.tokenizer, body.include_usage())
-        if body.echo and isinstance(body.prompt, str):
-            builder.echo = body.prompt
-        return await _respond(worker, job, request, body.stream, builder)
+        prompt = await _text_prompt(worker.engine, body)
+        echo = body.prompt if body.echo and isinstance(body.prompt, str) else ""
+        return await _generate(worker, body, prompt, request, x_session_id, "text", echo)
 
     return app
 
@@ -209,6 +179,49 @@ def _check_session_id(session_id: str) -> None:
             "a session id is 1-128 characters of letters, digits and . _ : -",
             "invalid_session_id",
         )
+
+
+async def _chat_prompt(engine: Engine, body: ChatCompletionRequest) -> list[int]:
+    _check_model(engine, body.model)
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for m in body.messages
+    ]
+    try:
+        return await run_in_threadpool(
+            engine.tokenizer.apply_chat_template, messages, add_generation_prompt=True
+        )
+    except Exception as e:  # the template rejects the conversation (roles, order)
+        raise APIError(400, f"the chat template rejected the messages: {e}") from None
+
+
+async def _text_prompt(engine: Engine, body: CompletionRequest) -> list[int]:
+    _check_model(engine, body.model)
+    if isinstance(body.prompt, str):
+        prompt = await run_in_threadpool(engine.tokenizer.encode, body.prompt)
+    else:
+        vocab = engine.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in body.prompt):
+            raise APIError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
+        prompt = body.prompt
+    if not prompt:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    return prompt
+
+
+async def _generate(
+    worker: Worker,
+    body: SamplingRequest,
+    prompt: list[int],
+    request: Request,
+    session_header: str | None,
+    kind: str,
+    echo: str = "",
+):
+    job = _make_job(worker, body, prompt, body.prompt_cache_key or session_header)
+    engine = worker.engine
+    builder = ReplyBuilder(kind, engine.model_id, engine.tokenizer, body.include_usage(), echo)
+    return await _respond(job, request, body.stream, builder)
 
 
 def _make_job(worker: Worker, body: SamplingRequest, prompt: list[int], key: str | None) -> Job:
@@ -276,7 +289,7 @@ async def _events(job: Job, request: Request) -> AsyncIterator:
         job.cancelled.set()  # no-op once the job has finished
 
 
-async def _respond(worker: Worker, job: Job, request: Request, stream: bool, reply: ReplyBuilder):
+async def _respond(job: Job, request: Request, stream: bool, reply: ReplyBuilder):
     events = _events(job, request)
     first = await anext(events, None)
     if first is None:  # the client left while queued

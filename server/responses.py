@@ -11,12 +11,12 @@ from server.protocol import new_id, now
 
 
 class ReplyBuilder:
-    def __init__(self, kind: str, model: str, tokenizer, include_usage: bool):
+    def __init__(self, kind: str, model: str, tokenizer, include_usage: bool, echo: str = ""):
         self.kind, self.model, self.tokenizer = kind, model, tokenizer
         self.include_usage = include_usage
         self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
         self.created = now()
-        self.echo = ""
+        self.echo = echo  # /v1/completions with echo: the prompt leads the text
         self.text = ""
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
