@@ -16,9 +16,9 @@ FACTS = {
 
 
 def chat(api, messages, key=None, max_tokens=24, **kw):
-    extra = {"prompt_cache_key": key} if key else {}
+    kw.setdefault("extra_body", {"prompt_cache_key": key} if key else {})
     return api.client.chat.completions.create(
-        model=MODEL, messages=messages, temperature=0, max_tokens=max_tokens, extra_body=extra, **kw
+        model=MODEL, messages=messages, temperature=0, max_tokens=max_tokens, **kw
     )
 
 
@@ -129,3 +129,37 @@ def test_delete_session(api):
     assert api.request("DELETE", f"/v1/sessions/{key}").status_code == 200
     assert key not in api.sessions()
     assert api.request("DELETE", f"/v1/sessions/{key}").status_code == 404
+
+
+def _edited_second_turn(api, key, kv_cache=None):
+    """Turn 2 sends turn 1's reply edited (as templates that strip text do); returns
+    the warm reply, its usage, and the reply of the same history sent cold."""
+    extra = {"kv_cache": kv_cache} if kv_cache else {}
+    messages = [{"role": "user", "content": FACTS["b"] + " Tell me about goats in detail."}]
+    first = chat(api, messages, max_tokens=40, extra_body={"prompt_cache_key": key, **extra})
+    reply = first.choices[0].message.content
+    messages += [
+        {"role": "assistant", "content": reply[: len(reply) // 2].rstrip()},
+        {"role": "user", "content": "How many goats do I have?"},
+    ]
+    warm = chat(api, messages, max_tokens=16, extra_body={"prompt_cache_key": key, **extra})
+    cold_key = key + "-cold"
+    cold = chat(api, messages, max_tokens=16, extra_body={"prompt_cache_key": cold_key, **extra})
+    return first, warm, cold
+
+
+def test_reply_rendered_differently_rewinds_the_cache(api):
+    first, warm, cold = _edited_second_turn(api, f"edit-{uuid.uuid4().hex[:8]}")
+    cached = warm.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens <= cached < first.usage.total_tokens
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+
+
+def test_rewind_across_an_eviction_rebuilds(api):
+    before = api.metrics()["h2o_sessions_rebuilt_total"]
+    small = {"policy": "h2o", "max_kv": 32}
+    first, warm, cold = _edited_second_turn(api, f"evict-{uuid.uuid4().hex[:8]}", small)
+    assert first.usage.total_tokens > 32  # turn 1 evicted
+    assert warm.usage.prompt_tokens_details.cached_tokens == 0
+    assert api.metrics()["h2o_sessions_rebuilt_total"] == before + 1
+    assert warm.choices[0].message.content == cold.choices[0].message.content
