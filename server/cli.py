@@ -10,6 +10,8 @@ from config.settings import CacheSettings
 
 from pydantic import ValidationError
 
+from bench.eval_cli import add_eval_parser
+
 
 def _add_cache_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("KV cache")
@@ -96,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--prefill-step", type=int, default=512)
     _add_cache_flags(chat)
     _add_serve_parser(sub)
+    add_eval_parser(sub)  # bench.eval_cli: `h2o-server eval ...`; bench loads lazily inside
     return parser
 
 
@@ -232,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_chat(args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "eval":
+            return args.run_eval(args)
     except ValidationError as e:
         reasons = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
         print(f"h2o-server: invalid settings: {reasons}", file=sys.stderr)

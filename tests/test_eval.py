@@ -1,0 +1,127 @@
+"""`h2o-server eval ...` on tiny settings: output shape and sanity, no numbers as goals.
+
+Each subcommand runs once in-process through `server.cli.main` on the default
+model (64-token samples, 16-token caches, one sample) and the tests check
+the records it printed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from server.cli import main
+
+SEQ = 64
+PPL_KEYS = {
+    "policy", "max_kv", "evict_batch", "seq_len", "score", "preset", "samples", "ppl", "mode",
+    "prefill",
+}  # fmt: skip
+TP_KEYS = {
+    "policy", "max_kv", "evict_batch", "score", "preset", "context", "rounds", "steps", "prefill_tps",
+    "decode_tps", "prefill_ratio", "decode_ratio", "peak_mem_bytes", "rss_bytes", "cache_bytes",
+}  # fmt: skip
+
+
+def run_json(capsys, *argv: str) -> list[dict]:
+    assert main(["eval", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def find(records: list[dict], **fields) -> dict:
+    hits = [r for r in records if all(r[k] == v for k, v in fields.items())]
+    assert len(hits) == 1, (fields, hits)
+    return hits[0]
+
+
+@pytest.fixture
+def ppl_run(capsys) -> list[dict]:
+    return run_json(
+        capsys, "ppl", "--policy", "full", "rotating", "h2o", "--max-kv", "16", str(SEQ),
+        "--score", "attn", "ema", "--seq-len", "32", str(SEQ), "--samples", "1",
+    )  # fmt: skip
+
+
+def test_ppl_records(ppl_run, default_model, tmp_path):
+    import mlx.core as mx
+
+    from bench.plots import plot_all
+    from bench.ppl import sample_windows, token_nll
+
+    records = ppl_run
+    assert all(set(r) == PPL_KEYS for r in records)
+    # full once; rotating per max_kv; h2o per max_kv x score; each at both lengths
+    assert len(records) == 2 * (1 + 2 + 4)
+    assert all(math.isfinite(r["ppl"]) and r["ppl"] > 1 for r in records)
+    assert {r["mode"] for r in records} == {"autoregressive"}
+
+    # The full cache, token by token, equals one forward pass over the same tokens.
+    model, tokenizer = default_model
+    tokens = sample_windows(tokenizer, 1, SEQ)
+    one_shot = math.exp(mx.mean(token_nll(model(tokens[:, :-1]), tokens[:, 1:])).item())
+    full = find(records, policy="full", seq_len=SEQ)["ppl"]
+    assert full == pytest.approx(one_shot, rel=1e-4)
+
+    # A cache as large as the sample never evicts: it matches the full cache.
+    for score in ("attn", "ema"):
+        assert find(records, policy="h2o", max_kv=SEQ, score=score, seq_len=SEQ)[
+            "ppl"
+        ] == pytest.approx(full, rel=1e-4)
+    assert find(records, policy="rotating", max_kv=SEQ, seq_len=SEQ)["ppl"] == pytest.approx(
+        full, rel=1e-4
+    )
+
+    pngs = plot_all(records, tmp_path)
+    assert {p.name for p in pngs} == {"ppl_vs_max_kv_64.png", "ppl_vs_seq_len_16.png",
+                                      "ppl_vs_seq_len_64.png", "ppl_vs_max_kv_32.png"}  # fmt: skip
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+def test_ppl_modes_are_labelled_and_full_matches(capsys):
+    args = ("--policy", "full", "--seq-len", str(SEQ), "--samples", "1")
+    auto = run_json(capsys, "ppl", *args)[0]
+    one_shot = run_json(capsys, "ppl", *args, "--full-one-shot")[0]
+    chunked = run_json(capsys, "ppl", *args, "--mode", "chunked", "--chunk", "16")[0]
+    assert (one_shot["mode"], chunked["mode"]) == ("one-shot", "chunked-16")
+    assert one_shot["ppl"] == pytest.approx(auto["ppl"], rel=1e-4)
+    assert chunked["ppl"] == pytest.approx(auto["ppl"], rel=1e-4)
+
+
+def test_throughput_records(capsys, tmp_path):
+    from bench.plots import plot_memory_vs_context, plot_tps_vs_context
+
+    records = run_json(
+        capsys, "throughput", "--policy", "rotating", "h2o", "--max-kv", "16",
+        "--context", "32", "64", "--steps", "2", "--rounds", "1",
+    )  # fmt: skip
+    assert all(set(r) == TP_KEYS for r in records)
+    # full is always measured as the baseline
+    assert [(r["policy"], r["context"]) for r in records] == [
+        (p, c) for p in ("full", "rotating", "h2o") for c in (32, 64)
+    ]
+    for r in records:
+        for key in TP_KEYS - {"policy", "max_kv", "evict_batch", "score", "preset"}:
+            assert r[key] > 0, (key, r)
+    assert all(
+        r["decode_ratio"] == 1 == r["prefill_ratio"] for r in records if r["policy"] == "full"
+    )
+    for plot in (plot_tps_vs_context, plot_memory_vs_context):
+        png = plot(records, tmp_path / f"{plot.__name__}.png")
+        assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_recall_reports_unavailable_or_runs(capsys):
+    if not (Path(__file__).resolve().parents[1] / "bench" / "recall.py").exists():
+        assert main(["eval", "recall"]) == 2
+        assert "not available yet" in capsys.readouterr().err
+        return
+    records = run_json(capsys, "recall", "--policy", "full", "--samples", "1", "--max-kv", "32")
+    assert records and all(0 <= r["recall"] <= 1 for r in records)
+
+
+def test_unknown_policy_is_a_usage_error(capsys):
+    assert main(["eval", "ppl", "--policy", "nope", "--seq-len", "8"]) == 2
+    assert "unknown policy" in capsys.readouterr().err
