@@ -200,7 +200,7 @@ async def _text_prompt(engine: Engine, body: CompletionRequest) -> list[int]:
     if isinstance(body.prompt, str):
         prompt = await run_in_threadpool(engine.tokenizer.encode, body.prompt)
     else:
-        vocab = engine.tokenizer.vocab_size
+        vocab = engine.vocab_size
         if any(not 0 <= t < vocab for t in body.prompt):
             raise APIError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
         prompt = body.prompt
@@ -232,6 +232,9 @@ def _make_job(worker: Worker, body: SamplingRequest, prompt: list[int], key: str
         spec = engine.spec_for(body.kv_cache)
     except ValueError as e:
         raise APIError(400, str(e), param="kv_cache") from None
+    vocab = engine.vocab_size
+    if body.logit_bias and any(not 0 <= t < vocab for t in body.logit_bias):
+        raise APIError(400, f"logit_bias token ids must lie in [0, {vocab})", param="logit_bias")
     max_tokens = body.token_limit()
     context = engine.shape.context
     if max_tokens is not None and max_tokens > context:

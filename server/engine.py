@@ -70,6 +70,11 @@ class Engine:
         )
         return engine
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a request may name (rows of the embedding)."""
+        return self.model.args.vocab_size
+
     def model_names(self) -> set[str]:
         """Names a request may use for this model."""
         return {self.model_id, self.settings.model, DEFAULT_MODEL}

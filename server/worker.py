@@ -160,26 +160,29 @@ class Worker:
             if len(self._active) >= self.settings.max_sessions:
                 still_waiting.append(job)
                 continue
+            session = None
             try:
                 session, reused = self.engine.store.acquire(job.session_key, job.prompt, job.spec)
+                gen = Generation(
+                    self.engine.model,
+                    self.engine.tokenizer,
+                    session,
+                    job.prompt,
+                    reused,
+                    job.params,
+                    self.settings.prefill_step,
+                )
             except SessionBusy:
                 still_waiting.append(job)  # same conversation, one turn at a time
                 continue
             except Exception as e:
                 log.exception("could not start a request")
+                if session is not None:
+                    self.engine.store.release(session, broken=True)
                 self._started(job)
                 self._fail(job, 500, f"could not prepare the session: {e}")
                 continue
             self._started(job)
-            gen = Generation(
-                self.engine.model,
-                self.engine.tokenizer,
-                session,
-                job.prompt,
-                reused,
-                job.params,
-                self.settings.prefill_step,
-            )
             job.emit(Started(session.id, reused))
             self._active.append((job, gen))
         self._waiting = still_waiting

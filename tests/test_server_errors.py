@@ -20,6 +20,8 @@ CASES = {
     b'"content": "\xff\xfe"}]}',
     "bad stop": {**OK, "stop": ["a", "b", "c", "d", "e"]},
     "bad kv_cache": {**OK, "kv_cache": {"max_kv": 10**9}},
+    "logit_bias out of vocab": {**OK, "logit_bias": {"99999999": 5}},
+    "logit_bias out of range": {**OK, "logit_bias": {"5": 500}},
     "unknown kv policy": {**OK, "kv_cache": {"policy": "lru"}},
     "image content": {
         **OK,
