@@ -410,6 +410,18 @@ def write_report(done: dict[str, dict], out: Path, minutes: float, g: dict = SCA
         )
     else:
         section("throughput", list)
+    lines += [
+        "## Run log",
+        "",
+        "| step | minutes | finished | code revision |",
+        "|---|---|---|---|",
+    ]
+    for name, step in done.items():
+        lines.append(
+            f"| {name} | {step['seconds'] / 60:.1f} | {step.get('finished', '')} | "
+            f"{step.get('revision', '')} |"
+        )
+    lines.append("")
     if not quantized_policies():
         lines += [
             "Quantized H2O policies (h2o-q8, h2o-q4, h2o-mixed) were not in this build; "
@@ -451,7 +463,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{name}] {command(step_argv)}", file=sys.stderr)
         t0 = time.time()
         records = run_step(step_argv)
-        done[name] = {"argv": step_argv, "records": records, "seconds": time.time() - t0}
+        done[name] = {
+            "argv": step_argv,
+            "records": records,
+            "seconds": time.time() - t0,
+            "revision": git_revision(),
+            "finished": datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M UTC"),
+        }
         args.records.write_text(json.dumps(done, indent=1))
         print(f"[{name}] {time.time() - t0:.0f}s", file=sys.stderr)
     path = write_report(done, args.out, (time.time() - started) / 60, grid)
