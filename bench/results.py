@@ -81,12 +81,15 @@ def plan(long_chunked: bool, g: dict = SCALE) -> list[tuple[str, list[str]]]:
     steps = [
         (
             "strategies",
-            ["eval", "ppl", "--policy", "full", "rotating", "h2o", *quantized_policies()]
-            + f"{strategy} --score attn ema --preset heavy balanced --full-one-shot".split(),
+            f"eval ppl --policy full rotating h2o {strategy} --score attn ema "
+            "--preset heavy balanced --full-one-shot",
         )
     ]
     if supports_evict_batch():
         steps.append(("strategies_evict1", f"eval ppl --policy h2o {strategy} --evict-batch 1"))
+    if quantized_policies():  # at the default score rule and preset only
+        policies = " ".join(quantized_policies())
+        steps.append(("strategies_quantized", f"eval ppl --policy {policies} {strategy}"))
     steps.append(
         (
             "throughput",
@@ -145,7 +148,8 @@ def pick(records: list[dict], **fields) -> dict | None:
     return hits[0] if hits else None
 
 
-def strategies_section(rows: list[dict], evict1: list[dict], cmds: list[str]) -> list[str]:
+def strategies_section(rows: list[dict], extra: list[dict], cmds: list[str]) -> list[str]:
+    """Table (a); `extra`: rows of the other strategy commands (evict batch 1, quantized)."""
     full = pick(rows, policy="full")["ppl"]
     rot = pick(rows, policy="rotating")
     out = [
@@ -159,13 +163,13 @@ def strategies_section(rows: list[dict], evict1: list[dict], cmds: list[str]) ->
         "| cache | score | preset | evict batch | perplexity | vs full | vs rotating |",
         "|---|---|---|---|---|---|---|",
     ]
-    for r in [*rows, *evict1]:
+    for r in [*rows, *extra]:
         vs_rot = pct(r["ppl"], rot["ppl"]) if r["policy"] not in ("full", "rotating") else ""
         out.append(
             f"| {r['policy']} | {r['score'] or ''} | {r['preset'] or ''} | "
             f"{r['evict_batch'] or ''} | {r['ppl']:.3f} | {pct(r['ppl'], full)} | {vs_rot} |"
         )
-    h2o = [r for r in [*rows, *evict1] if r["policy"].startswith("h2o")]
+    h2o = [r for r in [*rows, *extra] if r["policy"].startswith("h2o")]
     losers = [r for r in h2o if r["ppl"] >= rot["ppl"]]
     best = min(h2o, key=lambda r: r["ppl"])
     out += [
@@ -364,8 +368,12 @@ def write_report(done: dict[str, dict], out: Path, minutes: float, g: dict = SCA
         "strategies",
         lambda: strategies_section(
             steps["strategies"],
-            steps.get("strategies_evict1", []),
-            [cmds[n] for n in ("strategies", "strategies_evict1") if n in cmds],
+            steps.get("strategies_evict1", []) + steps.get("strategies_quantized", []),
+            [
+                cmds[n]
+                for n in ("strategies", "strategies_evict1", "strategies_quantized")
+                if n in cmds
+            ],
         ),
     )
     if "kv_sweep" in steps and "seq_sweep" in steps:
@@ -462,7 +470,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"[{name}] {command(step_argv)}", file=sys.stderr)
         t0 = time.time()
-        records = run_step(step_argv)
+        try:
+            records = run_step(step_argv)
+        except Exception as e:  # a broken step must not cost the others: report it missing
+            print(f"[{name}] FAILED: {type(e).__name__}: {e}", file=sys.stderr)
+            continue
         done[name] = {
             "argv": step_argv,
             "records": records,
@@ -472,8 +484,9 @@ def main(argv: list[str] | None = None) -> int:
         }
         args.records.write_text(json.dumps(done, indent=1))
         print(f"[{name}] {time.time() - t0:.0f}s", file=sys.stderr)
-    path = write_report(done, args.out, (time.time() - started) / 60, grid)
-    print(path)
+        # The report so far: an interrupted run still leaves its finished tables.
+        write_report(done, args.out, (time.time() - started) / 60, grid)
+    print(write_report(done, args.out, (time.time() - started) / 60, grid))
     return 0
 
 
