@@ -130,10 +130,17 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     tp.add_argument("--rounds", type=int, default=2, help="interleaved rounds (medians)")
     tp.add_argument("--prefill-step", type=int, default=512, help="prompt tokens per pass")
 
-    rc = ev_sub.add_parser("recall", help="long multi-turn chat recall (needs the session store)")
+    rc = ev_sub.add_parser("recall", help="long multi-turn chat recall through the server")
     _add_common_flags(rc, [])
-    rc.add_argument("--samples", type=int, default=4, help="trials per policy")
-    rc.add_argument("--turns", type=int, default=None, help="filler turns per trial")
+    rc.add_argument("--samples", type=int, default=4, help="trials (conversations) per cache")
+    rc.add_argument("--turns", type=int, default=None, help="filler turns (default: see below)")
+    rc.add_argument("--filler-tokens", type=int, default=200, help="essay tokens per filler turn")
+    rc.add_argument(
+        "--conversation-factor",
+        type=float,
+        default=4.0,
+        help="default filler turns make the conversation this many times the largest max_kv",
+    )
     ev.set_defaults(run_eval=run_eval)
 
 
@@ -234,11 +241,13 @@ def _recall_records(args: argparse.Namespace) -> list[dict[str, Any]]:
             "eval recall is not available yet: it runs through the server's session "
             "store (server/sessions.py), which this build does not have"
         )
+    from bench.recall import run_recall
+
+    progress = _Progress("chat")
     try:
-        from bench.recall import run_recall
-    except ImportError as e:
-        raise RecallUnavailable(f"eval recall is not available yet: {e}") from None
-    return run_recall(args)
+        return run_recall(args, progress)
+    finally:
+        progress.close()
 
 
 def markdown_table(records: list[dict[str, Any]]) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 
@@ -21,8 +20,9 @@ PPL_KEYS = {
     "prefill",
 }  # fmt: skip
 TP_KEYS = {
-    "policy", "max_kv", "evict_batch", "score", "preset", "context", "rounds", "steps", "prefill_tps",
-    "decode_tps", "prefill_ratio", "decode_ratio", "peak_mem_bytes", "rss_bytes", "cache_bytes",
+    "policy", "max_kv", "evict_batch", "score", "preset", "context", "rounds", "steps",
+    "prefill_tps", "decode_tps", "prefill_ratio", "decode_ratio", "peak_mem_bytes",
+    "rss_bytes", "cache_bytes",
 }  # fmt: skip
 
 
@@ -113,13 +113,17 @@ def test_throughput_records(capsys, tmp_path):
         assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_recall_reports_unavailable_or_runs(capsys):
-    if not (Path(__file__).resolve().parents[1] / "bench" / "recall.py").exists():
-        assert main(["eval", "recall"]) == 2
-        assert "not available yet" in capsys.readouterr().err
-        return
-    records = run_json(capsys, "recall", "--policy", "full", "--samples", "1", "--max-kv", "32")
-    assert records and all(0 <= r["recall"] <= 1 for r in records)
+def test_recall_goes_through_the_server_sessions(capsys):
+    records = run_json(
+        capsys, "recall", "--policy", "full", "h2o", "--max-kv", "32", "--samples", "1",
+        "--filler-tokens", "40", "--turns", "2",
+    )  # fmt: skip
+    assert [r["policy"] for r in records] == ["full", "h2o"]
+    for r in records:
+        assert 0 <= r["recall"] <= 1 and r["turns"] == 4 and r["samples"] == 1
+        assert r["conversation_tokens"] > 32  # longer than the H2O cache
+        # later turns found their session: the stored history was not prefilled again
+        assert 0 < r["cached_share"] < 1
 
 
 def test_unknown_policy_is_a_usage_error(capsys):

@@ -1,0 +1,164 @@
+"""Long multi-turn chat recall, through the real server.
+
+Each trial is one conversation sent to `/v1/chat/completions` of an in-process
+`h2o-server` (uvicorn on a free local port, the same app `serve` runs), with
+`prompt_cache_key` naming the conversation, so the session store finds its
+cache, prefills only the new turn and evicts as it would for any client. Turn 1
+states a fact (a name and a 4-digit number), filler turns paste essay
+passages until the conversation is many times max_kv long, and the last turn
+asks for the number. A trial scores 1 when the reply contains it (exact match
+of the digits). Every policy sees the same facts and passages (seeded per
+trial); replies are greedy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import socket
+import threading
+import time
+import urllib.request
+import uuid
+from typing import Any
+
+NAMES = ("Alice", "Bruno", "Chen", "Dara", "Emeka", "Freya", "Goran", "Hana", "Ivan", "Jun")
+FACT_REPLY_TOKENS = 16
+FILLER_REPLY_TOKENS = 4
+ANSWER_TOKENS = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    """`h2o-server serve` in this process, on a free port; a context manager."""
+
+    def __init__(self, model: str, kv_budget: str = "4GiB", max_sessions: int = 2):
+        from config.settings import ServerSettings
+
+        import uvicorn
+
+        from server.app import create_app
+
+        settings = ServerSettings(model=model, kv_budget=kv_budget, max_sessions=max_sessions)
+        self.port = _free_port()
+        config = uvicorn.Config(
+            create_app(settings), host="127.0.0.1", port=self.port, log_level="warning"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="recall-server", daemon=True)
+
+    def __enter__(self) -> LocalServer:
+        self.thread.start()
+        deadline = time.time() + 300  # loading the model
+        while not self.server.started:
+            if not self.thread.is_alive() or time.time() > deadline:
+                raise RuntimeError("the recall server did not start")
+            time.sleep(0.1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+    def chat(self, messages: list[dict], key: str, max_tokens: int, kv_cache: dict) -> dict:
+        body = {
+            "model": "default",
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "prompt_cache_key": key,
+            "kv_cache": kv_cache,
+        }
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return json.loads(response.read())
+
+
+def trial_script(tokenizer, trial: int, turns: int, filler_tokens: int) -> tuple[list[str], str]:
+    """(user messages, the number to recall) of one trial; passages differ per trial."""
+    from bench.text import essay_token_ids
+
+    rng = random.Random(trial)
+    number = str(rng.randint(1000, 9999))
+    name = rng.choice(NAMES)
+    ids = essay_token_ids(tokenizer, (trial + 1) * turns * filler_tokens)
+    start = trial * turns * filler_tokens
+    passages = [
+        tokenizer.decode(ids[start + i * filler_tokens : start + (i + 1) * filler_tokens])
+        for i in range(turns)
+    ]
+    # Plain passages as user turns and a short question: the phrasing SmolLM2-135M
+    # answered best with a full cache in a small probe (it often fails anyway).
+    users = [f"My name is {name}. My secret number is {number}. Please remember it."]
+    users += [p.strip() for p in passages]
+    users.append("What is my secret number?")
+    return users, number
+
+
+def run_trial(server: LocalServer, users: list[str], number: str, kv_cache: dict) -> dict:
+    key = f"recall-{uuid.uuid4().hex[:12]}"
+    messages: list[dict] = []
+    cached = prompt = 0
+    for i, text in enumerate(users):
+        messages.append({"role": "user", "content": text})
+        last = i == len(users) - 1
+        max_tokens = ANSWER_TOKENS if last else FACT_REPLY_TOKENS if i == 0 else FILLER_REPLY_TOKENS
+        reply = server.chat(messages, key, max_tokens, kv_cache)
+        usage = reply["usage"]
+        prompt += usage["prompt_tokens"]
+        cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        content = reply["choices"][0]["message"]["content"] or ""
+        messages.append({"role": "assistant", "content": content})
+    return {
+        "hit": number in content,
+        "answer": content,
+        "tokens": usage["prompt_tokens"] + usage["completion_tokens"],
+        "cached_share": cached / max(1, prompt),
+    }
+
+
+def run_recall(args, progress=None) -> list[dict[str, Any]]:
+    """One record per cache case: recall over `args.samples` trials (see module doc)."""
+    from bench.eval_cli import cases_from
+    from server.models import load_model
+
+    cases = cases_from(args)
+    longest_kv = max((c.max_kv for c in cases if c.max_kv), default=256)
+    filler = args.filler_tokens
+    turns = args.turns or math.ceil(args.conversation_factor * longest_kv / filler)
+    _, tokenizer = load_model(args.model)  # the client's copy, for the essay passages only
+    scripts = [trial_script(tokenizer, t, turns, filler) for t in range(args.samples)]
+    if progress:
+        progress(len(cases) * args.samples, None)
+
+    records = []
+    with LocalServer(args.model) as server:
+        for case in cases:
+            kv_cache = {k: v for k, v in case.cache_kwargs().items() if k != "evict_batch"}
+            results = []
+            for users, number in scripts:
+                results.append(run_trial(server, users, number, kv_cache))
+                if progress:
+                    progress(1, " ".join(str(v) for v in case.fields().values() if v is not None))
+            records.append(
+                {
+                    **case.fields(),
+                    "samples": args.samples,
+                    "turns": turns + 2,
+                    "conversation_tokens": round(sum(r["tokens"] for r in results) / len(results)),
+                    "recall": sum(r["hit"] for r in results) / len(results),
+                    "cached_share": sum(r["cached_share"] for r in results) / len(results),
+                    "answers": " | ".join(r["answer"].strip() for r in results),
+                }
+            )
+    return records
