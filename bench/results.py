@@ -49,6 +49,8 @@ SCALE = {
     "long_seq": "8192",  # the chunked-mode row
     "contexts": ["512", "1024", "2048", "4096"],  # (d)
     "steps": "8",
+    "recall_samples": "4",
+    "filler_tokens": "200",
 }
 # `--smoke`: the same report from a tiny run (checks the pipeline in a minute).
 SMOKE = {
@@ -62,6 +64,8 @@ SMOKE = {
     "long_seq": "128",
     "contexts": ["32", "64"],
     "steps": "2",
+    "recall_samples": "1",
+    "filler_tokens": "16",
 }
 
 
@@ -109,6 +113,13 @@ def plan(long_chunked: bool, g: dict = SCALE) -> list[tuple[str, list[str]]]:
             "kv_sweep",
             f"eval ppl --policy rotating h2o --max-kv {' '.join(g['sweep_kv'])} "
             f"--seq-len {g['sweep_seq']} --stride {g['seqs'][-1]} --samples {n_long}",
+        )
+    )
+    steps.append(
+        (
+            "recall",
+            f"eval recall --policy full rotating h2o --max-kv {kv} "
+            f"--samples {g['recall_samples']} --filler-tokens {g['filler_tokens']}",
         )
     )
     if long_chunked:
@@ -316,6 +327,40 @@ def throughput_section(rows: list[dict], cmd: str) -> list[str]:
     return out
 
 
+def recall_section(rows: list[dict], cmd: str) -> list[str]:
+    out = [
+        "## Long-chat recall through the server",
+        "",
+        f"{rows[0]['samples']} conversations per cache, sent turn by turn to "
+        "`/v1/chat/completions` of an in-process server with `prompt_cache_key`, so the "
+        "session store reuses each conversation's cache and prefills only the new turn. "
+        "Turn 1 states a name and a 4-digit number; "
+        f"{rows[0]['turns'] - 2} turns of essay passages follow; the last turn asks for the "
+        "number; a hit is a reply containing it. Replies are greedy.",
+        "",
+        f"`{cmd}`",
+        "",
+        "| cache | recall | conversation tokens | prompt tokens served from the cache | answers |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        name = label(r) + (f" {r['max_kv']}" if r["max_kv"] else "")
+        answers = r["answers"].replace("|", "/").replace("\n", " ")
+        out.append(
+            f"| {name} | {r['recall']:.2f} | {r['conversation_tokens']} | "
+            f"{100 * r['cached_share']:.0f}% | {answers} |"
+        )
+    full = pick(rows, policy="full")
+    if full is not None and full["recall"] < 1:
+        out += [
+            "",
+            f"The full cache itself recalls {full['recall']:.0%}: SmolLM2-135M often fails "
+            "this task without any eviction, so these numbers say little about the caches; "
+            "the harness is meant for larger models (`--model`).",
+        ]
+    return out
+
+
 def git_revision() -> str:
     try:
         rev = subprocess.run(
@@ -406,6 +451,8 @@ def write_report(done: dict[str, dict], out: Path, minutes: float, g: dict = SCA
                 + ["", f"![perplexity vs sequence length]({seq_png.name})"]
             ),
         )
+    if "recall" in steps:
+        section("recall", lambda: recall_section(steps["recall"], cmds["recall"]))
     if "throughput" in steps:
         tps = plots.plot_tps_vs_context(steps["throughput"], out / "tps_vs_context.png")
         mem = plots.plot_memory_vs_context(steps["throughput"], out / "memory_vs_context.png")
