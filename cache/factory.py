@@ -9,11 +9,19 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from cache.h2o import H2OKVCache
 from cache.presets import split_budget
+from cache.quantized import (
+    DEFAULT_GROUP_SIZE,
+    MIXED_DEFAULT,
+    MIXED_SCHEMES,
+    MixedH2OKVCache,
+    QuantizedH2OKVCache,
+)
 from cache.router import install_router
 from cache.scores import EMA_ALPHA
 
-POLICIES = ("full", "rotating", "h2o")
+POLICIES = ("full", "rotating", "h2o", "h2o-q8", "h2o-q4", "h2o-mixed")
 DEFAULT_SCORE = "attn"
+QUANT_BITS = {"h2o-q8": 8, "h2o-q4": 4}
 
 
 def _is_sliding_layer(layer: nn.Module) -> bool:
@@ -43,16 +51,22 @@ def make_cache(
     recent: int | None = None,
     alpha: float = EMA_ALPHA,
     evict_batch: int | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    mixed: str = MIXED_DEFAULT,
 ) -> list[Any]:
-    """One cache per layer for `policy` (full | rotating | h2o).
+    """One cache per layer for `policy` (full | rotating | h2o | h2o-q8 | h2o-q4 | h2o-mixed).
 
     Layers whose model-provided cache is already bounded (sliding windows,
-    recurrent state) keep it. For `h2o` the attention router is installed into
-    the model (idempotent) so plain `mlx_lm.stream_generate(..., prompt_cache=...)`
-    feeds scores to the caches.
+    recurrent state) keep it. For the h2o policies the attention router is
+    installed into the model (idempotent) so plain
+    `mlx_lm.stream_generate(..., prompt_cache=...)` feeds scores to the caches.
+    `group_size` applies to the quantized policies, `mixed` (a MIXED_SCHEMES key)
+    to h2o-mixed.
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
+    if mixed not in MIXED_SCHEMES:
+        raise ValueError(f"unknown mixed scheme {mixed!r}; choose from {list(MIXED_SCHEMES)}")
     budget = split_budget(max_kv, preset, sink=sink, heavy=heavy, recent=recent)
     base = make_prompt_cache(model)
     layers = getattr(model, "layers", None) or [None] * len(base)
@@ -69,18 +83,24 @@ def make_cache(
         elif policy == "rotating":
             caches.append(RotatingKVCache(max_size=max_kv, keep=budget.sink))
         else:
-            caches.append(
-                H2OKVCache(
-                    budget.max_size,
-                    sink=budget.sink,
-                    heavy=budget.heavy,
-                    recent=budget.recent,
-                    score=score,
-                    alpha=alpha,
-                    evict_batch=evict_batch,
-                )
-            )
-    if policy == "h2o":
+            h2o = {
+                "sink": budget.sink,
+                "heavy": budget.heavy,
+                "recent": budget.recent,
+                "score": score,
+                "alpha": alpha,
+                "evict_batch": evict_batch,
+            }
+            if policy in QUANT_BITS:
+                bits = QUANT_BITS[policy]
+                c = QuantizedH2OKVCache(budget.max_size, **h2o, group_size=group_size, bits=bits)
+            elif policy == "h2o-mixed":
+                scheme = MIXED_SCHEMES[mixed]
+                c = MixedH2OKVCache(budget.max_size, **h2o, group_size=group_size, **scheme)
+            else:
+                c = H2OKVCache(budget.max_size, **h2o)
+            caches.append(c)
+    if policy.startswith("h2o"):
         install_router(model)
     return caches
 

@@ -18,6 +18,11 @@ append (two slice writes, like mlx-lm's KVCache), so the gather is amortized;
 evict_batch=1 is H2O evicting one token per step. Free slots always hold
 score 0 and the position the next appended token will have, so appending
 writes keys and values only.
+
+Subclasses change how K/V are stored (cache/quantized.py) by overriding the
+`_encode`/`_fetch`/`_grow_kv`/`_gather_kv`/`_kv_state` hooks; buffers may be
+lists of arrays (mx.quantize's packed weights, scales, biases), every one
+with the sequence on axis 2, so scoring and eviction never look inside them.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.base import create_causal_mask
 
 from cache.presets import split_budget
@@ -68,7 +74,7 @@ class H2OKVCache:
         self.evict_batch = evict_batch
         self.score_rule = score
         self.alpha = alpha
-        self.keys = self.values = None  # [B, H, capacity, D]
+        self.keys = self.values = None  # [B, H, capacity, D] (or a list of such buffers)
         self.scores = None  # float32 [B, H, capacity]: accumulated importance
         self.positions = None  # int32 [B, H, capacity]: token index held by each slot
         self.offset = 0
@@ -82,23 +88,23 @@ class H2OKVCache:
         """Store N new tokens (post-RoPE keys) and return every stored key/value."""
         n_new = keys.shape[2]
         end = self._len + n_new
-        if self.keys is None or end > self.keys.shape[2]:
+        keys, values = self._encode(keys, values)
+        if self.positions is None or end > self.positions.shape[-1]:
             self._grow(keys, values, end)
         # Free slots already hold score 0 and these tokens' positions.
-        self.keys[..., self._len : end, :] = keys
-        self.values[..., self._len : end, :] = values
+        stored, fresh = tree_flatten((self.keys, self.values)), tree_flatten((keys, values))
+        for (_, buf), (_, new) in zip(stored, fresh, strict=True):
+            buf[:, :, self._len : end] = new
         self._len = end
         self.offset += n_new
-        if end == self.keys.shape[2]:
-            return self.keys, self.values
-        return self.keys[..., :end, :], self.values[..., :end, :]
+        return self._fetch()
 
     def update_scores(self, scores: mx.array) -> None:
         """Accumulate one attention call's logits [B, n_q_heads, L_q, size], then evict."""
         n = scores.shape[-1]
         if n != self._len:
             raise ValueError(f"scores cover {n} keys but the cache holds {self._len}")
-        n_kv = self.keys.shape[1]
+        n_kv = self.positions.shape[1]
         full = n == self.scores.shape[-1]
         held = self.scores if full else self.scores[..., :n]
         if self.score_rule == "attn":
@@ -133,14 +139,15 @@ class H2OKVCache:
         return self._len
 
     def empty(self) -> bool:
-        return self.keys is None
+        return self.positions is None
 
     @property
     def nbytes(self) -> int:
         """Bytes of every buffer held: keys, values, scores and positions, spare slots included."""
-        if self.keys is None:
+        if self.positions is None:
             return 0
-        return sum(a.nbytes for a in (self.keys, self.values, self.scores, self.positions))
+        held = (self.keys, self.values, self.scores, self.positions)
+        return sum(a.nbytes for _, a in tree_flatten(held) if a is not None)
 
     def is_trimmable(self) -> bool:
         return self.offset > self._last_eviction
@@ -155,17 +162,16 @@ class H2OKVCache:
         # Kept slots first, in slot order: every head keeps the same count.
         order = mx.sort(mx.where(keep, slots, self._len + slots), axis=-1)
         self.offset -= n
-        self._gather(order[..., : self._len - n], capacity=self.keys.shape[2])
+        self._gather(order[..., : self._len - n], capacity=self.positions.shape[-1])
         return n
 
     @property
     def state(self):
-        if self.keys is None:
+        if self.positions is None:
             return None, None, None, None, self.meta_state[0]
         n = self._len
         return (
-            self.keys[..., :n, :],
-            self.values[..., :n, :],
+            *self._kv_state(),
             self.scores[..., :n],
             self.positions[..., :n],
             self.meta_state[0],
@@ -175,7 +181,7 @@ class H2OKVCache:
     def state(self, v) -> None:
         self.keys, self.values, self.scores, self.positions, meta = v
         self.meta_state = (meta,)
-        self._len = 0 if self.keys is None else self.keys.shape[2]
+        self._len = 0 if self.positions is None else self.positions.shape[-1]
 
     @property
     def meta_state(self) -> tuple[str]:
@@ -213,27 +219,63 @@ class H2OKVCache:
         obj.state = state
         return obj
 
+    # ------------------------------------------------------------ K/V storage hooks
+
+    def _encode(self, keys: mx.array, values: mx.array):
+        """New tokens in the form the buffers store (dense: as they come)."""
+        return keys, values
+
+    def _fetch(self):
+        """What attention reads: every stored key/value, spare slots cut off."""
+        n = self._len
+        if n == self.positions.shape[-1]:
+            return self.keys, self.values
+        return tree_map(lambda a: a[:, :, :n], (self.keys, self.values))
+
+    def _kv_state(self) -> tuple:
+        return tree_map(lambda a: a[:, :, : self._len], (self.keys, self.values))
+
+    def _grow_kv(self, keys, values, capacity: int) -> None:
+        """Reallocate the K/V buffers to `capacity` slots (keys/values: encoded new tokens)."""
+
+        def grown(new: mx.array, buf: mx.array | None) -> mx.array:
+            return self._grown(buf, new.shape[:2], new.shape[3:], new.dtype, capacity)
+
+        self.keys = tree_map(grown, keys, self.keys)
+        self.values = tree_map(grown, values, self.values)
+
+    def _gather_kv(self, idx: mx.array, capacity: int) -> None:
+        """K/V of slots `idx` [B, H, K] into `capacity` slots."""
+        self.keys, self.values = tree_map(
+            lambda buf: gather_slots(buf[:, :, : self._len], idx[..., None], capacity),
+            (self.keys, self.values),
+        )
+
     # ------------------------------------------------------------------ internals
 
-    def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
+    def _grown(
+        self, buf: mx.array | None, lead: tuple, tail: tuple, dtype: mx.Dtype, capacity: int
+    ) -> mx.array:
+        """A [*lead, capacity, *tail] buffer holding `buf`'s used slots."""
+        fresh = mx.zeros((*lead, capacity, *tail), dtype=dtype)
+        if buf is not None and self._len:
+            fresh[:, :, : self._len] = buf[:, :, : self._len]
+        return fresh
+
+    def _grow(self, keys, values, needed: int) -> None:
         # Decode needs max_size + 1 slots at most (one for the newest token); a
         # prefill chunk gets exactly what it needs until eviction cuts it back.
         if needed <= self.max_size + 1:
             capacity = min(-(-needed // self.step) * self.step, self.max_size + 1)
         else:
             capacity = needed
-        B, H = keys.shape[:2]
-
-        def grown(buf: mx.array | None, tail: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
-            fresh = mx.zeros((B, H, capacity, *tail), dtype=dtype)
-            if buf is not None and self._len:
-                fresh[:, :, : self._len] = buf[:, :, : self._len]
-            return fresh
-
-        self.keys = grown(self.keys, (keys.shape[3],), keys.dtype)
-        self.values = grown(self.values, (values.shape[3],), values.dtype)
-        self.scores = grown(self.scores, (), mx.float32)
-        self.positions = grown(self.positions, (), mx.int32)
+        if self.positions is None:  # first tokens: nothing to copy over
+            self.keys = tree_map(lambda _: None, keys)
+            self.values = tree_map(lambda _: None, values)
+        self._grow_kv(keys, values, capacity)
+        lead = tree_flatten(keys)[0][1].shape[:2]  # [B, H]
+        self.scores = self._grown(self.scores, lead, (), mx.float32, capacity)
+        self.positions = self._grown(self.positions, lead, (), mx.int32, capacity)
         self._reset_free_slots()
 
     def _reset_free_slots(self) -> None:
@@ -248,19 +290,9 @@ class H2OKVCache:
     def _gather(self, idx: mx.array, capacity: int) -> None:
         """Rebuild the buffers from slots `idx` [B, H, K] into `capacity` slots."""
         n = self._len
-
-        def gathered(buf: mx.array, idx: mx.array) -> mx.array:
-            picked = mx.take_along_axis(buf[:, :, :n], idx, axis=2)
-            if capacity == picked.shape[2]:
-                return picked
-            fresh = mx.zeros((*buf.shape[:2], capacity, *buf.shape[3:]), dtype=buf.dtype)
-            fresh[:, :, : picked.shape[2]] = picked
-            return fresh
-
-        self.keys = gathered(self.keys, idx[..., None])
-        self.values = gathered(self.values, idx[..., None])
-        self.scores = gathered(self.scores, idx)
-        self.positions = gathered(self.positions, idx)
+        self._gather_kv(idx, capacity)
+        self.scores = gather_slots(self.scores[:, :, :n], idx, capacity)
+        self.positions = gather_slots(self.positions[:, :, :n], idx, capacity)
         self._len = idx.shape[-1]
         self._reset_free_slots()
 
@@ -275,3 +307,13 @@ class H2OKVCache:
         self.evicted += self._len - keep
         self._last_eviction = self.offset
         self._gather(top, capacity=self.max_size + 1)
+
+
+def gather_slots(buf: mx.array, idx: mx.array, capacity: int) -> mx.array:
+    """`buf`'s slots `idx` along axis 2, in a buffer of `capacity` slots (spares zeroed)."""
+    picked = mx.take_along_axis(buf, idx, axis=2)
+    if capacity == picked.shape[2]:
+        return picked
+    fresh = mx.zeros((*buf.shape[:2], capacity, *buf.shape[3:]), dtype=buf.dtype)
+    fresh[:, :, : picked.shape[2]] = picked
+    return fresh

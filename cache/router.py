@@ -5,7 +5,8 @@ they imported from `mlx_lm.models.base`. Installing the router rebinds that
 name, in the modules the model's classes come from, to a wrapper: a layer
 whose cache has `update_scores` gets `sdpa_with_scores` and hands the scores
 to its cache; every other layer goes through mlx-lm's original function
-unchanged. No mlx-lm source is modified.
+unchanged. A cache that stores K/V its own way (quantized, in segments) has
+`attention_with_scores` and computes both itself. No mlx-lm source is modified.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ _ATTR = "scaled_dot_product_attention"
 def _route(original: Callable) -> Callable:
     def routed_sdpa(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None, **kw):
         if sinks is None and not kw and hasattr(cache, "update_scores"):
-            out, scores = sdpa_with_scores(queries, keys, values, scale=scale, mask=mask)
+            attend = getattr(cache, "attention_with_scores", sdpa_with_scores)
+            out, scores = attend(queries, keys, values, scale=scale, mask=mask)
             cache.update_scores(scores)
             return out
         if sinks is not None:

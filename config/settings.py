@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-Policy = Literal["full", "rotating", "h2o"]
+Policy = Literal["full", "rotating", "h2o", "h2o-q8", "h2o-q4", "h2o-mixed"]
 Preset = Literal["heavy", "balanced"]
 ScoreRule = Literal["attn", "ema"]
 
