@@ -89,6 +89,16 @@ def quantized_attention(
     )
 
 
+def quantize(x: mx.array, group_size: int, bits: int) -> list[mx.array]:
+    """mx.quantize along the head dim: [words, scales, biases], the sequence still on axis 2."""
+    if x.shape[-1] % group_size:
+        raise ValueError(
+            f"head dim {x.shape[-1]} is not a multiple of the quantization group size "
+            f"{group_size}: use a smaller group_size (32) or a dense policy"
+        )
+    return mx.quantize(x, group_size=group_size, bits=bits)
+
+
 class QuantizedH2OKVCache(H2OKVCache):
     """H2OKVCache over packed `bits`-bit K/V. `bits`/`group_size` as mlx-lm's QuantizedKVCache."""
 
@@ -113,10 +123,7 @@ class QuantizedH2OKVCache(H2OKVCache):
 
     def _encode(self, keys: mx.array, values: mx.array):
         gs, bits = self.group_size, self.bits
-        return (
-            mx.quantize(keys, group_size=gs, bits=bits),
-            mx.quantize(values, group_size=gs, bits=bits),
-        )
+        return quantize(keys, gs, bits), quantize(values, gs, bits)
 
     @property
     def meta_state(self) -> tuple[str]:
@@ -247,7 +254,7 @@ class MixedH2OKVCache(H2OKVCache):
     def _encode_recent(self, x: mx.array):
         if self.recent_bits is None:
             return x
-        return mx.quantize(x, group_size=self.group_size, bits=self.recent_bits)
+        return quantize(x, self.group_size, self.recent_bits)
 
     def _to_old(self, window_part) -> list[mx.array]:
         """Tokens leaving the window, at heavy_bits (from the dense value when there is one)."""
@@ -255,7 +262,7 @@ class MixedH2OKVCache(H2OKVCache):
             window_part = mx.dequantize(
                 *window_part, group_size=self.group_size, bits=self.recent_bits
             )
-        return mx.quantize(window_part, group_size=self.group_size, bits=self.heavy_bits)
+        return quantize(window_part, self.group_size, self.heavy_bits)
 
     def _append_old(self, buf: list, n_old: int, window_part) -> None:
         """Write tokens leaving the window into old slots [n_old, ...), growing them if full."""
