@@ -313,7 +313,8 @@ def throughput_section(rows: list[dict], cmd: str) -> list[str]:
         "RSS MiB | cache MiB |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for ctx in sorted({r["context"] for r in rows}):
+    contexts = sorted({r["context"] for r in rows})
+    for ctx in contexts:
         for r in (r for r in rows if r["context"] == ctx):
             name = label(r) + (f" {r['max_kv']}" if r["max_kv"] else "")
             out.append(
@@ -321,6 +322,41 @@ def throughput_section(rows: list[dict], cmd: str) -> list[str]:
                 f"{r['decode_tps']:.2f} | {r['decode_ratio']:.2f} | "
                 f"{r['peak_mem_bytes'] / MIB:.0f} | {r['rss_bytes'] / MIB:.0f} | "
                 f"{r['cache_bytes'] / MIB:.1f} |"
+            )
+    last = [r for r in rows if r["context"] == contexts[-1]]
+    full = pick(last, policy="full")
+    out += ["", f"At {contexts[-1]} tokens of context:"]
+    for r in last:
+        if r is full:
+            continue
+        name = label(r) + f" {r['max_kv']}"
+        out.append(
+            f"- {name}: decode {r['decode_ratio']:.2f}x and prefill {r['prefill_ratio']:.2f}x "
+            f"the full cache's speed; cache {r['cache_bytes'] / MIB:.1f} MiB vs "
+            f"{full['cache_bytes'] / MIB:.1f} MiB; MLX peak {r['peak_mem_bytes'] / MIB:.0f} "
+            f"vs {full['peak_mem_bytes'] / MIB:.0f} MiB."
+        )
+    worse = [
+        label(r) for r in last if r is not full and r["peak_mem_bytes"] > full["peak_mem_bytes"]
+    ]
+    if worse:
+        out += [
+            "",
+            f"**The MLX peak of {', '.join(worse)} is above the full cache's** even though its "
+            "cache is smaller: the peak covers the 512-token prefill chunks, whose transient "
+            "attention buffers (with score export for H2O) dominate at this model size.",
+        ]
+    rotating = [r for r in last if r["policy"] == "rotating"]
+    for r in last:
+        if (
+            r["policy"].startswith("h2o")
+            and rotating
+            and r["decode_tps"] < rotating[0]["decode_tps"]
+        ):
+            slower = 100 * (1 - r["decode_tps"] / rotating[0]["decode_tps"])
+            out.append(
+                f"{label(r)} decodes {slower:.0f}% slower than the rotating window at the same "
+                "size (scoring and eviction)."
             )
     return out
 

@@ -2,7 +2,8 @@
 
 Each case walks one essay stream through a fresh cache: at every context
 checkpoint L it prefills the tokens that bring the context to L (in chunks of
-`prefill_step`, as mlx-lm's generate does) and times them, then runs one
+`prefill_step`, evaluating the caches but not the logits, as the server's
+generation and mlx-lm's generate do) and times them, then runs one
 untimed and `steps` timed single-token decode steps (the essay's next tokens,
 teacher-forced). So `prefill_tps` at L is the marginal prefill speed of the
 chunk(s) just before L, and `decode_tps` the decode speed at context L.
@@ -66,8 +67,10 @@ def walk_contexts(
         start = time.perf_counter()
         prefilled = context - pos
         while pos < context:
+            # As the server and mlx-lm prefill: evaluate the caches, not the chunk's logits.
             end = min(pos + prefill_step, context)
-            mx.eval(model(ids[None, pos:end], cache=caches))
+            model(ids[None, pos:end], cache=caches)
+            mx.eval([c.state for c in caches])
             pos = end
         prefill_s = time.perf_counter() - start
         mx.eval(model(ids[None, pos : pos + 1], cache=caches))  # warm-up, not timed
