@@ -4,8 +4,7 @@ bytes/token = layers x kv_heads x (2 x head_dim x element bytes + H2O bookkeepin
 where quantized policies store head_dim x bits / 8 bytes plus one scale and one
 bias (float32 on CPU, float16 elsewhere) per `group_size` elements, and H2O
 keeps a float32 score and an int32 position per KV head and token. h2o-mixed
-keeps its recent window dense and the rest 8-bit (cache/quantized.py); the
-`heavy` preset gives each about half of max_kv.
+stores keys 8-bit and values 4-bit (cache/quantized.py).
 """
 
 from __future__ import annotations
@@ -15,10 +14,8 @@ from dataclasses import dataclass
 
 from cache.presets import split_budget
 
-# policy -> bits of K and V. h2o-mixed counts its 8-bit old segment (sinks and
-# heavy hitters) and dense recent window at half the budget each.
-QUANT_BITS = {"h2o-q8": 8, "h2o-q4": 4}
-MIXED_OLD_BITS, MIXED_RECENT_SHARE = 8, 0.5
+# policy -> (bits of K, bits of V)
+QUANT_BITS = {"h2o-q8": (8, 8), "h2o-q4": (4, 4), "h2o-mixed": (8, 4)}
 H2O_BOOKKEEPING = 8  # float32 score + int32 position, per KV head and token
 FULL_CACHE_STEP = 256  # mlx-lm KVCache.step
 AUTO_FLOOR = 256  # `auto` switches to 8-bit below this many dense tokens
@@ -59,19 +56,17 @@ def bytes_per_token(shape: ModelShape, policy: str, group_size: int = 64) -> flo
     """Bytes one cached token costs across all layers under `policy`."""
     dense = 2 * shape.head_dim * shape.element_bytes  # K and V
 
-    def quantized(bits: int) -> float:  # K and V: packed words, one scale and bias per group
+    def packed(bits: int) -> float:  # K or V: packed words, one scale and bias per group
         groups = shape.head_dim / group_size
-        return 2 * (shape.head_dim * bits / 8 + 2 * shape.element_bytes * groups)
+        return shape.head_dim * bits / 8 + 2 * shape.element_bytes * groups
 
     if policy in ("full", "rotating"):
         per_head = dense
     elif policy == "h2o":
         per_head = dense + H2O_BOOKKEEPING
     elif policy in QUANT_BITS:
-        per_head = quantized(QUANT_BITS[policy]) + H2O_BOOKKEEPING
-    elif policy == "h2o-mixed":
-        share = MIXED_RECENT_SHARE
-        per_head = share * dense + (1 - share) * quantized(MIXED_OLD_BITS) + H2O_BOOKKEEPING
+        key_bits, value_bits = QUANT_BITS[policy]
+        per_head = packed(key_bits) + packed(value_bits) + H2O_BOOKKEEPING
     else:
         raise ValueError(f"unknown policy {policy!r}")
     return shape.layers * shape.kv_heads * per_head

@@ -13,7 +13,6 @@ from cache.quantized import (
     DEFAULT_GROUP_SIZE,
     MIXED_DEFAULT,
     MIXED_SCHEMES,
-    MixedH2OKVCache,
     QuantizedH2OKVCache,
 )
 from cache.router import install_router
@@ -95,8 +94,8 @@ def make_cache(
                 bits = QUANT_BITS[policy]
                 c = QuantizedH2OKVCache(budget.max_size, **h2o, group_size=group_size, bits=bits)
             elif policy == "h2o-mixed":
-                scheme = MIXED_SCHEMES[mixed]
-                c = MixedH2OKVCache(budget.max_size, **h2o, group_size=group_size, **scheme)
+                cls, widths = MIXED_SCHEMES[mixed]
+                c = cls(budget.max_size, **h2o, group_size=group_size, **widths)
             else:
                 c = H2OKVCache(budget.max_size, **h2o)
             caches.append(c)

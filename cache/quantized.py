@@ -9,7 +9,9 @@ unchanged: eviction gathers the packed words, scales and biases along that axis
 
 Attention reads the packed buffers through `kernels.quantized_sdpa_with_scores`
 ("fused"), or dequantizes them and calls the dense kernel ("dequantize");
-`set_quantized_attention` picks the path, so benchmarks can time both.
+`set_quantized_attention` picks the path, so benchmarks can time both. The
+kernels take one width for K and V; keys and values of different widths (k8v4)
+go through two packed matmuls (`mx.quantized_matmul`) instead.
 
 h2o-mixed. The paper keeps the heavy segment 8-bit and the recent window 4-bit;
 a token then is quantized twice, 4-bit on arrival and 8-bit (from its 4-bit
@@ -21,21 +23,25 @@ it. Slots stay in position order (eviction gathers sorted indices), so scores
 over [old | recent] line up with H2OKVCache's per-slot bookkeeping; attention
 runs over each segment and merges them by log-sum-exp.
 
-`h2o-mixed` is "dense-recent" (8-bit old segment, dense recent window): the
-paper's scheme is dominated. Default model, 64-token essay prompt, 200
-teacher-forced decode steps, max_kv 128 (136 tokens evicted per head); mean
-KL(dense h2o || policy) per step and bytes per cached token vs dense h2o:
+`h2o-mixed` is "k8v4": keys 8-bit, values 4-bit, in every segment (a
+QuantizedH2OKVCache with `value_bits`). Default model, 64-token essay prompt,
+200 teacher-forced decode steps, max_kv 128 (136 tokens evicted per head); mean
+KL(dense h2o || policy) per step, bytes per cached token vs dense h2o:
 
-    h2o-q8               KL 0.00078   0.29x
-    h2o-q4               KL 0.133     0.17x
-    paper (8 + 4 bit)    KL 0.131     0.23x
-    dense-recent (8 + -) KL 0.00006   0.62x
+    h2o-q8                           KL 0.00078   0.29x
+    h2o-q4                           KL 0.133     0.17x
+    paper (heavy 8-bit, recent 4)    KL 0.131     0.23x
+    k8v4 (keys 8-bit, values 4)      KL 0.009     0.23x
+    dense-recent (heavy 8, recent -) KL 0.00006   0.63x
 
 The recent window carries most of the attention, so the paper's 4-bit window
-costs as much as q4 everywhere (q4 matches its KL with 27% less memory; q8 is
-170x closer for 25% more). Dense-recent quantizes each token once and is 13x
-closer than q8: the near-lossless step between q8 and dense. Perplexity and
-speed of both are in docs/quantized.md (bench/quantized.py).
+costs as much as q4 everywhere. What 4-bit breaks is the keys: one scale per
+64-wide group spans the whole head dim, and outlier key channels set its step
+(keys 4-bit with values 8-bit: KL 0.17). k8v4 spends the paper's memory on the
+keys instead and is 15x closer to dense. Dense-recent (each token quantized
+once, on leaving the window) is closer still but costs 2.7x the memory, more
+than q8, whose perplexity is already that of dense h2o. All three schemes stay
+selectable (MIXED_SCHEMES); numbers in docs/quantized.md (bench/quantized.py).
 """
 
 from __future__ import annotations
@@ -52,13 +58,6 @@ from kernels.reference import expand_mask
 
 ATTENTION_PATHS = ("fused", "dequantize")
 DEFAULT_GROUP_SIZE = 64
-# h2o-mixed layouts: bits of the old (sinks + heavy) and recent segments; None = dense.
-# "paper": 8/4, a token quantized twice; "dense-recent": quantized once, on leaving the window.
-MIXED_SCHEMES = {
-    "paper": {"heavy_bits": 8, "recent_bits": 4},
-    "dense-recent": {"heavy_bits": 8, "recent_bits": None},
-}
-MIXED_DEFAULT = "dense-recent"  # the module docstring says why
 _attention_path = "fused"
 
 
@@ -78,15 +77,39 @@ def quantized_attention(
     mask,
     group_size: int,
     bits: int,
+    value_bits: int | None = None,
 ) -> tuple[mx.array, mx.array]:
-    """(out, float32 pre-softmax scores) over packed K/V, by the selected path."""
+    """(out, float32 pre-softmax scores) over packed K/V, by the selected path.
+
+    Keys have `bits`, values `value_bits` (None: the same).
+    """
+    value_bits = value_bits or bits
     if _attention_path == "dequantize":
         k = mx.dequantize(*k_q, group_size=group_size, bits=bits)
-        v = mx.dequantize(*v_q, group_size=group_size, bits=bits)
+        v = mx.dequantize(*v_q, group_size=group_size, bits=value_bits)
         return sdpa_with_scores(queries, k, v, scale=scale, mask=mask)
+    if value_bits != bits:  # the kernels take one width: packed matmuls, one per width
+        return _split_width_attention(queries, k_q, v_q, scale, mask, group_size, bits, value_bits)
     return quantized_sdpa_with_scores(
         queries, k_q, v_q, scale, mask, group_size=group_size, bits=bits
     )
+
+
+def _split_width_attention(q, k_q, v_q, scale, mask, group_size, key_bits, value_bits):
+    """softmax(scale q k^T + mask) v straight from packed K and V of different widths."""
+    B, n_q, L_q, D = q.shape
+    n_kv, L_k = k_q[0].shape[1], k_q[0].shape[2]
+    # Query heads of one KV head stacked as rows (GQA): one packed matmul per KV head.
+    qg = (q.astype(mx.float32) * scale).reshape(B, n_kv, n_q // n_kv * L_q, D)
+    qmm = {"group_size": group_size, "transpose": True}
+    scores = mx.quantized_matmul(qg, *k_q, bits=key_bits, **qmm).reshape(B, n_q, L_q, L_k)
+    m = expand_mask(mask, L_q, L_k)
+    if m is not None:
+        scores = mx.where(m, scores, -mx.inf) if m.dtype == mx.bool_ else scores + m
+    probs = mx.softmax(scores, axis=-1, precise=True).reshape(qg.shape[:3] + (L_k,))
+    qmm["transpose"] = False
+    out = mx.quantized_matmul(probs, *v_q, bits=value_bits, **qmm).reshape(B, n_q, L_q, -1)
+    return out.astype(q.dtype), scores
 
 
 def quantize(x: mx.array, group_size: int, bits: int) -> list[mx.array]:
@@ -100,7 +123,12 @@ def quantize(x: mx.array, group_size: int, bits: int) -> list[mx.array]:
 
 
 class QuantizedH2OKVCache(H2OKVCache):
-    """H2OKVCache over packed `bits`-bit K/V. `bits`/`group_size` as mlx-lm's QuantizedKVCache."""
+    """H2OKVCache over packed K/V: keys at `bits`, values at `value_bits` (None: `bits`).
+
+    `bits`/`group_size` as mlx-lm's QuantizedKVCache, whose attention reads them
+    when no router is installed; it assumes one width, so split widths need the
+    router (make_cache installs it).
+    """
 
     def __init__(
         self,
@@ -113,22 +141,24 @@ class QuantizedH2OKVCache(H2OKVCache):
         evict_batch: int | None = None,
         group_size: int = DEFAULT_GROUP_SIZE,
         bits: int = 8,
+        value_bits: int | None = None,
     ):
         super().__init__(max_size, sink, heavy, recent, score, alpha, evict_batch)
-        self.group_size, self.bits = group_size, bits
+        self.group_size, self.bits, self.value_bits = group_size, bits, value_bits or bits
 
     def attention_with_scores(self, queries, keys, values, scale: float, mask=None):
         """What the router calls for this layer: keys/values as update_and_fetch returned them."""
-        return quantized_attention(queries, keys, values, scale, mask, self.group_size, self.bits)
+        gs, bits, v_bits = self.group_size, self.bits, self.value_bits
+        return quantized_attention(queries, keys, values, scale, mask, gs, bits, v_bits)
 
     def _encode(self, keys: mx.array, values: mx.array):
-        gs, bits = self.group_size, self.bits
-        return quantize(keys, gs, bits), quantize(values, gs, bits)
+        gs = self.group_size
+        return quantize(keys, gs, self.bits), quantize(values, gs, self.value_bits)
 
     @property
     def meta_state(self) -> tuple[str]:
         meta = json.loads(super().meta_state[0])
-        meta.update(group_size=self.group_size, bits=self.bits)
+        meta.update(group_size=self.group_size, bits=self.bits, value_bits=self.value_bits)
         return (json.dumps(meta),)
 
     @meta_state.setter
@@ -136,6 +166,7 @@ class QuantizedH2OKVCache(H2OKVCache):
         H2OKVCache.meta_state.fset(self, v)
         meta = json.loads(v[0])
         self.group_size, self.bits = meta["group_size"], meta["bits"]
+        self.value_bits = meta.get("value_bits", self.bits)
 
 
 class MixedH2OKVCache(H2OKVCache):
@@ -307,6 +338,19 @@ class MixedH2OKVCache(H2OKVCache):
         for buf in (self.keys, self.values):
             if buf[0] is not None:
                 buf[0] = [gather_slots(a[:, :, :n_old], old_idx, old_capacity) for a in buf[0]]
+
+
+# h2o-mixed schemes: name -> (cache class, its width arguments). The module docstring
+# says why MIXED_DEFAULT wins.
+MIXED_SCHEMES = {
+    # keys 8-bit, values 4-bit, in every segment
+    "k8v4": (QuantizedH2OKVCache, {"bits": 8, "value_bits": 4}),
+    # the paper: heavy segment 8-bit, recent window 4-bit (a token quantized twice)
+    "paper": (MixedH2OKVCache, {"heavy_bits": 8, "recent_bits": 4}),
+    # recent window dense, 8-bit once a token leaves it
+    "dense-recent": (MixedH2OKVCache, {"heavy_bits": 8, "recent_bits": None}),
+}
+MIXED_DEFAULT = "k8v4"
 
 
 def _length(x) -> int:
