@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import get_args
 
-from config.settings import CacheSettings
+from config.settings import CacheSettings, Policy
 
 from pydantic import ValidationError
 
@@ -15,7 +16,7 @@ from bench.eval_cli import add_eval_parser
 
 def _add_cache_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("KV cache")
-    g.add_argument("--policy", default="h2o", choices=["full", "rotating", "h2o"])
+    g.add_argument("--policy", default="h2o", choices=get_args(Policy))
     g.add_argument(
         "--max-kv",
         "--h2o-max-size",
