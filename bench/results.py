@@ -545,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     if (args.resume or args.only_report) and args.records.exists():
         done = json.loads(args.records.read_text())
     started = time.time() - sum(step.get("seconds", 0) for step in done.values())
+    revision = git_revision()  # the code this process loaded, not what is checked out later
     for name, step_argv in plan(args.long_chunked, grid):
         if args.only_report or done.get(name, {}).get("argv") == step_argv:
             continue
@@ -559,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
             "argv": step_argv,
             "records": records,
             "seconds": time.time() - t0,
-            "revision": git_revision(),
+            "revision": revision,
             "finished": datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M UTC"),
         }
         args.records.write_text(json.dumps(done, indent=1))
