@@ -89,47 +89,39 @@ def _label_with_kv(r: dict[str, Any]) -> str:
 
 def plot_tps_vs_context(records: list[dict[str, Any]], path: Path) -> Path:
     """Decode and prefill tok/s against context length, one line per cache."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
-    for ax, key, name in zip(
-        axes, ("decode_tps", "prefill_tps"), ("decode", "prefill"), strict=True
-    ):
-        lines: dict[str, list] = defaultdict(list)
-        for r in records:
-            lines[_label_with_kv(r)].append((r["context"], r[key]))
-        for label, points in lines.items():
-            xs, ys = zip(*sorted(points), strict=True)
-            ax.plot(xs, ys, marker="o", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{name} speed vs context")
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("tokens / s")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    panels = (("decode_tps", "decode speed"), ("prefill_tps", "prefill speed"))
+    return _context_panels(records, panels, 1.0, "tokens / s", path)
 
 
 def plot_memory_vs_context(records: list[dict[str, Any]], path: Path) -> Path:
     """KV cache bytes and MLX peak memory against context length, one line per cache."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
     panels = (
         ("cache_bytes", "KV cache size"),
         ("peak_mem_bytes", "MLX peak memory (weights incl.)"),
     )
+    return _context_panels(records, panels, MIB, "MiB", path)
+
+
+def _context_panels(
+    records: list[dict[str, Any]],
+    panels: tuple[tuple[str, str], ...],
+    unit: float,
+    ylabel: str,
+    path: Path,
+) -> Path:
+    """One panel per (record key, title) against context length, one line per cache."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(10, 4.2))
     for ax, (key, name) in zip(axes, panels, strict=True):
         lines: dict[str, list] = defaultdict(list)
         for r in records:
-            lines[_label_with_kv(r)].append((r["context"], r[key] / MIB))
+            lines[_label_with_kv(r)].append((r["context"], r[key] / unit))
         for label, points in lines.items():
             xs, ys = zip(*sorted(points), strict=True)
             ax.plot(xs, ys, marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{name} vs context")
         ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("MiB")
+        ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -52,7 +52,6 @@ import mlx.core as mx
 from mlx.utils import tree_map
 
 from cache.h2o import H2OKVCache, gather_slots
-from cache.scores import EMA_ALPHA
 from kernels import quantized_sdpa_with_scores, sdpa_with_scores
 from kernels.reference import expand_mask
 
@@ -133,17 +132,14 @@ class QuantizedH2OKVCache(H2OKVCache):
     def __init__(
         self,
         max_size: int,
-        sink: int | None = None,
-        heavy: int | None = None,
-        recent: int | None = None,
-        score: str = "attn",
-        alpha: float = EMA_ALPHA,
-        evict_batch: int | None = None,
+        *,
         group_size: int = DEFAULT_GROUP_SIZE,
         bits: int = 8,
         value_bits: int | None = None,
+        **h2o,
     ):
-        super().__init__(max_size, sink, heavy, recent, score, alpha, evict_batch)
+        """`h2o`: H2OKVCache's knobs (sink, heavy, recent, score, alpha, evict_batch)."""
+        super().__init__(max_size, **h2o)
         self.group_size, self.bits, self.value_bits = group_size, bits, value_bits or bits
 
     def attention_with_scores(self, queries, keys, values, scale: float, mask=None):
@@ -180,17 +176,14 @@ class MixedH2OKVCache(H2OKVCache):
     def __init__(
         self,
         max_size: int,
-        sink: int | None = None,
-        heavy: int | None = None,
-        recent: int | None = None,
-        score: str = "attn",
-        alpha: float = EMA_ALPHA,
-        evict_batch: int | None = None,
+        *,
         group_size: int = DEFAULT_GROUP_SIZE,
         heavy_bits: int = 8,
         recent_bits: int | None = None,
+        **h2o,
     ):
-        super().__init__(max_size, sink, heavy, recent, score, alpha, evict_batch)
+        """`h2o`: H2OKVCache's knobs (sink, heavy, recent, score, alpha, evict_batch)."""
+        super().__init__(max_size, **h2o)
         self.group_size, self.heavy_bits, self.recent_bits = group_size, heavy_bits, recent_bits
 
     # ------------------------------------------------------------------ protocol

@@ -7,11 +7,9 @@ the reference.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
 import mlx.core as mx
 
-from kernels.src import KernelSource, launch
+from kernels.src import launch
 
 
 def is_available() -> bool:
@@ -22,22 +20,7 @@ def is_available() -> bool:
         return False
 
 
-def _make_kernel(
-    name: str, input_names: Sequence[str], output_names: Sequence[str], src: KernelSource
-) -> Callable:
-    return mx.fast.metal_kernel(
-        name=name,
-        input_names=list(input_names),
-        output_names=list(output_names),
-        source=src.source,
-        header=src.header,
-        # The kernels index through strides: slices of a cache and broadcast masks
-        # are read in place instead of being copied every decode step.
-        ensure_row_contiguous=False,
-    )
-
-
-_kernels = launch.DecodeKernels("metal", _make_kernel)
+_kernels = launch.DecodeKernels("metal", launch.fast_kernel_maker("metal_kernel"))
 supports = launch.supports
 # Same contracts as kernels.reference: (out, float32 pre-softmax scores).
 sdpa_with_scores = _kernels.dense

@@ -82,6 +82,26 @@ def choose_blocks(rows: int, L_k: int) -> int:
     return max(1, min(math.ceil(512 / rows), L_k // 128, 64))
 
 
+def fast_kernel_maker(api: str) -> MakeKernel:
+    """Builds kernels through `mx.fast.<api>` (metal_kernel or cuda_kernel), looked up on use."""
+
+    def make_kernel(
+        name: str, input_names: Sequence[str], output_names: Sequence[str], src: KernelSource
+    ) -> Callable:
+        return getattr(mx.fast, api)(
+            name=name,
+            input_names=list(input_names),
+            output_names=list(output_names),
+            source=src.source,
+            header=src.header,
+            # The kernels index through strides: slices of a cache and broadcast masks
+            # are read in place instead of being copied every decode step.
+            ensure_row_contiguous=False,
+        )
+
+    return make_kernel
+
+
 class DecodeKernels:
     """The decode kernels of one dialect, built on first use and cached per variant."""
 
