@@ -39,11 +39,19 @@ def _series(records: Iterable[dict[str, Any]], x_key: str, y_key: str) -> dict[s
 
 
 def _finish(ax, fig, path: Path, title: str, xlabel: str, ylabel: str) -> Path:
+    _style(ax, title, xlabel, ylabel)
+    return _save(fig, path)
+
+
+def _style(ax, title: str, xlabel: str, ylabel: str) -> None:
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
+
+
+def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -119,16 +127,8 @@ def _context_panels(
             xs, ys = zip(*sorted(points), strict=True)
             ax.plot(xs, ys, marker="o", label=label)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{name} vs context")
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        _style(ax, f"{name} vs context", "context (tokens)", ylabel)
+    return _save(fig, path)
 
 
 def plot_all(records: list[dict[str, Any]], out: Path) -> list[Path]:
