@@ -46,6 +46,8 @@ def test_auto_policy():
     mid = plan_cache(SMOLLM2_CPU, "auto", 512 * 2**20, 8)
     assert mid.policy == "h2o" and 256 <= mid.max_kv < 8192
     assert mid.session_bytes == 64 * 2**20
+    small = plan_cache(SMOLLM2_CPU, "auto", 8 * 2**20, 2)  # dense would hold < 256 tokens
+    assert small.policy == "h2o-q8" and small.max_kv >= 256
 
 
 def test_budget_too_small_is_a_clear_error():

@@ -25,6 +25,7 @@ def turn(api, key, history, text, max_tokens=12):
 def spilling(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("budget")
     flags = ["--kv-budget", str(BUDGET), "--max-sessions", "2", "--spill-dir", str(tmp / "spill")]
+    flags += ["--policy", "h2o"]  # dense: `auto` would pick 8-bit at this budget
     with running_server(tmp, *flags) as api:
         yield api, tmp / "spill"
 
@@ -62,6 +63,7 @@ def test_old_sessions_spill_and_resume(spilling):
 
 def test_without_spill_dir_old_sessions_are_dropped(tmp_path):
     flags = ["--kv-budget", str(BUDGET), "--max-sessions", "1", "--api-key", "s3cret"]
+    flags += ["--policy", "h2o"]
     with running_server(tmp_path, *flags) as api:
         wrong = {"Authorization": "Bearer nope"}
         denied = api.post("/v1/chat/completions", {"model": MODEL, "messages": []}, wrong)
