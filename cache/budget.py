@@ -12,10 +12,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from cache.factory import POLICIES, QUANT_BITS
 from cache.presets import split_budget
 
-# policy -> (bits of K, bits of V)
-QUANT_BITS = {"h2o-q8": (8, 8), "h2o-q4": (4, 4), "h2o-mixed": (8, 4)}
 H2O_BOOKKEEPING = 8  # float32 score + int32 position, per KV head and token
 FULL_CACHE_STEP = 256  # mlx-lm KVCache.step
 AUTO_FLOOR = 256  # `auto` switches to 8-bit below this many dense tokens
@@ -100,8 +99,6 @@ def plan_cache(
     `auto`: full when the model's whole context fits, else h2o, else h2o-q8 when
     dense h2o would hold fewer than AUTO_FLOOR tokens (and 8-bit caches exist).
     """
-    from cache.factory import POLICIES
-
     per_session = kv_budget // max_sessions
     if policy == "auto":
         if per_session >= shape.context * bytes_per_token(shape, "full"):

@@ -20,7 +20,11 @@ from cache.scores import EMA_ALPHA
 
 POLICIES = ("full", "rotating", "h2o", "h2o-q8", "h2o-q4", "h2o-mixed")
 DEFAULT_SCORE = "attn"
-QUANT_BITS = {"h2o-q8": 8, "h2o-q4": 4}
+# Quantized policies -> (key bits, value bits) of what their caches store; h2o-mixed
+# as its default scheme (MIXED_DEFAULT). The budget math (cache/budget.py) reads this too.
+QUANT_BITS = {"h2o-q8": (8, 8), "h2o-q4": (4, 4)}
+_mixed_widths = MIXED_SCHEMES[MIXED_DEFAULT][1]  # k8v4: QuantizedH2OKVCache's widths
+QUANT_BITS["h2o-mixed"] = (_mixed_widths["bits"], _mixed_widths["value_bits"])
 
 
 def _is_sliding_layer(layer: nn.Module) -> bool:
@@ -90,9 +94,11 @@ def make_cache(
                 "alpha": alpha,
                 "evict_batch": evict_batch,
             }
-            if policy in QUANT_BITS:
-                bits = QUANT_BITS[policy]
-                c = QuantizedH2OKVCache(budget.max_size, **h2o, group_size=group_size, bits=bits)
+            if policy in ("h2o-q8", "h2o-q4"):
+                bits, value_bits = QUANT_BITS[policy]
+                c = QuantizedH2OKVCache(
+                    budget.max_size, **h2o, group_size=group_size, bits=bits, value_bits=value_bits
+                )
             elif policy == "h2o-mixed":
                 cls, widths = MIXED_SCHEMES[mixed]
                 c = cls(budget.max_size, **h2o, group_size=group_size, **widths)
