@@ -300,7 +300,6 @@ async def _respond(job: Job, request: Request, stream: bool, reply: ReplyBuilder
     if isinstance(first, Failed):
         return error_response(first.status, first.message)
     assert isinstance(first, Started)
-    reply.started(first)
     headers = {"X-Session-ID": first.session_id}
     if stream:
 

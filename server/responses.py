@@ -20,10 +20,6 @@ class ReplyBuilder:
         self.text = ""
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
-        self.session_id: str | None = None
-
-    def started(self, event) -> None:
-        self.session_id = event.session_id
 
     # ------------------------------------------------------------------ whole reply
 
@@ -59,8 +55,7 @@ class ReplyBuilder:
         return self._chunk(self.echo, None, [])
 
     def chunk(self, delta: Delta) -> dict:
-        self.text += delta.text
-        self.finish_reason = delta.finish_reason or self.finish_reason
+        self.add(delta)
         content = {"content": delta.text} if self.kind == "chat" else delta.text
         return self._chunk(content, None, delta.logprobs)
 

@@ -71,7 +71,7 @@ class Session:
             "logical_tokens": seen,
             "cached_tokens": stored,
             "bytes": nbytes,
-            "evictions": max(0, seen - stored) if self.caches else self.stats.get("evictions", 0),
+            "evictions": seen - stored if self.caches else 0,
             "spilled": self.caches is None,
             "busy": self.busy,
             "last_used": int(self.last_used),
@@ -215,11 +215,10 @@ class SessionStore:
 
     def _spill(self, session: Session) -> None:
         path = self.spill_dir / f"{session.id}.safetensors"
-        meta = {"tokens": json.dumps(session.tokens), "prompt_len": str(session.prompt_len)}
-        save_prompt_cache(str(path), session.caches, meta)
-        session.refresh_stats()
+        save_prompt_cache(str(path), session.caches, {"tokens": json.dumps(session.tokens)})
+        session.refresh_stats()  # its evictions, while the caches can still tell them
+        session.stats.update(spilled=True, cached_tokens=0, bytes=0)
         session.caches, session.spill_path = None, path
-        session.refresh_stats()
         log.info("session %s spilled to %s", session.id, path)
         self.on_event("spilled")
 
