@@ -16,23 +16,18 @@ from __future__ import annotations
 import json
 import math
 import random
-import socket
 import threading
 import time
 import urllib.request
 import uuid
 from typing import Any
 
+from bench.local_server import free_port
+
 NAMES = ("Alice", "Bruno", "Chen", "Dara", "Emeka", "Freya", "Goran", "Hana", "Ivan", "Jun")
 FACT_REPLY_TOKENS = 16
 FILLER_REPLY_TOKENS = 4
 ANSWER_TOKENS = 16
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalServer:
@@ -46,7 +41,7 @@ class LocalServer:
         from server.app import create_app
 
         settings = ServerSettings(model=model, kv_budget=kv_budget, max_sessions=max_sessions)
-        self.port = _free_port()
+        self.port = free_port()
         config = uvicorn.Config(
             create_app(settings), host="127.0.0.1", port=self.port, log_level="warning"
         )

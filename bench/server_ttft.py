@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -26,32 +24,11 @@ from pathlib import Path
 
 import openai
 
+from bench.local_server import start_server, stop_server
 from bench.report import command, publish
 from bench.text import essay_text
 
 MODEL = "default"
-
-
-def start_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = Path(sys.executable).parent / "h2o-server"
-    process = subprocess.Popen(
-        [str(script), "serve", "--port", str(port), "--log-level", "warning", *flags],
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            urllib.request.urlopen(base + "/health", timeout=2)
-            return process, base
-        except OSError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                raise RuntimeError("the server did not start") from None
-            time.sleep(0.5)
 
 
 def ttft(client: openai.OpenAI, messages: list[dict], key: str, max_tokens: int) -> tuple:
@@ -91,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     flags = ["--kv-budget", args.kv_budget, "--policy", args.policy, "--max-sessions", "4"]
-    process, base = start_server(flags)
+    process, port = start_server(["--log-level", "warning", *flags])
+    base = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
     text = essay_text(max_files=4)
     key = f"bench-{uuid.uuid4().hex[:8]}"
@@ -120,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        stop_server(process)
 
     table = [
         "| turn | prompt tokens | cached tokens | TTFT warm (s) | TTFT cold (s) | cold / warm |",

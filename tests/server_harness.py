@@ -5,18 +5,15 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import os
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 
-SCRIPT = Path(sys.executable).parent / "h2o-server"
-CMD = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "server.cli"]
+from bench.local_server import start_server, stop_server
+
 MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -80,42 +77,16 @@ class Server:
         return {s["id"]: s for s in self.get("/v1/sessions").json()["data"]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running_server(tmp: Path, *flags: str, timeout: float = 120) -> Iterator[Server]:
-    port = _free_port()
-    log = tmp / f"server-{port}.log"
+    log = tmp / f"server-{time.monotonic_ns()}.log"
     with open(log, "w") as out:
-        process = subprocess.Popen(
-            [*CMD, "serve", "--port", str(port), *flags],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    api_key = flags[flags.index("--api-key") + 1] if "--api-key" in flags else None
-    server = Server(port, process, log, api_key)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"server exited:\n{log.read_text()}")
-            try:
-                if server.get("/health").status_code == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start:\n{log.read_text()}")
-            time.sleep(0.3)
-        yield server
-    finally:
-        process.terminate()
         try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
+            process, port = start_server(list(flags), stdout=out, timeout=timeout)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}:\n{log.read_text()}") from None
+    api_key = flags[flags.index("--api-key") + 1] if "--api-key" in flags else None
+    try:
+        yield Server(port, process, log, api_key)
+    finally:
+        stop_server(process)
