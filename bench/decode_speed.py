@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import config  # noqa: F401  (loads OpenBLAS before mlx)
-
 import mlx.core as mx
 
 from bench.report import command, machine, publish

@@ -1,8 +1,9 @@
 """`h2o-server eval <ppl|throughput|recall>`: the evaluation grids from the command line.
 
 `--json` prints one JSON list of flat records on stdout (one per grid point);
-without it a markdown table. Progress bars go to stderr. This module is
-imported by server/cli.py to build the parser, so it imports nothing heavy at
+without it a markdown table. Progress bars go to stderr. `add_eval_parser` is
+registered as an `h2o_server.commands` entry point (pyproject.toml), loaded
+whenever the CLI builds its parser, so this module imports nothing heavy at
 module level.
 """
 
@@ -14,6 +15,8 @@ import sys
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+from config.cache_spec import POLICIES, PRESETS, SCORE_RULES
 
 DEFAULT_POLICIES = ("full", "rotating", "h2o")
 
@@ -42,7 +45,7 @@ def _add_common_flags(p: argparse.ArgumentParser, default_seq: list[int]) -> Non
         action="extend",
         nargs="+",
         default=None,
-        choices=["attn", "ema"],
+        choices=list(SCORE_RULES),
         help="H2O score rules (default attn)",
     )
     p.add_argument(
@@ -50,7 +53,7 @@ def _add_common_flags(p: argparse.ArgumentParser, default_seq: list[int]) -> Non
         action="extend",
         nargs="+",
         default=None,
-        choices=["heavy", "balanced"],
+        choices=list(PRESETS),
         help="H2O presets (default heavy)",
     )
     p.add_argument(
@@ -145,8 +148,6 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def policies_from(args: argparse.Namespace) -> list[str]:
-    from cache.factory import POLICIES
-
     chosen = args.policy or list(DEFAULT_POLICIES)
     if "all" in chosen:
         return list(POLICIES)
@@ -231,21 +232,12 @@ def eval_records(args: argparse.Namespace) -> list[dict[str, Any]]:
         progress.close()
 
 
-class RecallUnavailable(RuntimeError):
-    """The session store that recall must go through does not exist in this build."""
-
-
 def _recall_records(args: argparse.Namespace) -> list[dict[str, Any]]:
-    if not (Path(__file__).resolve().parents[1] / "server" / "sessions.py").exists():
-        raise RecallUnavailable(
-            "eval recall is not available yet: it runs through the server's session "
-            "store (server/sessions.py), which this build does not have"
-        )
     from bench.recall import run_recall
 
     progress = _Progress("chat")
     try:
-        return run_recall(args, progress)
+        return run_recall(args, cases_from(args), progress)
     finally:
         progress.close()
 
@@ -266,11 +258,7 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    """`h2o-server eval ...` entry: print records; exit 2 on bad input or missing parts."""
-    try:
-        records = eval_records(args)
-    except RecallUnavailable as e:
-        print(f"h2o-server: {e}", file=sys.stderr)
-        return 2
+    """`h2o-server eval ...` entry: print records (bad input raises ValueError: exit 2)."""
+    records = eval_records(args)
     print(json.dumps(records) if args.json else markdown_table(records))
     return 0

@@ -18,8 +18,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import config  # noqa: F401  (loads OpenBLAS before mlx)
-
 import mlx.core as mx
 
 from bench.report import command, machine, publish

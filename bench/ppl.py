@@ -26,13 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import config  # noqa: F401  (loads OpenBLAS before mlx)
-
 import mlx.core as mx
 
 from bench.text import essay_token_ids
 from cache import make_cache
-from cache.factory import POLICIES
+from config.cache_spec import POLICIES
 
 DEFAULT_PREFILL = 32
 ONE_SHOT_CHUNK = 512
@@ -73,8 +71,8 @@ class CacheCase:
 
 
 def is_h2o(policy: str) -> bool:
-    """h2o and its quantized variants take score rules and presets."""
-    return policy.startswith("h2o")
+    """Policies that evict by score (h2o and its quantized variants) take rules and presets."""
+    return POLICIES[policy].scored
 
 
 def available_policies() -> list[str]:
@@ -93,12 +91,12 @@ def grid_cases(
     for policy in policies:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; this build has {list(POLICIES)}")
-        if policy == "full":
-            cases.append(CacheCase("full"))
+        if not POLICIES[policy].bounded:
+            cases.append(CacheCase(policy))
             continue
         for max_kv in max_kvs:
-            if policy == "rotating":
-                cases.append(CacheCase("rotating", max_kv))
+            if not is_h2o(policy):
+                cases.append(CacheCase(policy, max_kv))
                 continue
             for score in scores:
                 for preset in presets:

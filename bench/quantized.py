@@ -27,29 +27,32 @@ import sys
 import time
 from pathlib import Path
 
-import config  # noqa: F401  (loads OpenBLAS before mlx)
-
 import mlx.core as mx
 
 from bench.text import essay_token_ids
-from cache import make_cache, set_quantized_attention
+from cache import ATTENTION, configure, make_cache
 from cache.budget import ModelShape, bytes_per_token
-from cache.quantized import MIXED_DEFAULT
+from config.cache_spec import DEFAULT_MIXED, MIXED_SCHEMES, POLICIES
 from kernels import select_backend
 from server.models import load_model
 
-# (label, make_cache kwargs); the first is the baseline.
-POLICIES = [
-    ("h2o (dense)", {"policy": "h2o"}),
-    ("h2o-q8", {"policy": "h2o-q8"}),
-    ("h2o-q4", {"policy": "h2o-q4"}),
-    ("h2o-mixed = k8v4 (keys 8-bit, values 4-bit)", {"policy": "h2o-mixed", "mixed": "k8v4"}),
-    ("mixed paper (heavy 8-bit, recent 4-bit)", {"policy": "h2o-mixed", "mixed": "paper"}),
-    (
-        "mixed dense-recent (heavy 8-bit, recent dense)",
-        {"policy": "h2o-mixed", "mixed": "dense-recent"},
-    ),
-]
+
+def quantized_cases() -> list[tuple[str, dict]]:
+    """(label, make_cache kwargs): dense h2o first (the baseline), then every quantized
+    policy, then h2o-mixed's other layouts."""
+    cases = [("h2o (dense)", {"policy": "h2o"})]
+    for name, info in POLICIES.items():
+        if not info.quantized:
+            continue
+        cases.append((f"{name} ({info.help})", {"policy": name}))
+        if info.cache == "mixed":
+            for scheme, what in MIXED_SCHEMES.items():
+                if scheme != DEFAULT_MIXED:
+                    cases.append((f"{name} {scheme} ({what})", {"policy": name, "mixed": scheme}))
+    return cases
+
+
+CASES = quantized_cases()
 PATHS = ("fused", "dequantize")
 
 
@@ -77,10 +80,10 @@ def decode_round(model, caches: list, logits: mx.array, steps: int, paths: tuple
     tps = {}
     try:
         for path in paths:
-            set_quantized_attention("fused" if path == "dense" else path)
+            configure(quantized_path="fused" if path == "dense" else path)
             tps[path], logits = timed_steps(model, caches, logits, steps)
     finally:
-        set_quantized_attention("fused")
+        configure(quantized_path="fused")
     return tps, logits
 
 
@@ -117,11 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     # 1. decode speed, interleaved; 2. bytes per cached token of the same caches
     tps: dict[tuple[str, str], list[float]] = {}
     sessions = {}
-    for label, kwargs in POLICIES:
+    for label, kwargs in CASES:
         sessions[label] = prefilled(model, context, {**kwargs, "max_kv": args.max_kv})
         print(f"prefilled {label}", file=sys.stderr)
     for r in range(args.rounds):
-        for label, kwargs in POLICIES:
+        for label, kwargs in CASES:
             quantized = kwargs["policy"] != "h2o"
             paths = (PATHS if r % 2 == 0 else PATHS[::-1]) if quantized else ("dense",)
             caches, logits = sessions[label]
@@ -142,20 +145,20 @@ def main(argv: list[str] | None = None) -> int:
     ids = essay_token_ids(tokenizer, args.context + n * args.ppl_samples)[args.context :]
     ids = mx.array(ids).reshape(args.ppl_samples, n)
     targets = ids[:, args.ppl_prompt :]
-    ppl_cases = [("full", {"policy": "full"}), *POLICIES]
+    ppl_cases = [("full", {"policy": "full"}), *CASES]
     ppl, kl = {}, {}
     for label, kwargs in ppl_cases:
         max_kv = {} if kwargs["policy"] == "full" else {"max_kv": args.ppl_max_kv}
         logprobs = teacher_forced(model, ids, args.ppl_prompt, {**kwargs, **max_kv})
         nll = -mx.take_along_axis(logprobs, targets[..., None], axis=-1).mean()
         ppl[label] = math.exp(nll.item())
-        if label == POLICIES[0][0]:
+        if label == CASES[0][0]:
             dense = logprobs
         if label != "full":
             kl[label] = (mx.exp(dense) * (dense - logprobs)).sum(-1).mean().item()
         print(f"ppl {label}: {ppl[label]:.3f}", file=sys.stderr)
 
-    base = POLICIES[0][0]
+    base = CASES[0][0]
     rows = [
         "| cache | attention | decode tok/s (median) | vs dense h2o |",
         "|---|---|---|---|",
@@ -171,9 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         "| cache | bytes per cached token (all layers) | vs dense h2o | cache/budget.py formula |",
         "|---|---|---|---|",
     ]
-    for label, kwargs in POLICIES:
+    for label, kwargs in CASES:
         # The formula describes h2o-mixed's default scheme only.
-        own = kwargs.get("mixed", MIXED_DEFAULT) == MIXED_DEFAULT
+        own = kwargs.get("mixed", DEFAULT_MIXED) == DEFAULT_MIXED
         formula = bytes_per_token(shape, kwargs["policy"]) if own else None
         mem.append(
             f"| {label} | {per_token[label]:.0f} | {per_token[label] / per_token[base]:.3f} | "
@@ -190,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     q = mx.zeros((1, 9, 1, 64))
     packed = mx.zeros((1, 3, args.max_kv, 16), dtype=mx.uint32)
-    backend = select_backend(q, packed, None, group_size=64, bits=8)
+    backend = select_backend(ATTENTION.backend, q, packed, None, group_size=64, bits=8)
     command = "python -m bench.quantized " + " ".join(argv if argv is not None else sys.argv[1:])
     report = "\n".join(
         [

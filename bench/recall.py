@@ -34,10 +34,9 @@ class LocalServer:
     """`h2o-server serve` in this process, on a free port; a context manager."""
 
     def __init__(self, model: str, kv_budget: str = "4GiB", max_sessions: int = 2):
-        from config.settings import ServerSettings
-
         import uvicorn
 
+        from config.settings import ServerSettings
         from server.app import create_app
 
         settings = ServerSettings(model=model, kv_budget=kv_budget, max_sessions=max_sessions)
@@ -122,12 +121,10 @@ def run_trial(server: LocalServer, users: list[str], number: str, kv_cache: dict
     }
 
 
-def run_recall(args, progress=None) -> list[dict[str, Any]]:
+def run_recall(args, cases: list, progress=None) -> list[dict[str, Any]]:
     """One record per cache case: recall over `args.samples` trials (see module doc)."""
-    from bench.eval_cli import cases_from
     from server.models import load_model
 
-    cases = cases_from(args)
     longest_kv = max((c.max_kv for c in cases if c.max_kv), default=256)
     filler = args.filler_tokens
     turns = args.turns or math.ceil(args.conversation_factor * longest_kv / filler)
@@ -154,6 +151,7 @@ def run_recall(args, progress=None) -> list[dict[str, Any]]:
                     "recall": sum(r["hit"] for r in results) / len(results),
                     "cached_share": sum(r["cached_share"] for r in results) / len(results),
                     "answers": " | ".join(r["answer"].strip() for r in results),
+                    "numbers": " | ".join(number for _, number in scripts),
                 }
             )
     return records

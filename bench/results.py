@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import json
 import subprocess
 import sys
@@ -22,13 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import config  # noqa: F401  (loads OpenBLAS before mlx)
-
 from bench import plots
 from bench.eval_cli import eval_records
 from bench.report import machine
-from cache import make_cache
-from cache.factory import POLICIES
+from config.cache_spec import POLICIES, CacheSpec
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 MIB = 2**20
@@ -69,11 +65,11 @@ SMOKE = {
 
 def quantized_policies() -> list[str]:
     """H2O variants beyond plain h2o that this build's cache factory offers."""
-    return [p for p in POLICIES if p.startswith("h2o") and p != "h2o"]
+    return [p for p, info in POLICIES.items() if info.quantized]
 
 
 def supports_evict_batch() -> bool:
-    return "evict_batch" in inspect.signature(make_cache).parameters
+    return "evict_batch" in CacheSpec.__dataclass_fields__
 
 
 def plan(long_chunked: bool, g: dict = SCALE) -> list[tuple[str, list[str]]]:

@@ -26,8 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import config  # noqa: F401  (loads OpenBLAS before mlx)
-
 import mlx.core as mx
 
 from bench.ppl import CacheCase

@@ -1,10 +1,11 @@
-"""Budget math: bytes per cached token, and each session's max_kv from a memory budget.
+"""Budget math: bytes per cached token, and the CacheSpec that fits a memory budget.
+
+Pure arithmetic over the cache vocabulary (config/cache_spec.py); no MLX.
 
 bytes/token = layers x kv_heads x (2 x head_dim x element bytes + H2O bookkeeping)
 where quantized policies store head_dim x bits / 8 bytes plus one scale and one
-bias (float32 on CPU, float16 elsewhere) per `group_size` elements, and H2O
-keeps a float32 score and an int32 position per KV head and token. h2o-mixed
-stores keys 8-bit and values 4-bit (cache/quantized.py).
+bias (float32 on CPU, float16 elsewhere) per `group_size` elements, and scored
+(H2O) policies keep a float32 score and an int32 position per KV head and token.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from cache.factory import POLICIES, QUANT_BITS
-from cache.presets import split_budget
+from config.cache_spec import AUTO, DEFAULT_GROUP_SIZE, POLICIES, CacheSpec, choose
 
 H2O_BOOKKEEPING = 8  # float32 score + int32 position, per KV head and token
 FULL_CACHE_STEP = 256  # mlx-lm KVCache.step
 AUTO_FLOOR = 256  # `auto` switches to 8-bit below this many dense tokens
+AUTO_QUANTIZED = "h2o-q8"  # what `auto` picks below AUTO_FLOOR
+MIN_MAX_KV = 16
 _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 
 
@@ -51,70 +53,89 @@ class ModelShape:
         return cls(len(model.layers), kv_heads, head_dim, element_bytes, context)
 
 
-def bytes_per_token(shape: ModelShape, policy: str, group_size: int = 64) -> float:
+@dataclass(frozen=True)
+class Budget:
+    """Bytes for every conversation's KV cache, split evenly over `sessions`."""
+
+    total: int
+    sessions: int
+
+    @property
+    def per_session(self) -> int:
+        return self.total // self.sessions
+
+
+def bytes_per_token(shape: ModelShape, policy: str, group_size: int = DEFAULT_GROUP_SIZE) -> float:
     """Bytes one cached token costs across all layers under `policy`."""
-    dense = 2 * shape.head_dim * shape.element_bytes  # K and V
+    info = POLICIES[choose("policy", policy, POLICIES)]
 
-    def packed(bits: int) -> float:  # K or V: packed words, one scale and bias per group
-        groups = shape.head_dim / group_size
-        return shape.head_dim * bits / 8 + 2 * shape.element_bytes * groups
+    def width(bits: int | None) -> float:  # K or V of one head: dense, or packed plus scale/bias
+        if bits is None:
+            return shape.head_dim * shape.element_bytes
+        return shape.head_dim * bits / 8 + 2 * shape.element_bytes * shape.head_dim / group_size
 
-    if policy in ("full", "rotating"):
-        per_head = dense
-    elif policy == "h2o":
-        per_head = dense + H2O_BOOKKEEPING
-    elif policy in QUANT_BITS:
-        key_bits, value_bits = QUANT_BITS[policy]
-        per_head = packed(key_bits) + packed(value_bits) + H2O_BOOKKEEPING
-    else:
-        raise ValueError(f"unknown policy {policy!r}")
+    per_head = width(info.key_bits) + width(info.value_bits)
+    if info.scored:
+        per_head += H2O_BOOKKEEPING
     return shape.layers * shape.kv_heads * per_head
 
 
 def max_kv_within(nbytes: int, shape: ModelShape, policy: str) -> int:
     """The largest max_kv whose cache, as allocated, fits in `nbytes`.
 
-    H2O caches hold one spare slot (the newest token before eviction); mlx-lm's
+    Scored caches hold one spare slot (the newest token before eviction); mlx-lm's
     KVCache grows 256 tokens at a time, so a full cache gets whole steps.
     """
     slots = int(nbytes // bytes_per_token(shape, policy))
-    if policy == "full":
+    info = POLICIES[policy]
+    if not info.bounded:
         return slots // FULL_CACHE_STEP * FULL_CACHE_STEP
-    return slots - 1 if policy.startswith("h2o") else slots
+    return slots - 1 if info.scored else slots
 
 
-@dataclass(frozen=True)
-class CachePlan:
-    policy: str
-    max_kv: int  # tokens per layer in one session's cache
-    bytes_per_token: float
-    session_bytes: int  # one session's share of the budget; its cache never outgrows it
+def auto_policy(shape: ModelShape, budget: Budget) -> str:
+    """full when the model's whole context fits, else h2o, else 8-bit H2O below AUTO_FLOOR."""
+    share = budget.per_session
+    if share >= shape.context * bytes_per_token(shape, "full"):
+        return "full"
+    if share >= AUTO_FLOOR * bytes_per_token(shape, "h2o"):
+        return "h2o"
+    return AUTO_QUANTIZED
 
 
-def plan_cache(
-    shape: ModelShape, policy: str, kv_budget: int, max_sessions: int, preset: str = "heavy"
-) -> CachePlan:
-    """Split `kv_budget` evenly over `max_sessions` and size each session's cache.
+def fit_spec(
+    shape: ModelShape,
+    budget: Budget | None,
+    policy: str = AUTO,
+    max_kv: int | None = None,
+    **fields,
+) -> CacheSpec:
+    """The CacheSpec for `policy` within one session's share of `budget`.
 
-    `auto`: full when the model's whole context fits, else h2o, else h2o-q8 when
-    dense h2o would hold fewer than AUTO_FLOOR tokens (and 8-bit caches exist).
+    `auto` picks the policy from the budget. `max_kv` None takes the largest that
+    fits (capped at the model's context); a given one must fit. With no budget
+    (one-off generation) max_kv is taken as given. `fields`: the rest of CacheSpec.
+    Raises ValueError saying what does not fit.
     """
-    per_session = kv_budget // max_sessions
-    if policy == "auto":
-        if per_session >= shape.context * bytes_per_token(shape, "full"):
-            policy = "full"
-        elif per_session >= AUTO_FLOOR * bytes_per_token(shape, "h2o") or "h2o-q8" not in POLICIES:
-            policy = "h2o"
-        else:
-            policy = "h2o-q8"
-    bpt = bytes_per_token(shape, policy)
-    max_kv = min(max_kv_within(per_session, shape, policy), shape.context)
-    if max_kv < 16:
-        raise ValueError(
-            f"--kv-budget {kv_budget} B over {max_sessions} sessions leaves {max_kv} tokens "
-            f"per session under {policy} ({bpt:.0f} B/token): raise the budget or lower "
-            "--max-sessions"
-        )
-    if policy != "full":
-        split_budget(max_kv, preset)  # raises when the budget is too small to split
-    return CachePlan(policy, max_kv, bpt, per_session)
+    if policy == AUTO:
+        if budget is None:
+            raise ValueError("policy auto needs a memory budget")
+        policy = auto_policy(shape, budget)
+    choose("policy", policy, POLICIES)
+    if budget is not None:
+        limit = min(max_kv_within(budget.per_session, shape, policy), shape.context)
+        if limit < MIN_MAX_KV:
+            raise ValueError(
+                f"--kv-budget {budget.total} B over {budget.sessions} sessions leaves {limit} "
+                f"tokens per session under {policy} ({bytes_per_token(shape, policy):.0f} "
+                "B/token): raise --kv-budget or lower --max-sessions"
+            )
+        if max_kv is not None and max_kv > limit:
+            raise ValueError(
+                f"max_kv {max_kv} exceeds the per-session budget: at most {limit} tokens "
+                f"under {policy}"
+            )
+        max_kv = max_kv or limit
+    if max_kv is None:
+        raise ValueError("max_kv is needed when there is no memory budget")
+    return CacheSpec(policy, max_kv, **fields)

@@ -1,4 +1,4 @@
-"""make_cache: the per-layer cache list for a policy, with the router installed."""
+"""make_cache: the per-layer cache list for a CacheSpec, with attention routed and verified."""
 
 from __future__ import annotations
 
@@ -8,23 +8,41 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from cache.h2o import H2OKVCache
-from cache.presets import split_budget
-from cache.quantized import (
-    DEFAULT_GROUP_SIZE,
-    MIXED_DEFAULT,
-    MIXED_SCHEMES,
-    QuantizedH2OKVCache,
-)
-from cache.router import install_router
-from cache.scores import EMA_ALPHA
+from cache.mixed import MIXED_LAYOUTS
+from cache.quantized import QuantizedH2OKVCache
+from cache.router import install_router, verify_routing
+from config.cache_spec import DEFAULT_POLICY, CacheSpec
 
-POLICIES = ("full", "rotating", "h2o", "h2o-q8", "h2o-q4", "h2o-mixed")
-DEFAULT_SCORE = "attn"
-# Quantized policies -> (key bits, value bits) of what their caches store; h2o-mixed
-# as its default scheme (MIXED_DEFAULT). The budget math (cache/budget.py) reads this too.
-QUANT_BITS = {"h2o-q8": (8, 8), "h2o-q4": (4, 4)}
-_mixed_widths = MIXED_SCHEMES[MIXED_DEFAULT][1]  # k8v4: QuantizedH2OKVCache's widths
-QUANT_BITS["h2o-mixed"] = (_mixed_widths["bits"], _mixed_widths["value_bits"])
+
+def _h2o_knobs(spec: CacheSpec) -> dict:
+    seg = spec.segments()
+    return dict(
+        sink=seg.sink, heavy=seg.heavy, recent=seg.recent, score=spec.score,
+        evict_batch=spec.evict_batch,
+    )  # fmt: skip
+
+
+def _quantized(spec: CacheSpec) -> QuantizedH2OKVCache:
+    info = spec.info
+    return QuantizedH2OKVCache(
+        spec.max_kv, **_h2o_knobs(spec), group_size=spec.group_size, bits=info.key_bits,
+        value_bits=info.value_bits,
+    )  # fmt: skip
+
+
+def _mixed(spec: CacheSpec) -> H2OKVCache:
+    cls, widths = MIXED_LAYOUTS[spec.mixed]
+    return cls(spec.max_kv, **_h2o_knobs(spec), group_size=spec.group_size, **widths)
+
+
+# PolicyInfo.cache -> a builder of one layer's cache.
+BUILDERS = {
+    "full": lambda spec: KVCache(),
+    "rotating": lambda spec: RotatingKVCache(max_size=spec.max_kv, keep=spec.segments().sink),
+    "h2o": lambda spec: H2OKVCache(spec.max_kv, **_h2o_knobs(spec)),
+    "quantized": _quantized,
+    "mixed": _mixed,
+}
 
 
 def _is_sliding_layer(layer: nn.Module) -> bool:
@@ -38,42 +56,22 @@ def _is_sliding_layer(layer: nn.Module) -> bool:
     )
 
 
-def _sliding_window(model: nn.Module) -> int | None:
-    args = getattr(model, "args", None)
-    return getattr(args, "sliding_window", None)
+def make_cache(model: nn.Module, policy: str | CacheSpec = DEFAULT_POLICY, **fields) -> list[Any]:
+    """One cache per layer for a CacheSpec, or for a policy name and CacheSpec fields.
 
-
-def make_cache(
-    model: nn.Module,
-    policy: str = "h2o",
-    max_kv: int = 256,
-    preset: str = "heavy",
-    score: str = DEFAULT_SCORE,
-    sink: int | None = None,
-    heavy: int | None = None,
-    recent: int | None = None,
-    alpha: float = EMA_ALPHA,
-    evict_batch: int | None = None,
-    group_size: int = DEFAULT_GROUP_SIZE,
-    mixed: str = MIXED_DEFAULT,
-) -> list[Any]:
-    """One cache per layer for `policy` (full | rotating | h2o | h2o-q8 | h2o-q4 | h2o-mixed).
-
-    Layers whose model-provided cache is already bounded (sliding windows,
-    recurrent state) keep it. For the h2o policies the attention router is
-    installed into the model (idempotent) so plain
-    `mlx_lm.stream_generate(..., prompt_cache=...)` feeds scores to the caches.
-    `group_size` applies to the quantized policies, `mixed` (a MIXED_SCHEMES key)
-    to h2o-mixed.
+    e.g. `make_cache(model, "h2o", max_kv=256, score="attn")`. Layers whose
+    model-provided cache is already bounded (sliding windows, recurrent state) keep
+    it. For scored policies the attention router is installed into the model and
+    verified: a model whose attention would bypass it raises here, since its H2O
+    caches would never evict.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
-    if mixed not in MIXED_SCHEMES:
-        raise ValueError(f"unknown mixed scheme {mixed!r}; choose from {list(MIXED_SCHEMES)}")
-    budget = split_budget(max_kv, preset, sink=sink, heavy=heavy, recent=recent)
+    spec = (
+        policy.replace(**fields) if isinstance(policy, CacheSpec) else CacheSpec(policy, **fields)
+    )
+    build = BUILDERS[spec.info.cache]
     base = make_prompt_cache(model)
     layers = getattr(model, "layers", None) or [None] * len(base)
-    window = _sliding_window(model)
+    window = getattr(getattr(model, "args", None), "sliding_window", None)
 
     caches = []
     for layer, provided in zip(layers, base, strict=True):
@@ -81,32 +79,11 @@ def make_cache(
             caches.append(provided)  # bounded or non-attention state: keep it
         elif layer is not None and window and _is_sliding_layer(layer):
             caches.append(RotatingKVCache(max_size=window))
-        elif policy == "full":
-            caches.append(KVCache())
-        elif policy == "rotating":
-            caches.append(RotatingKVCache(max_size=max_kv, keep=budget.sink))
         else:
-            h2o = {
-                "sink": budget.sink,
-                "heavy": budget.heavy,
-                "recent": budget.recent,
-                "score": score,
-                "alpha": alpha,
-                "evict_batch": evict_batch,
-            }
-            if policy in ("h2o-q8", "h2o-q4"):
-                bits, value_bits = QUANT_BITS[policy]
-                c = QuantizedH2OKVCache(
-                    budget.max_size, **h2o, group_size=group_size, bits=bits, value_bits=value_bits
-                )
-            elif policy == "h2o-mixed":
-                cls, widths = MIXED_SCHEMES[mixed]
-                c = cls(budget.max_size, **h2o, group_size=group_size, **widths)
-            else:
-                c = H2OKVCache(budget.max_size, **h2o)
-            caches.append(c)
-    if policy.startswith("h2o"):
+            caches.append(build(spec))
+    if spec.info.scored:
         install_router(model)
+        verify_routing(model, caches)
     return caches
 
 

@@ -33,13 +33,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.base import create_causal_mask
 
-from cache.presets import split_budget
-from cache.scores import EMA_ALPHA, SCORE_RULES, attn_increment, ema_increment
+from cache.attention import DENSE, KVFormat
+from cache.scores import ScoreRule, make_score_rule
+from config.cache_spec import DEFAULT_SCORE, default_evict_batch, split_segments
 
 
-def default_evict_batch(max_size: int, heavy: int) -> int:
-    """Tokens evicted at once: 1/16 of the cache, at most the heavy segment (>= 1)."""
-    return max(1, min(heavy, max_size // 16))
+class ScoresMissing(RuntimeError):
+    """An H2O cache was fed tokens, but its layer's attention never reported scores."""
 
 
 class H2OKVCache:
@@ -51,18 +51,15 @@ class H2OKVCache:
         sink: int | None = None,
         heavy: int | None = None,
         recent: int | None = None,
-        score: str = "attn",
-        alpha: float = EMA_ALPHA,
+        score: str | ScoreRule = DEFAULT_SCORE,
         evict_batch: int | None = None,
     ):
-        budget = split_budget(max_size, "heavy", sink=sink, heavy=heavy, recent=recent)
-        if score not in SCORE_RULES:
-            raise ValueError(f"unknown score rule {score!r}; choose from {SCORE_RULES}")
+        segments = split_segments(max_size, sink=sink, heavy=heavy, recent=recent)
         self.max_size, self.sink, self.heavy, self.recent = (
-            budget.max_size,
-            budget.sink,
-            budget.heavy,
-            budget.recent,
+            segments.max_size,
+            segments.sink,
+            segments.heavy,
+            segments.recent,
         )
         if evict_batch is None:
             evict_batch = default_evict_batch(self.max_size, self.heavy)
@@ -72,8 +69,7 @@ class H2OKVCache:
                 f"got {evict_batch}"
             )
         self.evict_batch = evict_batch
-        self.score_rule = score
-        self.alpha = alpha
+        self.score_rule = make_score_rule(score) if isinstance(score, str) else score
         self.keys = self.values = None  # [B, H, capacity, D] (or a list of such buffers)
         self.scores = None  # float32 [B, H, capacity]: accumulated importance
         self.positions = None  # int32 [B, H, capacity]: token index held by each slot
@@ -86,6 +82,7 @@ class H2OKVCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Store N new tokens (post-RoPE keys) and return every stored key/value."""
+        self._check_scored()
         n_new = keys.shape[2]
         end = self._len + n_new
         keys, values = self._encode(keys, values)
@@ -104,20 +101,21 @@ class H2OKVCache:
         n = scores.shape[-1]
         if n != self._len:
             raise ValueError(f"scores cover {n} keys but the cache holds {self._len}")
-        n_kv = self.positions.shape[1]
         full = n == self.scores.shape[-1]
         held = self.scores if full else self.scores[..., :n]
-        if self.score_rule == "attn":
-            updated = held + attn_increment(scores, n_kv)
-        else:
-            decay, increment = ema_increment(scores, n_kv, self.alpha)
-            updated = decay * held + increment
+        updated = self.score_rule.accumulate(held, scores, self.positions.shape[1])
         if full:
             self.scores = updated
         else:
             self.scores[..., :n] = updated
         if self._len > self.max_size:
             self._evict()
+
+    def kv_segments(self, keys, values) -> list[tuple[object, object, KVFormat]]:
+        """What update_and_fetch returned, as (keys, values, format) parts for attention."""
+        return [(keys, values, self.kv_format)]
+
+    kv_format: KVFormat = DENSE
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Mask for N new tokens: every stored key visible, the new keys causal.
@@ -190,8 +188,8 @@ class H2OKVCache:
             "sink": self.sink,
             "heavy": self.heavy,
             "recent": self.recent,
-            "score": self.score_rule,
-            "alpha": self.alpha,
+            "score": self.score_rule.name,
+            "score_knobs": self.score_rule.knobs(),
             "evict_batch": self.evict_batch,
             "offset": self.offset,
             "evicted": self.evicted,
@@ -208,7 +206,7 @@ class H2OKVCache:
             meta["heavy"],
             meta["recent"],
         )
-        self.score_rule, self.alpha = meta["score"], meta["alpha"]
+        self.score_rule = make_score_rule(meta["score"], **meta.get("score_knobs", {}))
         self.evict_batch = meta.get("evict_batch", 1)
         self.offset, self.evicted = meta["offset"], meta["evicted"]
         self._last_eviction = meta["last_eviction"]
@@ -252,6 +250,16 @@ class H2OKVCache:
         )
 
     # ------------------------------------------------------------------ internals
+
+    def _check_scored(self) -> None:
+        """Eviction runs when scores arrive; a cache past max_size never got them."""
+        if self._len > self.max_size:
+            raise ScoresMissing(
+                f"this H2O cache holds {self._len} tokens (max_kv {self.max_size}): its layer's "
+                "attention did not pass scores to update_scores, so nothing was evicted. The "
+                "model's attention must call mlx-lm's scaled_dot_product_attention through the "
+                "router installed by cache.make_cache; use policy full or rotating otherwise"
+            )
 
     def _grown(
         self, buf: mx.array | None, lead: tuple, tail: tuple, dtype: mx.Dtype, capacity: int

@@ -1,12 +1,18 @@
-"""Attention router: feeds attention scores to caches that want them.
+"""Attention router: feeds attention scores to the caches that evict by them.
 
-mlx-lm model modules call the module-level `scaled_dot_product_attention`
-they imported from `mlx_lm.models.base`. Installing the router rebinds that
-name, in the modules the model's classes come from, to a wrapper: a layer
-whose cache has `update_scores` gets `sdpa_with_scores` and hands the scores
-to its cache; every other layer goes through mlx-lm's original function
-unchanged. A cache that stores K/V its own way (quantized, in segments) has
-`attention_with_scores` and computes both itself. No mlx-lm source is modified.
+mlx-lm model modules call the module-level `scaled_dot_product_attention` they
+imported from `mlx_lm.models.base`. Installing the router rebinds that name, in
+the modules the model's classes come from, to a wrapper: a layer whose cache
+has `update_scores` attends through cache/attention.py (which exports the
+scores) and hands the scores to its cache; every other layer goes through
+mlx-lm's original function unchanged. No mlx-lm source is modified.
+
+Loud, never silent: a scored layer whose attention passes `sinks=` or another
+argument the scoring kernels do not take raises `UnroutedAttention`, and
+`verify_routing` (run by make_cache) traces one token through the model and
+raises when a scored layer's attention never reaches the router (e.g. a model
+calling mx.fast.scaled_dot_product_attention directly), naming the architecture.
+Without that, its H2O cache would never evict and the memory budget would break.
 """
 
 from __future__ import annotations
@@ -14,23 +20,34 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
+import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
 
-from kernels import sdpa_with_scores
+from cache.attention import ATTENTION, DENSE
 
 _ATTR = "scaled_dot_product_attention"
 
 
+class UnroutedAttention(ValueError):
+    """A scored cache sits on a layer whose attention the router cannot score."""
+
+
 def _route(original: Callable) -> Callable:
     def routed_sdpa(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None, **kw):
-        if sinks is None and not kw and hasattr(cache, "update_scores"):
-            attend = getattr(cache, "attention_with_scores", sdpa_with_scores)
-            out, scores = attend(queries, keys, values, scale=scale, mask=mask)
-            cache.update_scores(scores)
-            return out
-        if sinks is not None:
-            kw["sinks"] = sinks
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
+        if not hasattr(cache, "update_scores"):
+            if sinks is not None:
+                kw["sinks"] = sinks
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
+        extra = ["sinks"] * (sinks is not None) + sorted(kw)
+        if extra:
+            raise UnroutedAttention(
+                f"this layer's attention passes {', '.join(extra)}, which the score-exporting "
+                "kernels do not take: H2O cannot score it; use policy full or rotating"
+            )
+        out, scores = ATTENTION(queries, keys, values, cache, scale, mask)
+        cache.update_scores(scores)
+        return out
 
     routed_sdpa.h2o_original = original
     return routed_sdpa
@@ -50,6 +67,8 @@ def _attention_modules(model: nn.Module) -> dict[str, Callable]:
 def install_router(model: nn.Module) -> list[str]:
     """Route attention in every module that defines the model's layers. Idempotent.
 
+    The router changes nothing for layers without a scored cache, so it stays
+    installed for the process (uninstall_router restores mlx-lm's function).
     Returns the names of the modules now routed.
     """
     modules = _attention_modules(model)
@@ -64,3 +83,53 @@ def uninstall_router(model: nn.Module) -> None:
     for name, fn in _attention_modules(model).items():
         if hasattr(fn, "h2o_original"):
             setattr(sys.modules[name], _ATTR, fn.h2o_original)
+
+
+def verify_routing(model: nn.Module, caches: list) -> None:
+    """Raise UnroutedAttention unless every scored layer's attention reaches the router.
+
+    Traces one token through the model with probe caches in the scored layers'
+    places (the graph is built, never evaluated, so it costs milliseconds); the
+    result is remembered per model and set of layers.
+    """
+    scored = frozenset(i for i, c in enumerate(caches) if hasattr(c, "update_scores"))
+    verified = getattr(model, "_h2o_routed_layers", frozenset())
+    if not scored or scored <= verified:
+        return
+    # Fresh model-provided caches elsewhere, so probing leaves the real ones untouched.
+    probes = [_Probe() if i in scored else c for i, c in enumerate(make_prompt_cache(model))]
+    model(mx.array([[0]]), cache=probes)
+    missed = sorted(i for i in scored if not probes[i].scored)
+    if missed:
+        arch = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
+        raise UnroutedAttention(
+            f"model type {arch!r}: the attention of layer(s) {missed} does not go through "
+            f"mlx-lm's {_ATTR}, so H2O cannot see its scores and would never evict. "
+            "Use policy full or rotating with this model"
+        )
+    object.__setattr__(model, "_h2o_routed_layers", verified | scored)
+
+
+class _Probe:
+    """Stands in for a scored cache while tracing: records that scores arrived."""
+
+    offset = 0
+
+    def __init__(self):
+        self.scored = False
+        self.keys = None
+
+    def update_and_fetch(self, keys, values):
+        return keys, values
+
+    def kv_segments(self, keys, values):
+        return [(keys, values, DENSE)]
+
+    def update_scores(self, scores) -> None:
+        self.scored = True
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        return None if N == 1 else "causal"
+
+    def is_trimmable(self) -> bool:
+        return False

@@ -1,5 +1,5 @@
-"""Project settings. Importing this package first loads OpenBLAS (see blas.py)."""
+"""Project settings (settings.py), the cache vocabulary (cache_spec.py) and the BLAS preload.
 
-from config.blas import preload_openblas
-
-preload_openblas()
+Importing this package has no side effect: entry points call
+`config.blas.preload_openblas()` before MLX is imported (see blas.py).
+"""

@@ -21,6 +21,11 @@ _CANDIDATES = (
 )
 
 loaded_path: str | None = None
+SLOW_BLAS_WARNING = (
+    "MLX runs on its CPU backend with the reference BLAS its wheel links (~40x slower "
+    "float32 matmuls): call config.blas.preload_openblas() before the first `import mlx` "
+    "(the h2o-server entry points do), or set H2O_OPENBLAS=0 to silence this"
+)
 
 
 def _find_openblas() -> str | None:
@@ -50,3 +55,12 @@ def preload_openblas() -> str | None:
         except OSError:
             loaded_path = None
     return loaded_path
+
+
+def slow_blas_warning() -> str | None:
+    """A warning when MLX on Linux was imported before OpenBLAS could be loaded, else None."""
+    if not sys.platform.startswith("linux") or os.environ.get("H2O_OPENBLAS") == "0":
+        return None
+    if loaded_path is not None or _find_openblas() is None:
+        return None
+    return SLOW_BLAS_WARNING

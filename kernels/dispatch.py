@@ -1,15 +1,14 @@
-"""Pick an attention backend per call: forced, else the first available that fits.
+"""Pick an attention backend per call: the preferred one where it fits, else the reference.
 
-Order of preference: metal, cuda, reference. A backend is forced by `force_backend(name)`
-(the `--kernel` flag) or, failing that, by the H2O_KERNEL environment variable, read on
-every call; values: auto, reference, metal, cuda. Forcing a backend this machine lacks
-raises ValueError. A forced GPU backend still hands shapes it does not support
-(prefill chunks, odd head dims) to the reference, so a forced run never fails on them.
+Order of preference under `auto`: metal, cuda, reference. A named backend that this
+machine lacks raises ValueError (`check_backend`); a named GPU backend still hands
+shapes it does not support (prefill chunks, odd head dims, split K/V widths) to the
+reference, so a forced run never fails on them. Which backend to prefer is decided
+once, by the caller (cache/attention.py holds that choice); nothing here is global.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -20,7 +19,6 @@ from kernels import cuda, metal, reference
 from kernels.reference import Mask, QuantizedTensor
 
 AUTO = "auto"
-ENV_VAR = "H2O_KERNEL"
 
 
 @dataclass(frozen=True)
@@ -48,18 +46,10 @@ _BACKENDS: dict[str, Backend] = {
 }
 BACKEND_NAMES = (AUTO, *_BACKENDS)
 
-_forced: str | None = None
-
-
-def force_backend(name: str | None) -> None:
-    """Force a backend for every later call (None or "auto" undoes it; beats H2O_KERNEL)."""
-    global _forced
-    _forced = None if name in (None, AUTO) else _check_forcible(name, "force_backend")
-
 
 def get_backend(name: str) -> Backend:
     """One backend's functions, called directly (benchmarks, tests); no fallback."""
-    return _BACKENDS[_check_forcible(name, "backend")]
+    return _BACKENDS[check_backend(name, allow_auto=False)]
 
 
 def available_backends() -> list[str]:
@@ -72,21 +62,34 @@ def _is_available(name: str) -> bool:
     return _BACKENDS[name].is_available()
 
 
+def check_backend(name: str, allow_auto: bool = True) -> str:
+    """`name` if it is `auto` or a backend this machine has, else a ValueError saying why."""
+    if name == AUTO and allow_auto:
+        return name
+    if name not in _BACKENDS:
+        raise ValueError(f"kernel backend {name!r}: known backends are {list(BACKEND_NAMES)}")
+    if not _is_available(name):
+        raise ValueError(
+            f"kernel backend {name!r} is not available on this machine "
+            f"(available: {available_backends()})"
+        )
+    return name
+
+
 def select_backend(
+    preference: str,
     q: mx.array,
     k: mx.array,
     mask: Mask = None,
     *,
     group_size: int | None = None,
     bits: int | None = None,
+    value_bits: int | None = None,
 ) -> str:
     """The backend for this call (k: keys, or the packed key words when quantized)."""
-    forced = _forced or os.environ.get(ENV_VAR, AUTO)
-    if forced != AUTO:
-        _check_forcible(forced, ENV_VAR)
-        candidates = [forced]
-    else:
-        candidates = [name for name in _BACKENDS if name != "reference"]
+    if value_bits not in (None, bits):
+        return "reference"  # the GPU kernels take one width for K and V
+    candidates = [n for n in _BACKENDS if n != "reference"] if preference == AUTO else [preference]
     for name in candidates:
         if _is_available(name) and _BACKENDS[name].supports(
             q, k, mask, group_size=group_size, bits=bits
@@ -96,10 +99,11 @@ def select_backend(
 
 
 def sdpa_with_scores(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask = None
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask = None, backend: str = AUTO
 ) -> tuple[mx.array, mx.array]:
     """Attention output and float32 pre-softmax scores [B, n_q_heads, L_q, L_k]."""
-    return _BACKENDS[select_backend(q, k, mask)].dense(q, k, v, scale, mask)
+    name = select_backend(backend, q, k, mask)
+    return _BACKENDS[name].dense(q, k, v, scale, mask)
 
 
 def quantized_sdpa_with_scores(
@@ -110,18 +114,15 @@ def quantized_sdpa_with_scores(
     mask: Mask = None,
     group_size: int = 64,
     bits: int = 8,
+    value_bits: int | None = None,
+    backend: str = AUTO,
 ) -> tuple[mx.array, mx.array]:
-    """`sdpa_with_scores` over K/V packed by `mx.quantize` as (weights, scales, biases)."""
-    name = select_backend(q, k_q[0], mask, group_size=group_size, bits=bits)
-    return _BACKENDS[name].quantized(q, k_q, v_q, scale, mask, group_size, bits)
-
-
-def _check_forcible(name: str, source: str) -> str:
-    if name not in _BACKENDS:
-        raise ValueError(f"{source}={name!r}: known backends are {list(BACKEND_NAMES)}")
-    if not _is_available(name):
-        raise ValueError(
-            f"{source}={name!r}: that backend is not available on this machine "
-            f"(available: {available_backends()})"
+    """`sdpa_with_scores` over K/V packed by `mx.quantize`; values may have their own width."""
+    name = select_backend(
+        backend, q, k_q[0], mask, group_size=group_size, bits=bits, value_bits=value_bits
+    )
+    if name == "reference":
+        return reference.quantized_sdpa_with_scores(
+            q, k_q, v_q, scale, mask, group_size, bits, value_bits=value_bits
         )
-    return name
+    return _BACKENDS[name].quantized(q, k_q, v_q, scale, mask, group_size, bits)

@@ -85,11 +85,13 @@ def quantized_sdpa_with_scores(
     mask: Mask = None,
     group_size: int = 64,
     bits: int = 8,
+    value_bits: int | None = None,
 ) -> tuple[mx.array, mx.array]:
     """`sdpa_with_scores` over K/V packed by `mx.quantize(x, group_size, bits)`.
 
     k_q, v_q: (weights, scales, biases) of keys/values [B, n_kv_heads, L_k, D], packed
-    along D. Same outputs as `sdpa_with_scores` on the dequantized K/V.
+    along D; values at `value_bits` when given (e.g. keys 8-bit, values 4-bit). Same
+    outputs as `sdpa_with_scores` on the dequantized K/V.
     """
     B, n_q, L_q, D = q.shape
     k_w, k_scales, k_biases = k_q
@@ -97,12 +99,21 @@ def quantized_sdpa_with_scores(
     n_kv, L_k = k_w.shape[1], k_w.shape[2]
     rep = n_q // n_kv
     # Float32 scales/biases keep the oracle in float32 whatever the cache dtype.
-    qmm = {"group_size": group_size, "bits": bits}
     qg = (_f32(q) * scale).reshape(B, n_kv, rep * L_q, D)
-    scores = mx.quantized_matmul(qg, k_w, _f32(k_scales), _f32(k_biases), transpose=True, **qmm)
+    scores = mx.quantized_matmul(
+        qg, k_w, _f32(k_scales), _f32(k_biases), transpose=True, group_size=group_size, bits=bits
+    )
     scores = _apply_mask(scores, mask, B, n_kv, rep, L_q, L_k)
     probs = mx.softmax(scores, axis=-1, precise=True)
-    out = mx.quantized_matmul(probs, v_w, _f32(v_scales), _f32(v_biases), transpose=False, **qmm)
+    out = mx.quantized_matmul(
+        probs,
+        v_w,
+        _f32(v_scales),
+        _f32(v_biases),
+        transpose=False,
+        group_size=group_size,
+        bits=value_bits or bits,
+    )
     out = out.reshape(B, n_q, L_q, D)
     if out.dtype != q.dtype:
         out = out.astype(q.dtype)

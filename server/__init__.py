@@ -1,3 +1,1 @@
-"""server package."""
-
-import config  # noqa: F401  (loads OpenBLAS before the first mlx import)
+"""The OpenAI-compatible server: app, worker, sessions, model loading and the CLI."""

@@ -1,41 +1,59 @@
-"""`h2o-server` command line: `generate` streams one completion to stdout."""
+"""`h2o-server` command line: serve, generate, chat, and commands other packages register.
+
+Commands beyond these (`eval`, from bench/) are found through the entry-point group
+`h2o_server.commands` (pyproject.toml), so this package does not import them.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
-from typing import get_args
-
-from config.settings import CacheSettings, Policy
+from importlib.metadata import entry_points
 
 from pydantic import ValidationError
 
-from bench.eval_cli import add_eval_parser
+from config.blas import preload_openblas
+from config.cache_spec import (
+    DEFAULT_MAX_KV,
+    DEFAULT_POLICY,
+    DEFAULT_PRESET,
+    DEFAULT_SCORE,
+    POLICIES,
+    PRESETS,
+    SCORE_RULES,
+    CacheSpec,
+)
+
+COMMAND_GROUP = "h2o_server.commands"
+
+
+def _describe(table: dict) -> str:
+    return "; ".join(f"{name}: {what}" for name, what in table.items())
 
 
 def _add_cache_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("KV cache")
-    g.add_argument("--policy", default="h2o", choices=get_args(Policy))
+    g.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES))
     g.add_argument(
         "--max-kv",
         "--h2o-max-size",
         dest="max_kv",
         type=int,
-        default=256,
-        help="cache size in tokens per layer",
+        default=None,
+        help=f"cache size in tokens per layer (default: what --kv-budget allows, else "
+        f"{DEFAULT_MAX_KV})",
     )
     g.add_argument(
-        "--preset",
-        default="heavy",
-        choices=["heavy", "balanced"],
-        help="heavy: heavy=max/2, recent=max/2-sink; balanced: heavy=max/4",
+        "--kv-budget",
+        default=None,
+        help="memory for this conversation's KV cache (e.g. 64MiB): max_kv is what fits",
     )
     g.add_argument(
-        "--score",
-        default="attn",
-        choices=["attn", "ema"],
-        help="attn: summed softmax (original H2O); ema: EMA of |logit| (MLX paper)",
+        "--preset", default=DEFAULT_PRESET, choices=list(PRESETS), help=_describe(PRESETS)
+    )
+    g.add_argument(
+        "--score", default=DEFAULT_SCORE, choices=list(SCORE_RULES), help=_describe(SCORE_RULES)
     )
     g.add_argument("--h2o-sink-size", "--sink", dest="sink", type=int, default=None)
     g.add_argument("--h2o-heavy-budget", "--heavy", dest="heavy", type=int, default=None)
@@ -48,8 +66,18 @@ def _add_cache_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _cache_settings(args: argparse.Namespace) -> CacheSettings:
-    return CacheSettings(**{name: getattr(args, name) for name in CacheSettings.model_fields})
+SPEC_FLAGS = ("preset", "score", "sink", "heavy", "recent", "evict_batch")
+
+
+def _cache_spec(args: argparse.Namespace, model) -> CacheSpec:
+    """This conversation's CacheSpec, by the server's own function (cache.budget.fit_spec)."""
+    from cache.budget import Budget, fit_spec, parse_bytes
+    from server.models import kv_shape
+
+    budget = Budget(parse_bytes(args.kv_budget), 1) if args.kv_budget else None
+    max_kv = args.max_kv if args.max_kv or budget else DEFAULT_MAX_KV
+    fields = {name: getattr(args, name) for name in SPEC_FLAGS}
+    return fit_spec(kv_shape(model), budget, args.policy, max_kv=max_kv, **fields)
 
 
 def _stream(model, tokenizer, prompt: list[int], caches: list, args: argparse.Namespace):
@@ -99,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--prefill-step", type=int, default=512)
     _add_cache_flags(chat)
     _add_serve_parser(sub)
-    add_eval_parser(sub)  # bench.eval_cli: `h2o-server eval ...`; bench loads lazily inside
+    for command in entry_points(group=COMMAND_GROUP):
+        command.load()(sub)  # e.g. bench.eval_cli:add_eval_parser registers `eval`
     return parser
 
 
@@ -124,10 +153,11 @@ def _add_serve_parser(sub) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
+    from cache import make_cache
     from server.models import load_model
 
-    settings = _cache_settings(args)
     model, tokenizer = load_model(args.model)
+    spec = _cache_spec(args, model)
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.raw or not tokenizer.has_chat_template:
         prompt = tokenizer.encode(text)
@@ -136,7 +166,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     if args.seed is not None:
         mx.random.seed(args.seed)
-    caches = settings.make(model)
+    caches = make_cache(model, spec)
     start, last = time.perf_counter(), None
     for last in _stream(model, tokenizer, prompt, caches, args):
         sys.stdout.write(last.text)
@@ -149,7 +179,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"prompt {last.prompt_tokens} tok @ {last.prompt_tps:.1f} tok/s, "
             f"generated {last.generation_tokens} tok @ {last.generation_tps:.1f} tok/s, "
             f"{time.perf_counter() - start:.1f}s; "
-            f"cache: {settings.policy} max_kv={settings.max_kv}, "
+            f"cache: {spec.policy} max_kv={spec.max_kv}, "
             f"stored {stored} of {seen} tokens, {mib:.1f} MiB, evicted {seen - stored}",
             file=sys.stderr,
         )
@@ -166,12 +196,13 @@ def _cache_usage(caches: list) -> tuple[int, int, float]:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Read user turns from stdin; only the tokens past the cached history are prefilled."""
+    from cache import make_cache
     from server.models import load_model
 
-    settings = _cache_settings(args)
     model, tokenizer = load_model(args.model)
+    spec = _cache_spec(args, model)
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    caches, history = settings.make(model), []  # history: the tokens the caches hold
+    caches, history = make_cache(model, spec), []  # history: the tokens the caches hold
     interactive = sys.stdin.isatty()
     while True:
         if interactive:
@@ -185,7 +216,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         if ids[: len(history)] != history:
             # The template rendered earlier turns differently: start over.
-            caches, history = settings.make(model), []
+            caches, history = make_cache(model, spec), []
         reused, new = len(history), ids[len(history) :]
         reply, generated = "", []
         for out in _stream(model, tokenizer, new, caches, args):
@@ -199,7 +230,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history = (ids + generated)[:seen]
         messages.append({"role": "assistant", "content": reply})
         print(
-            f"[{settings.policy} max_kv={settings.max_kv}: {seen} tokens seen, "
+            f"[{spec.policy} max_kv={spec.max_kv}: {seen} tokens seen, "
             f"{stored} stored, {mib:.1f} MiB, {reused} history tokens reused]",
             file=sys.stderr,
         )
@@ -209,10 +240,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Flags override H2O_* environment variables, which override the defaults."""
     import logging
 
-    from config.settings import ServerSettings
-
     import uvicorn
 
+    from config.settings import ServerSettings
     from server.app import create_app
 
     given = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
@@ -226,8 +256,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import config  # noqa: F401  (loads OpenBLAS before mlx)
-
+    preload_openblas()  # before anything imports MLX
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":

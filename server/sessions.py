@@ -24,6 +24,7 @@ import json
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,19 +32,11 @@ from pathlib import Path
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from cache import cache_usage
+from config.cache_spec import CacheSpec
+from server.jobs import SessionBusy
 
 log = logging.getLogger("h2o_server.sessions")
 SPILLED_PER_RESIDENT = 16  # spilled sessions kept on disk per in-memory slot
-
-
-@dataclass(frozen=True)
-class CacheSpec:
-    """What a session's caches are built with (see cache.make_cache)."""
-
-    policy: str
-    max_kv: int
-    preset: str
-    score: str
 
 
 @dataclass
@@ -60,7 +53,11 @@ class Session:
     stats: dict = field(default_factory=dict)
 
     def refresh_stats(self) -> None:
-        """Publish plain numbers for handlers (called by the worker)."""
+        """Publish plain numbers for handlers (called by the worker).
+
+        logical_tokens: tokens the conversation has seen; stored_tokens: tokens its
+        cache holds per layer (fewer after eviction).
+        """
         seen, stored, nbytes = cache_usage(self.caches) if self.caches else (len(self.tokens), 0, 0)
         self.stats = {
             "id": self.id,
@@ -69,17 +66,13 @@ class Session:
             "preset": self.spec.preset,
             "score": self.spec.score,
             "logical_tokens": seen,
-            "cached_tokens": stored,
+            "stored_tokens": stored,
             "bytes": nbytes,
             "evictions": seen - stored if self.caches else 0,
             "spilled": self.caches is None,
             "busy": self.busy,
             "last_used": int(self.last_used),
         }
-
-
-class SessionBusy(Exception):
-    """The keyed session is serving another request; the job waits its turn."""
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -105,14 +98,13 @@ class SessionStore:
         make_caches: Callable[[CacheSpec], list],
         max_sessions: int,
         spill_dir: str | Path | None = None,
-        on_event: Callable[[str], None] = lambda name: None,
     ):
         self.make_caches = make_caches
         self.max_sessions = max_sessions
         self.spill_dir = Path(spill_dir) if spill_dir else None
         if self.spill_dir:
             self.spill_dir.mkdir(parents=True, exist_ok=True)
-        self.on_event = on_event  # "spilled", "dropped", "restored", "rebuilt"
+        self.counts: Counter[str] = Counter()  # spilled, dropped, restored, rebuilt
         self.sessions: dict[str, Session] = {}
 
     # ------------------------------------------------------------------ lookup
@@ -136,7 +128,7 @@ class SessionStore:
                 self._reset(session, spec)
             match = min(common_prefix(session.tokens, prompt), len(prompt) - 1)
             if not rewind(session.caches, len(session.tokens) - match):
-                self.on_event("rebuilt")
+                self.counts["rebuilt"] += 1
                 self._reset(session, spec)
                 match = 0
             del session.tokens[match:]
@@ -210,17 +202,17 @@ class SessionStore:
 
     def _drop(self, session: Session, why: str) -> None:
         log.info("session %s dropped (%s); its next turn rebuilds it", session.id, why)
-        self.on_event("dropped")
+        self.counts["dropped"] += 1
         self._forget(session)
 
     def _spill(self, session: Session) -> None:
         path = self.spill_dir / f"{session.id}.safetensors"
         save_prompt_cache(str(path), session.caches, {"tokens": json.dumps(session.tokens)})
         session.refresh_stats()  # its evictions, while the caches can still tell them
-        session.stats.update(spilled=True, cached_tokens=0, bytes=0)
+        session.stats.update(spilled=True, stored_tokens=0, bytes=0)
         session.caches, session.spill_path = None, path
         log.info("session %s spilled to %s", session.id, path)
-        self.on_event("spilled")
+        self.counts["spilled"] += 1
 
     def _restore(self, session: Session) -> None:
         caches, meta = load_prompt_cache(str(session.spill_path), return_metadata=True)
@@ -229,7 +221,7 @@ class SessionStore:
         session.spill_path.unlink(missing_ok=True)
         session.spill_path = None
         log.info("session %s restored", session.id)
-        self.on_event("restored")
+        self.counts["restored"] += 1
 
     def _reset(self, session: Session, spec: CacheSpec) -> None:
         session.spec, session.caches, session.tokens = spec, self.make_caches(spec), []

@@ -9,7 +9,6 @@ reading cache sizes) runs here too, through `call`.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import queue
@@ -17,51 +16,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from config.settings import ServerSettings
-
-from server.generation import Delta, Generation, SamplingParams
+from server.generation import Generation
+from server.jobs import Failed, Job, QueueFull, SessionBusy, Started
 from server.metrics import Metrics
-from server.sessions import CacheSpec, SessionBusy
 
 log = logging.getLogger("h2o_server.worker")
-
-
-class QueueFull(Exception):
-    """Too many requests are waiting; the client should retry later."""
-
-
-@dataclass
-class Started:
-    session_id: str
-    cached_tokens: int
-
-
-@dataclass
-class Finished:
-    usage: dict
-
-
-@dataclass
-class Failed:
-    status: int
-    message: str
-
-
-@dataclass(eq=False)
-class Job:
-    prompt: list[int]
-    params: SamplingParams
-    spec: CacheSpec
-    session_key: str | None
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-    def emit(self, event: Started | Delta | Finished | Failed) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
 class Worker:
@@ -126,7 +88,6 @@ class Worker:
             self._startup_error = e
             self._ready.set()
             return
-        self.engine.store.on_event = lambda name: self.metrics.add(f"sessions_{name}_total")
         self._ready.set()
         while not self._stopping:
             self._take_inbox(block=not self._active and not self._waiting)
@@ -214,11 +175,11 @@ class Worker:
                 continue
             if gen.done:
                 self._finish(job, gen)
-                usage = gen.usage()
-                self.metrics.add("prompt_tokens_total", usage["prompt_tokens"])
-                self.metrics.add("cached_prompt_tokens_total", gen.reused)
-                self.metrics.add("completion_tokens_total", usage["completion_tokens"])
-                job.emit(Finished(usage))
+                finished = gen.finished()
+                self.metrics.add("prompt_tokens_total", finished.prompt_tokens)
+                self.metrics.add("cached_prompt_tokens_total", finished.cached_tokens)
+                self.metrics.add("completion_tokens_total", finished.completion_tokens)
+                job.emit(finished)
 
     def _finish(self, job: Job, gen: Generation, broken: bool = False) -> None:
         self._active.remove((job, gen))

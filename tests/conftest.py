@@ -1,6 +1,10 @@
-import config  # noqa: F401  (loads OpenBLAS before the first mlx import)
+"""Shared fixtures. pytest is an entry point: OpenBLAS is loaded before any test imports MLX."""
 
 import pytest
+
+from config.blas import preload_openblas
+
+preload_openblas()  # pytest imports no MLX before conftest; test modules come after
 
 
 @pytest.fixture(scope="session")

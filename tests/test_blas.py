@@ -2,9 +2,9 @@
 
 import sys
 
-from config import blas
-
 import pytest
+
+from config import blas
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS preload is Linux-only")

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from cache.budget import ModelShape, bytes_per_token, max_kv_within, parse_bytes, plan_cache
+from cache.budget import (
+    Budget,
+    ModelShape,
+    bytes_per_token,
+    fit_spec,
+    max_kv_within,
+    parse_bytes,
+)
+from config.cache_spec import POLICIES
 
 SMOLLM2_CPU = ModelShape(layers=30, kv_heads=3, head_dim=64, element_bytes=4, context=8192)
 
@@ -41,15 +49,43 @@ def test_allocated_cache_fits_its_share():
 
 
 def test_auto_policy():
-    big = plan_cache(SMOLLM2_CPU, "auto", 64 * 2**30, 8)
+    big = fit_spec(SMOLLM2_CPU, Budget(64 * 2**30, 8))
     assert big.policy == "full" and big.max_kv == 8192
-    mid = plan_cache(SMOLLM2_CPU, "auto", 512 * 2**20, 8)
+    mid = fit_spec(SMOLLM2_CPU, Budget(512 * 2**20, 8))
     assert mid.policy == "h2o" and 256 <= mid.max_kv < 8192
-    assert mid.session_bytes == 64 * 2**20
-    small = plan_cache(SMOLLM2_CPU, "auto", 8 * 2**20, 2)  # dense would hold < 256 tokens
+    assert (mid.max_kv + 1) * bytes_per_token(SMOLLM2_CPU, "h2o") <= 64 * 2**20
+    small = fit_spec(SMOLLM2_CPU, Budget(8 * 2**20, 2))  # dense would hold < 256 tokens
     assert small.policy == "h2o-q8" and small.max_kv >= 256
 
 
 def test_budget_too_small_is_a_clear_error():
     with pytest.raises(ValueError, match="kv-budget"):
-        plan_cache(SMOLLM2_CPU, "h2o", 2**20, 8)
+        fit_spec(SMOLLM2_CPU, Budget(2**20, 8), "h2o")
+
+
+def test_one_function_serves_startup_requests_and_the_cli():
+    budget = Budget(512 * 2**20, 8)
+    default = fit_spec(SMOLLM2_CPU, budget, "h2o", preset="heavy", score="attn")
+    # a request that names only a smaller max_kv keeps the rest
+    smaller = fit_spec(SMOLLM2_CPU, budget, "h2o", max_kv=128)
+    assert smaller.max_kv == 128 and smaller.segments().heavy == 64
+    with pytest.raises(ValueError, match="exceeds the per-session budget"):
+        fit_spec(SMOLLM2_CPU, budget, "h2o", max_kv=default.max_kv + 1)
+    # a request for a cheaper policy may hold more tokens in the same share
+    assert fit_spec(SMOLLM2_CPU, budget, "h2o-q8").max_kv > default.max_kv
+    # no budget (one-off generation): max_kv as given, validated like any spec
+    assert fit_spec(SMOLLM2_CPU, None, "rotating", max_kv=64).max_kv == 64
+    with pytest.raises(ValueError, match="must equal max_kv"):
+        fit_spec(SMOLLM2_CPU, None, "h2o", max_kv=8, sink=4, heavy=4, recent=4)
+    with pytest.raises(ValueError, match="unknown policy"):
+        fit_spec(SMOLLM2_CPU, budget, "h2o-q3")
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_every_policy_has_a_byte_cost(policy):
+    """A policy added to the vocabulary is priced by the budget math from its widths alone."""
+    dense = bytes_per_token(SMOLLM2_CPU, "full")
+    cost = bytes_per_token(SMOLLM2_CPU, policy)
+    info = POLICIES[policy]
+    assert 0 < cost <= dense + (30 * 3 * 8 if info.scored else 0)
+    assert (cost < dense) == info.quantized

@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from config.settings import ServerSettings
-
 import yaml
+
+from config.settings import ServerSettings
 
 REPO = Path(__file__).resolve().parents[1]
 

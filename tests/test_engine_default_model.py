@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
-import cache.router
+import cache.attention
 from cache import H2OKVCache, make_cache
 from kernels.reference import expand_mask
 
@@ -97,14 +97,14 @@ def test_chunked_prefill_mask_and_output(default_model, essay_text, monkeypatch)
     ids = essay_ids(tokenizer, essay_text, 3000)
     layer, step = 7, 512
     calls = []
-    real = cache.router.sdpa_with_scores
+    real = cache.attention.sdpa_with_scores
 
-    def recording(q, k, v, scale, mask=None):
-        out, scores = real(q, k, v, scale=scale, mask=mask)
+    def recording(q, k, v, scale, mask=None, backend="auto"):
+        out, scores = real(q, k, v, scale, mask, backend=backend)
         calls.append((q, k, v, scale, mask, out))
         return out, scores
 
-    monkeypatch.setattr(cache.router, "sdpa_with_scores", recording)
+    monkeypatch.setattr(cache.attention, "sdpa_with_scores", recording)
     caches = make_cache(model, "h2o", max_kv=256)
     n_layers = len(model.layers)
     sizes = []
@@ -153,7 +153,8 @@ def test_save_load_mid_conversation(default_model, essay_text, tmp_path):
     assert all(type(c) is H2OKVCache for c in loaded)
     assert [c.offset for c in loaded] == [c.offset for c in caches]
     assert [c.evicted for c in loaded] == [c.evicted for c in caches]
-    assert loaded[0].score_rule == "ema" and loaded[0].heavy == 32
+    assert loaded[0].score_rule == caches[0].score_rule and loaded[0].heavy == 32
+    assert loaded[0].score_rule.name == "ema"
 
     token = mx.argmax(logits, -1).reshape(1, 1)
     for _ in range(8):  # continue both: identical logits, evictions included

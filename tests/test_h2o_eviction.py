@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import cache  # noqa: F401  (registers the class with mlx-lm)
-from cache import H2OKVCache, split_budget
+from cache import H2OKVCache
+from config.cache_spec import split_segments
 
 B, N_Q, N_KV, D = 1, 6, 2, 8
 ALPHA = 0.95
@@ -97,7 +98,7 @@ def feed(c: H2OKVCache, oracle: Oracle, rng: np.random.Generator, n_new: int) ->
 @pytest.mark.parametrize("evict_batch", [1, 4])
 def test_decode_eviction_matches_oracle(rule, preset, evict_batch):
     rng = np.random.default_rng(0)
-    budget = split_budget(24, preset)
+    budget = split_segments(24, preset)
     c = H2OKVCache(24, budget.sink, budget.heavy, budget.recent, rule, evict_batch=evict_batch)
     oracle = Oracle(24, budget.sink, budget.recent, rule, evict_batch)
     feed(c, oracle, rng, 10)  # short prefill
@@ -118,7 +119,7 @@ def test_decode_eviction_matches_oracle(rule, preset, evict_batch):
 def test_chunked_prefill_eviction_matches_oracle(rule, evict_batch):
     rng = np.random.default_rng(1)
     max_size, step = 32, 20
-    budget = split_budget(max_size, "heavy")
+    budget = split_segments(max_size, "heavy")
     segments = dict(sink=budget.sink, heavy=budget.heavy, recent=budget.recent)
     c = H2OKVCache(max_size, **segments, score=rule, evict_batch=evict_batch)
     oracle = Oracle(max_size, budget.sink, budget.recent, rule, evict_batch)
@@ -225,7 +226,7 @@ def test_batched_eviction_stays_inside_max_size():
 
 def test_bad_budgets_are_rejected():
     with pytest.raises(ValueError):
-        split_budget(16, "nope")
+        split_segments(16, "nope")
     with pytest.raises(ValueError):
         H2OKVCache(8, sink=4, heavy=6, recent=2)
     with pytest.raises(ValueError):

@@ -5,16 +5,15 @@
 - every kernel backend present against the reference: metal, cuda, and "emulated" (the
   shared Metal/CUDA bodies and launch code run on the CPU, so even a machine without a
   GPU executes the kernel logic);
-- dispatch (auto, H2O_KERNEL, force_backend);
+- dispatch (auto, a named backend, fallbacks) and the attention object that holds the choice;
 - source assembly: Metal and CUDA built from the same body text, and that text parsed as
   mx.fast would generate it.
 """
 
+import itertools
 import re
 import subprocess
 from types import SimpleNamespace
-
-import config  # noqa: F401  (loads OpenBLAS before the first mlx import)
 
 import mlx.core as mx
 import numpy as np
@@ -187,11 +186,28 @@ SKIP_REASONS = {
 }
 
 
+def on_backends(names, argnames: str = "", *axes: list):
+    """Parametrize `name` (and `argnames`) over the backends of `names` present here x the
+    product of `axes` (lists of tuples). Cases exist only for backends this machine runs;
+    where none does, the test is one skipped case saying why, not one per combination.
+    """
+    names_here = [n for n in names if BACKENDS[n].is_available()]
+    argnames = "name" + (f", {argnames}" if argnames else "")
+    if not names_here:
+        reason = "; ".join(SKIP_REASONS[n] for n in names)
+        blank = (None,) * len(argnames.split(","))
+        return pytest.mark.parametrize(
+            argnames, [pytest.param(*blank, marks=pytest.mark.skip(reason=reason))]
+        )
+    cases = []
+    for combo in itertools.product(*axes):
+        values = tuple(v for part in combo for v in (part if isinstance(part, tuple) else (part,)))
+        cases += [(name, *values) for name in names_here]
+    return pytest.mark.parametrize(argnames, cases if axes else names_here)
+
+
 def kernel_backend(name: str):
-    backend = BACKENDS[name]
-    if not backend.is_available():
-        pytest.skip(SKIP_REASONS[name])
-    return backend
+    return BACKENDS[name]
 
 
 def check_dense(backend, L_k, D, gqa, mask, B=2, L_q=None, dtype=mx.float32, n_blocks=None):
@@ -222,32 +238,21 @@ def check_quantized(backend, L_k, D, gqa, mask, bits, group_size, B=2, L_q=None,
     assert_close(out, want_out, TOLERANCE[dtype], "out")
 
 
-GPU_MATRIX = [
-    pytest.param(L_k, D, gqa, mask, id=f"Lk{L_k}-D{D}-gqa{gqa}-{mask}")
-    for L_k in (1, 7, 64, 1000, 4096)
-    for D in (64, 128)
-    for gqa in (1, 3, 8)
-    for mask in MASKS
-]
+GPU_MATRIX = list(itertools.product((1, 7, 64, 1000, 4096), (64, 128), (1, 3, 8), MASKS))
 
 
-@pytest.mark.parametrize("name", ["metal", "cuda"])
-@pytest.mark.parametrize("L_k, D, gqa, mask", GPU_MATRIX)
+@on_backends(GPU_BACKENDS, "L_k, D, gqa, mask", GPU_MATRIX)
 def test_gpu_dense_matches_reference(name, L_k, D, gqa, mask):
     check_dense(kernel_backend(name), L_k, D, gqa, mask)
 
 
-@pytest.mark.parametrize("name", ["metal", "cuda"])
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("L_k, D, gqa, mask", GPU_MATRIX)
+@on_backends(GPU_BACKENDS, "L_k, D, gqa, mask, bits", GPU_MATRIX, [4, 8])
 def test_gpu_quantized_matches_reference(name, L_k, D, gqa, mask, bits):
     group_size = 32 if gqa == 3 else 64
     check_quantized(kernel_backend(name), L_k, D, gqa, mask, bits, group_size)
 
 
-@pytest.mark.parametrize("name", ["metal", "cuda"])
-@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("D", [64, 128, 256])
+@on_backends(GPU_BACKENDS, "dtype, D", [mx.float16, mx.bfloat16], [64, 128, 256])
 def test_gpu_half_precision(name, dtype, D):
     backend = kernel_backend(name)
     check_dense(backend, 1000, D, 3, "bool", dtype=dtype)
@@ -302,14 +307,13 @@ def test_emulated_quantized_matches_reference(L_k, D, gqa, mask, bits, group_siz
     check_quantized(backend, L_k, D, gqa, mask, bits, group_size, B, L_q=L_q, dtype=dtype)
 
 
-@pytest.mark.parametrize("name", list(BACKENDS))
-@pytest.mark.parametrize("n_blocks", [1, 2, 5, 64])
+@on_backends(BACKENDS, "n_blocks", [1, 2, 5, 64])
 def test_split_over_key_blocks(name, n_blocks):
     """Single pass and two-pass give the reference's result, empty blocks (64) included."""
     check_dense(kernel_backend(name), 300, 64, 8, "additive", B=1, L_q=2, n_blocks=n_blocks)
 
 
-@pytest.mark.parametrize("name", list(BACKENDS))
+@on_backends(BACKENDS)
 def test_strided_views(name):
     """Cache slices and transposed queries are read through strides, not copied."""
     backend = kernel_backend(name)
@@ -337,7 +341,7 @@ def test_reference_broadcasts_masks_like_numpy(shape):
         assert_close(out, want_out, 1e-5, "out")
 
 
-@pytest.mark.parametrize("name", list(BACKENDS))
+@on_backends(BACKENDS)
 def test_kernel_broadcasts_masks(name):
     backend = kernel_backend(name)
     q, k, v, _ = make_inputs(50, 64, 3, L_q=2, B=2)
@@ -380,14 +384,6 @@ def test_split_heuristic():
 # --- dispatch --------------------------------------------------------------------------
 
 
-@pytest.fixture
-def auto_dispatch(monkeypatch):
-    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
-    dispatch.force_backend(None)
-    yield
-    dispatch.force_backend(None)
-
-
 def unavailable_backend() -> str:
     missing = [name for name in GPU_BACKENDS if not GPU_BACKENDS[name].is_available()]
     if not missing:
@@ -395,42 +391,41 @@ def unavailable_backend() -> str:
     return missing[0]
 
 
-def test_dispatch_auto_picks_an_available_backend(auto_dispatch):
+def test_available_backends_are_exactly_the_ones_present():
+    gpus = {name for name, b in GPU_BACKENDS.items() if b.is_available()}
+    assert set(dispatch.available_backends()) == gpus | {"reference"}
+
+
+def test_dispatch_auto_picks_an_available_backend():
     q, k, v, _ = make_inputs(64, 64, 3)
-    assert "reference" in dispatch.available_backends()
-    name = dispatch.select_backend(q, k)
+    name = dispatch.select_backend("auto", q, k)
     assert name in dispatch.available_backends()
     if name == "reference":  # no GPU: the dispatched call is the reference itself
         got = dispatch.sdpa_with_scores(q, k, v, 0.125)
         want = reference.sdpa_with_scores(q, k, v, 0.125)
         assert all(mx.array_equal(a, b).item() for a, b in zip(got, want, strict=True))
-    # Prefill-sized queries always go to the reference.
+    # Prefill-sized queries and split K/V widths always go to the reference.
     q_long, k_long, _, _ = make_inputs(64, 64, 3, L_q=32)
-    assert dispatch.select_backend(q_long, k_long) == "reference"
+    assert dispatch.select_backend("auto", q_long, k_long) == "reference"
+    k_w = mx.zeros((1, 2, 64, 16), dtype=mx.uint32)
+    split = dispatch.select_backend("auto", q, k_w, group_size=64, bits=8, value_bits=4)
+    assert split == "reference"
 
 
-def test_dispatch_env_var_read_per_call(auto_dispatch, monkeypatch):
-    q, k, v, _ = make_inputs(7, 64, 3)
-    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
-    assert dispatch.select_backend(q, k) == "reference"
-    monkeypatch.setenv(dispatch.ENV_VAR, "no-such-kernel")
+def test_a_named_backend_is_checked_once_where_it_is_chosen():
+    """The attention object validates its backend when configured, not on every call."""
+    from cache.attention import ScoredAttention
+
     with pytest.raises(ValueError, match="known backends"):
-        dispatch.sdpa_with_scores(q, k, v, 0.125)
-    monkeypatch.setenv(dispatch.ENV_VAR, unavailable_backend())
+        ScoredAttention(backend="no-such-kernel")
     with pytest.raises(ValueError, match="not available"):
-        dispatch.sdpa_with_scores(q, k, v, 0.125)
-
-
-def test_force_backend_beats_env_and_resets(auto_dispatch, monkeypatch):
+        ScoredAttention(backend=unavailable_backend())
+    attention = ScoredAttention(backend="reference")
+    with pytest.raises(ValueError, match="not available"):
+        attention.configure(backend=unavailable_backend())
+    assert attention.backend == "reference"  # a refused change leaves the choice as it was
     q, k, _, _ = make_inputs(7, 64, 3)
-    with pytest.raises(ValueError, match="not available"):
-        dispatch.force_backend(unavailable_backend())
-    monkeypatch.setenv(dispatch.ENV_VAR, unavailable_backend())
-    dispatch.force_backend("reference")
-    assert dispatch.select_backend(q, k) == "reference"
-    dispatch.force_backend("auto")
-    with pytest.raises(ValueError):  # the env var applies again
-        dispatch.select_backend(q, k)
+    assert dispatch.select_backend("reference", q, k) == "reference"
 
 
 def test_get_backend():
@@ -439,11 +434,10 @@ def test_get_backend():
         dispatch.get_backend(unavailable_backend())
 
 
-def test_dispatch_quantized(auto_dispatch, monkeypatch):
+def test_dispatch_quantized():
     q, k, v, m = make_inputs(64, 64, 3, mask="causal", L_q=3)
     k_q, v_q = quantize(k, 32, 4), quantize(v, 32, 4)
-    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
-    got = dispatch.quantized_sdpa_with_scores(q, k_q, v_q, 0.125, m, 32, 4)
+    got = dispatch.quantized_sdpa_with_scores(q, k_q, v_q, 0.125, m, 32, 4, backend="reference")
     want = reference.quantized_sdpa_with_scores(q, k_q, v_q, 0.125, m, 32, 4)
     assert all(mx.array_equal(a, b).item() for a, b in zip(got, want, strict=True))
 

@@ -5,17 +5,16 @@ the default model: each quantized policy's next-token distribution against
 dense H2O's over 200 teacher-forced decode steps with eviction.
 """
 
-import config  # noqa: F401  (loads OpenBLAS before the first mlx import)
-
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 import cache  # noqa: F401  (registers the cache classes with mlx-lm)
-from cache import H2OKVCache, QuantizedH2OKVCache, make_cache
+from cache import ATTENTION, H2OKVCache, QuantizedH2OKVCache, make_cache
+from cache.attention import ScoredAttention
 from cache.budget import ModelShape, bytes_per_token
-from cache.quantized import MIXED_SCHEMES, set_quantized_attention
+from cache.mixed import MIXED_LAYOUTS
 from kernels.reference import sdpa_with_scores
 
 B, N_Q, N_KV, D = 1, 6, 2, 64
@@ -31,7 +30,7 @@ def layout(cls: type, **widths):
 LAYOUTS = {
     "q8": layout(QuantizedH2OKVCache, bits=8),
     "q4": layout(QuantizedH2OKVCache, bits=4),
-    **{f"mixed-{name}": layout(cls, **widths) for name, (cls, widths) in MIXED_SCHEMES.items()},
+    **{f"mixed-{name}": layout(cls, **widths) for name, (cls, widths) in MIXED_LAYOUTS.items()},
 }
 
 
@@ -135,20 +134,17 @@ def test_attention_matches_dense_attention_over_the_stored_values(layout, path):
     """Outputs and scores equal the reference over the dequantized K/V, chunks spilling included."""
     rng = np.random.default_rng(2)
     c = LAYOUTS[layout]()
-    set_quantized_attention(path)
-    try:
-        for n_new in [20, 1, 1, 17, *[1] * 12, 5]:  # 17 > recent: the chunk spills into old
-            k, v = random_kv(rng, n_new)
-            q = mx.array(rng.standard_normal((B, N_Q, n_new, D)).astype(np.float32))
-            keys, values = c.update_and_fetch(k, v)
-            mask = c.make_mask(n_new)
-            out, scores = c.attention_with_scores(q, keys, values, scale=D**-0.5, mask=mask)
-            ref_out, ref_scores = sdpa_with_scores(q, *dense_view(c, keys, values), D**-0.5, mask)
-            np.testing.assert_allclose(np.array(out), np.array(ref_out), atol=1e-5, rtol=1e-4)
-            np.testing.assert_allclose(np.array(scores), np.array(ref_scores), atol=1e-4, rtol=1e-4)
-            c.update_scores(scores)
-    finally:
-        set_quantized_attention("fused")
+    attention = ScoredAttention(quantized_path=path)
+    for n_new in [20, 1, 1, 17, *[1] * 12, 5]:  # 17 > recent: the chunk spills into old
+        k, v = random_kv(rng, n_new)
+        q = mx.array(rng.standard_normal((B, N_Q, n_new, D)).astype(np.float32))
+        keys, values = c.update_and_fetch(k, v)
+        mask = c.make_mask(n_new)
+        out, scores = attention(q, keys, values, c, scale=D**-0.5, mask=mask)
+        ref_out, ref_scores = sdpa_with_scores(q, *dense_view(c, keys, values), D**-0.5, mask)
+        np.testing.assert_allclose(np.array(out), np.array(ref_out), atol=1e-5, rtol=1e-4)
+        np.testing.assert_allclose(np.array(scores), np.array(ref_scores), atol=1e-4, rtol=1e-4)
+        c.update_scores(scores)
     assert c.evicted > 0
 
 
@@ -181,7 +177,7 @@ def test_trim_drops_the_newest_tokens(layout):
     np.testing.assert_array_equal(slot_positions(c), before[before < 30].reshape(N_KV, -1))
     keys, values = c.update_and_fetch(*random_kv(rng, 3))  # appending still lines up
     q = mx.zeros((B, N_Q, 3, D))
-    _, scores = c.attention_with_scores(q, keys, values, scale=1.0, mask="causal")
+    _, scores = ATTENTION(q, keys, values, c, scale=1.0, mask="causal")
     c.update_scores(scores)
     assert c.offset == 33 and c.size() <= MAX_SIZE
 
@@ -205,7 +201,7 @@ def test_save_load_round_trip(layout, tmp_path):
     for _ in range(3):  # past an eviction, on both
         results = []
         for cc in (c, loaded):
-            out, scores = cc.attention_with_scores(q, *cc.update_and_fetch(k, v), scale=0.125)
+            out, scores = ATTENTION(q, *cc.update_and_fetch(k, v), cc, scale=0.125)
             cc.update_scores(scores)
             results.append((np.array(out), slot_positions(cc)))
         np.testing.assert_array_equal(results[0][0], results[1][0])

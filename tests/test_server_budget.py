@@ -43,7 +43,7 @@ def test_old_sessions_spill_and_resume(spilling):
     m = api.metrics()
     assert m["h2o_sessions_spilled_total"] >= 2
     assert m["h2o_cache_bytes"] <= BUDGET
-    assert all(s["max_kv"] < 100 and s["cached_tokens"] <= s["max_kv"] for s in resident)
+    assert all(s["max_kv"] < 100 and s["stored_tokens"] <= s["max_kv"] for s in resident)
 
     # the newest conversation is correct: same reply as a cold run of its history
     newest = turn(api, "c4", histories["c4"], "What is my code word?")

@@ -7,8 +7,6 @@ runs in seconds on a CPU.
 
 import importlib
 
-import config  # noqa: F401  (loads OpenBLAS before the first mlx import)
-
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step, stream_generate

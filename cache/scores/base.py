@@ -1,0 +1,44 @@
+"""The scoring hook every rule implements, and the GQA pooling they share."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+import mlx.core as mx
+
+
+def per_kv_head(x: mx.array, n_kv_heads: int) -> mx.array:
+    """[B, n_q, L_q, L_k] -> [B, n_kv, L_k], summing the query rows and the heads of a group.
+
+    GQA: a KV head's importance pools its query heads; the sum ranks keys exactly
+    as the average would and saves an op per layer per step.
+    """
+    B, n_q, L_q, L_k = x.shape
+    return x.reshape(B, n_kv_heads, (n_q // n_kv_heads) * L_q, L_k).sum(axis=2)
+
+
+@dataclass(frozen=True)
+class ScoreRule:
+    """Base of every score rule: a frozen dataclass of knobs."""
+
+    name: ClassVar[str]
+
+    def accumulate(self, held: mx.array, logits: mx.array, n_kv_heads: int) -> mx.array:
+        """New importance [B, n_kv, L_k] from the held one and logits [B, n_q, L_q, L_k].
+
+        `logits` are pre-softmax, masked keys at -inf; the L_q query rows are the
+        tokens of one forward pass, in order.
+        """
+        raise NotImplementedError
+
+    def rank(self, importance: mx.array, positions: mx.array, offset: int) -> mx.array:
+        """What eviction keeps the largest of (default: the importance itself).
+
+        positions: the token index each slot holds; offset: tokens seen so far.
+        """
+        return importance
+
+    def knobs(self) -> dict:
+        """The rule's settings, saved with a cache so that a restored one scores alike."""
+        return asdict(self)

@@ -1,0 +1,191 @@
+"""The cache vocabulary: every policy, preset and score rule, and the CacheSpec naming one cache.
+
+Standard library only, so that everything can derive from it without importing MLX:
+the settings and request models (pydantic Literals), the CLI choices, the `kv_cache`
+request extension, the budget math (cache/budget.py) and the cache factory
+(cache/factory.py). A new policy or score rule is one entry here plus its
+implementation file (cache/factory.py builds policies, cache/scores/ holds one file
+per score rule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class PolicyInfo:
+    """What a policy's cache is, as far as everything outside cache/ needs to know."""
+
+    help: str
+    cache: str  # which cache/factory.py builder makes its per-layer caches
+    bounded: bool  # holds at most max_kv tokens per layer
+    scored: bool  # evicts by attention score: needs the attention router
+    key_bits: int | None = None  # packed K/V widths; None: dense, in the model's dtype
+    value_bits: int | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.key_bits is not None
+
+
+POLICIES: dict[str, PolicyInfo] = {
+    "full": PolicyInfo("mlx-lm KVCache: keeps every token", "full", bounded=False, scored=False),
+    "rotating": PolicyInfo(
+        "sliding window of max_kv tokens with `sink` kept tokens",
+        "rotating",
+        bounded=True,
+        scored=False,
+    ),
+    "h2o": PolicyInfo(
+        "H2O: sinks + heavy hitters + recent window", "h2o", bounded=True, scored=True
+    ),
+    "h2o-q8": PolicyInfo(
+        "H2O over 8-bit K/V", "quantized", bounded=True, scored=True, key_bits=8, value_bits=8
+    ),
+    "h2o-q4": PolicyInfo(
+        "H2O over 4-bit K/V", "quantized", bounded=True, scored=True, key_bits=4, value_bits=4
+    ),
+    # Widths of its default layout (MIXED_SCHEMES below: k8v4); `mixed` picks another.
+    "h2o-mixed": PolicyInfo(
+        "H2O, keys 8-bit and values 4-bit",
+        "mixed",
+        bounded=True,
+        scored=True,
+        key_bits=8,
+        value_bits=4,
+    ),
+}
+AUTO = "auto"  # serve only: pick from the budget (cache/budget.py)
+
+PRESETS: dict[str, str] = {
+    "heavy": "heavy = max/2, recent = max/2 - sink",
+    "balanced": "heavy = max/4, the rest to the recent window",
+}
+SCORE_RULES: dict[str, str] = {
+    "attn": "accumulated softmax probability (original H2O)",
+    "ema": "EMA of |pre-softmax logit|, C = a*C + (1-a)*|s| (the MLX H2O paper)",
+}
+# h2o-mixed layouts (cache/quantized.py implements them; docs/quantized.md measures them).
+MIXED_SCHEMES: dict[str, str] = {
+    "k8v4": "keys 8-bit, values 4-bit in every segment",
+    "paper": "heavy segment 8-bit, recent window 4-bit (a token is quantized twice)",
+    "dense-recent": "recent window dense, 8-bit once a token leaves it",
+}
+
+DEFAULT_POLICY = "h2o"
+DEFAULT_PRESET = "heavy"
+DEFAULT_SCORE = "attn"
+DEFAULT_MIXED = "k8v4"
+DEFAULT_MAX_KV = 256
+DEFAULT_SINK = 4
+DEFAULT_GROUP_SIZE = 64  # quantization group along the head dim
+
+# For pydantic fields and type hints; built from the tables above.
+PolicyName = Literal[tuple(POLICIES)]  # type: ignore[valid-type]
+ServePolicyName = Literal[(*POLICIES, AUTO)]  # type: ignore[valid-type]
+PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
+ScoreRuleName = Literal[tuple(SCORE_RULES)]  # type: ignore[valid-type]
+
+
+def choose(kind: str, name: str, table: dict) -> str:
+    """`name` if `table` has it, else a ValueError listing the choices."""
+    if name not in table:
+        raise ValueError(f"unknown {kind} {name!r}; choose from {list(table)}")
+    return name
+
+
+@dataclass(frozen=True)
+class Segments:
+    """How H2O splits max_size: sink + heavy + recent == max_size; sinks and recent always stay."""
+
+    max_size: int
+    sink: int
+    heavy: int
+    recent: int
+
+    def __post_init__(self) -> None:
+        if min(self.sink, self.heavy, self.recent) < 0:
+            raise ValueError(f"negative H2O segment in {self}")
+        if self.recent < 1:
+            raise ValueError("the recent window must hold at least the newest token")
+        if self.sink + self.heavy + self.recent != self.max_size:
+            raise ValueError(
+                f"sink ({self.sink}) + heavy ({self.heavy}) + recent ({self.recent}) "
+                f"must equal max_kv ({self.max_size})"
+            )
+
+
+def split_segments(
+    max_size: int,
+    preset: str = DEFAULT_PRESET,
+    sink: int | None = None,
+    heavy: int | None = None,
+    recent: int | None = None,
+) -> Segments:
+    """Presets: `heavy` (heavy = max/2, recent = max/2 - sink), `balanced` (heavy = max/4).
+
+    Explicit sink/heavy/recent override the preset; when only some are given the
+    rest of max_size goes to the recent window (or to heavy if recent is given).
+    """
+    choose("preset", preset, PRESETS)
+    if max_size < 2:
+        raise ValueError("max_kv must be at least 2")
+    if sink is None:
+        sink = min(DEFAULT_SINK, max_size // 4)
+    if heavy is None and recent is None:
+        heavy = max_size // 2 if preset == "heavy" else max_size // 4
+    if heavy is None:
+        heavy = max_size - sink - recent
+    if recent is None:
+        recent = max_size - sink - heavy
+    return Segments(max_size=max_size, sink=sink, heavy=heavy, recent=recent)
+
+
+def default_evict_batch(max_size: int, heavy: int) -> int:
+    """Tokens evicted at once: 1/16 of the cache, at most the heavy segment (>= 1)."""
+    return max(1, min(heavy, max_size // 16))
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Everything a conversation's per-layer caches are built from (cache.make_cache).
+
+    Validated on construction, so a spec that exists can be built.
+    """
+
+    policy: str = DEFAULT_POLICY
+    max_kv: int = DEFAULT_MAX_KV
+    preset: str = DEFAULT_PRESET
+    score: str = DEFAULT_SCORE
+    sink: int | None = None
+    heavy: int | None = None
+    recent: int | None = None
+    evict_batch: int | None = None  # None: default_evict_batch
+    mixed: str = DEFAULT_MIXED  # h2o-mixed layout
+    group_size: int = DEFAULT_GROUP_SIZE  # quantized policies
+
+    def __post_init__(self) -> None:
+        choose("policy", self.policy, POLICIES)
+        choose("score rule", self.score, SCORE_RULES)
+        choose("mixed scheme", self.mixed, MIXED_SCHEMES)
+        segments = self.segments()  # checks preset and sizes
+        if self.evict_batch is not None and not 1 <= self.evict_batch <= max(1, segments.heavy):
+            raise ValueError(
+                f"evict_batch must be between 1 and the heavy budget ({segments.heavy}), "
+                f"got {self.evict_batch}"
+            )
+
+    @property
+    def info(self) -> PolicyInfo:
+        return POLICIES[self.policy]
+
+    def segments(self) -> Segments:
+        return split_segments(self.max_kv, self.preset, self.sink, self.heavy, self.recent)
+
+    def replace(self, **changes) -> CacheSpec:
+        return replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,87 @@
+"""What handlers and the worker thread exchange: jobs, their sampling parameters and events.
+
+Plain dataclasses, no MLX: the app imports this before MLX is loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+from config.cache_spec import CacheSpec
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None  # None: off; k: the chosen token plus k alternatives
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Started:
+    session_id: str
+    cached_tokens: int  # prompt tokens reused from the session's cache
+
+
+@dataclass
+class Delta:
+    """What one step adds to the reply."""
+
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # set on the last delta: stop | length
+
+
+@dataclass
+class Finished:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Failed:
+    status: int
+    message: str
+
+
+Event = Started | Delta | Finished | Failed
+
+
+class QueueFull(Exception):
+    """Too many requests are waiting; the client should retry later."""
+
+
+class SessionBusy(Exception):
+    """The keyed session is serving another request; the job waits its turn."""
+
+
+@dataclass(eq=False)
+class Job:
+    prompt: list[int]
+    params: SamplingParams
+    spec: CacheSpec
+    session_key: str | None
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, event: Event) -> None:
+        """Called from the worker thread: hand the event to the handler's event loop."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)

@@ -1,0 +1,207 @@
+"""The OpenAI-compatible routes: validate, tokenize, submit a Job, answer from its events.
+
+Handlers never touch MLX: the worker thread does (`worker.call` for anything
+that reads caches). The app factory (server/app.py) mounts `router`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import PlainTextResponse
+from starlette.concurrency import run_in_threadpool
+
+from server.errors import APIError
+from server.jobs import Job, QueueFull, SessionBusy
+from server.protocol import (
+    SESSION_ID_PATTERN,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+)
+from server.responses import ReplyBuilder
+from server.streaming import respond
+
+if TYPE_CHECKING:  # both import MLX
+    from server.engine import Engine
+    from server.worker import Worker
+
+DEFAULT_REPLY_TOKENS = 4096  # max_tokens when a request leaves it out (bounded caches)
+
+router = APIRouter()
+
+
+def _worker(request: Request) -> Worker:
+    return request.app.state.worker
+
+
+@router.get("/health")
+async def health(request: Request):
+    return {"status": "ok", "model": _worker(request).engine.model_id}
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    card = {"id": _worker(request).engine.model_id, "object": "model", "created": 0}
+    return {"object": "list", "data": [{**card, "owned_by": "h2o-server"}]}
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def metrics(request: Request):
+    worker = _worker(request)
+    store = worker.engine.store
+    sessions, counts = await asyncio.wrap_future(
+        worker.call(lambda: (store.snapshot(), dict(store.counts)))
+    )
+    return worker.metrics.render(
+        counts, sessions, worker.queue_depth, worker.active, worker.engine.budget.total
+    )
+
+
+@router.get("/v1/sessions")
+async def list_sessions(request: Request):
+    worker = _worker(request)
+    sessions = await asyncio.wrap_future(worker.call(worker.engine.store.snapshot))
+    return {"object": "list", "data": sessions}
+
+
+@router.delete("/v1/sessions/{session_id}")
+async def delete_session(session_id: str, request: Request):
+    _check_session_id(session_id)
+    worker = _worker(request)
+    try:
+        found = await asyncio.wrap_future(
+            worker.call(lambda: worker.engine.store.delete(session_id))
+        )
+    except SessionBusy:
+        raise APIError(409, f"session {session_id} is answering a request") from None
+    if not found:
+        raise APIError(404, f"no session {session_id!r}", "session_not_found")
+    return {"id": session_id, "object": "session.deleted", "deleted": True}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, x_session_id: str | None = Header(None)
+):
+    worker = _worker(request)
+    prompt = await _chat_prompt(worker.engine, body)
+    return await _generate(worker, body, prompt, request, x_session_id, "chat")
+
+
+@router.post("/v1/completions")
+async def completions(
+    body: CompletionRequest, request: Request, x_session_id: str | None = Header(None)
+):
+    worker = _worker(request)
+    prompt = await _text_prompt(worker.engine, body)
+    echo = body.prompt if body.echo and isinstance(body.prompt, str) else ""
+    return await _generate(worker, body, prompt, request, x_session_id, "text", echo)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _check_model(engine: Engine, name: str) -> None:
+    if name not in engine.model_names():
+        raise APIError(
+            404,
+            f"model {name!r} is not served here; use {engine.model_id!r} (see /v1/models)",
+            "model_not_found",
+            "model",
+        )
+
+
+def _check_session_id(session_id: str) -> None:
+    if not re.fullmatch(SESSION_ID_PATTERN, session_id):
+        raise APIError(
+            400,
+            "a session id is 1-128 characters of letters, digits and . _ : -",
+            "invalid_session_id",
+        )
+
+
+async def _chat_prompt(engine: Engine, body: ChatCompletionRequest) -> list[int]:
+    _check_model(engine, body.model)
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for m in body.messages
+    ]
+    try:
+        return await run_in_threadpool(
+            engine.tokenizer.apply_chat_template, messages, add_generation_prompt=True
+        )
+    except Exception as e:  # the template rejects the conversation (roles, order)
+        raise APIError(400, f"the chat template rejected the messages: {e}") from None
+
+
+async def _text_prompt(engine: Engine, body: CompletionRequest) -> list[int]:
+    _check_model(engine, body.model)
+    if isinstance(body.prompt, str):
+        prompt = await run_in_threadpool(engine.tokenizer.encode, body.prompt)
+    else:
+        vocab = engine.vocab_size
+        if any(not 0 <= t < vocab for t in body.prompt):
+            raise APIError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
+        prompt = body.prompt
+    if not prompt:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    return prompt
+
+
+async def _generate(
+    worker: Worker,
+    body: SamplingRequest,
+    prompt: list[int],
+    request: Request,
+    session_header: str | None,
+    kind: str,
+    echo: str = "",
+):
+    job = _make_job(worker, body, prompt, body.prompt_cache_key or session_header)
+    engine = worker.engine
+    builder = ReplyBuilder(kind, engine.model_id, engine.tokenizer, body.include_usage(), echo)
+    return await respond(job, request, body.stream, builder)
+
+
+def _make_job(worker: Worker, body: SamplingRequest, prompt: list[int], key: str | None) -> Job:
+    engine = worker.engine
+    if key is not None:
+        _check_session_id(key)
+    try:
+        spec = engine.spec_for(body.kv_cache)
+    except ValueError as e:
+        raise APIError(400, str(e), param="kv_cache") from None
+    vocab = engine.vocab_size
+    if body.logit_bias and any(not 0 <= t < vocab for t in body.logit_bias):
+        raise APIError(400, f"logit_bias token ids must lie in [0, {vocab})", param="logit_bias")
+    max_tokens = body.token_limit()
+    context = engine.shape.context
+    if max_tokens is not None and max_tokens > context:
+        raise APIError(
+            400,
+            f"max_tokens {max_tokens} exceeds the model's context ({context})",
+            param="max_tokens",
+        )
+    limit = engine.context_limit(spec)
+    if limit is not None:  # policy full: prompt and reply must fit in the cache
+        room = limit - len(prompt)
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            raise APIError(
+                400,
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds "
+                f"this server's context of {limit} tokens under policy full",
+                "context_length_exceeded",
+                "messages",
+            )
+        max_tokens = max_tokens or room
+    params = body.sampling_params(max_tokens or DEFAULT_REPLY_TOKENS)
+    job = Job(prompt, params, spec, key, asyncio.get_running_loop())
+    try:
+        worker.submit(job)
+    except QueueFull:
+        raise APIError(429, "the server is busy: too many queued requests", "queue_full") from None
+    return job
