@@ -1,0 +1,104 @@
+"""The attention router: installed, transparent for unscored layers, loud where it cannot score.
+
+Tiny random-weight models, no default model: every case runs in well under a second.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+from tiny import tiny
+
+from cache import H2OKVCache, ScoresMissing, UnroutedAttention, make_cache, uninstall_router
+from cache.router import install_router
+
+
+@pytest.fixture
+def llama_model():
+    model = tiny("llama")
+    yield model
+    uninstall_router(model)
+
+
+class DirectAttention(llama.Attention):
+    """A layer that calls mx.fast's attention itself, as some mlx-lm models do."""
+
+    def __call__(self, x, mask=None, cache=None):
+        B, L, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=cache.offset)
+        k = self.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def test_unscored_layers_keep_mlx_lms_attention(llama_model):
+    """With the router installed, a full cache gives exactly mlx-lm's logits."""
+    tokens = mx.array([[1, 2, 3, 4, 5]])
+    want = llama_model(tokens, cache=make_prompt_cache(llama_model))
+    routed = install_router(llama_model)
+    assert routed == ["mlx_lm.models.llama"]
+    got = llama_model(tokens, cache=make_cache(llama_model, "full"))
+    assert mx.array_equal(want, got).item()
+    uninstall_router(llama_model)
+    assert not hasattr(
+        sys.modules["mlx_lm.models.llama"].scaled_dot_product_attention, "h2o_original"
+    )
+
+
+def test_scored_layers_go_through_the_router(llama_model):
+    caches = make_cache(llama_model, "h2o", max_kv=8)
+    llama_model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]), cache=caches)
+    assert all(c.size() <= 8 and c.evicted > 0 for c in caches)  # scores arrived: evicted
+
+
+def test_a_layer_bypassing_the_router_is_refused_at_make_cache(llama_model):
+    """Attention that calls mx.fast directly would leave an H2O cache unbounded: refuse it."""
+    llama_model.layers[1].self_attn = DirectAttention(llama_model.args)
+    with pytest.raises(UnroutedAttention, match=r"model type 'llama'.*layer\(s\) \[1\]"):
+        make_cache(llama_model, "h2o", max_kv=8)
+    make_cache(llama_model, "rotating", max_kv=8)  # unscored policies need no router
+
+
+def test_attention_with_sinks_is_refused():
+    """gpt-oss passes attention sinks, which the score-exporting kernels do not take."""
+    model = tiny(
+        "gpt_oss", num_local_experts=2, num_experts_per_tok=1, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    try:
+        with pytest.raises(UnroutedAttention, match="sinks"):
+            make_cache(model, "h2o", max_kv=8)
+        make_cache(model, "full")  # without scores, mlx-lm's own path takes the sinks
+    finally:
+        uninstall_router(model)
+
+
+def test_unknown_keyword_on_a_scored_layer_raises(llama_model):
+    install_router(llama_model)
+    sdpa = sys.modules["mlx_lm.models.llama"].scaled_dot_product_attention
+    c = H2OKVCache(8)
+    q = k = v = mx.zeros((1, 2, 1, 8))
+    c.update_and_fetch(k, v)
+    with pytest.raises(UnroutedAttention, match="window"):
+        sdpa(q, k, v, cache=c, scale=1.0, mask=None, window=4)
+    out = sdpa(q, k, v, cache=KVCache(), scale=1.0, mask=None)  # unscored: passes through
+    assert out.shape == q.shape
+
+
+def test_a_cache_that_never_gets_scores_refuses_to_grow():
+    """The last line of defence: an H2O cache past max_size without scores raises."""
+    c = H2OKVCache(8)
+    kv = mx.zeros((1, 2, 6, 4))
+    c.update_and_fetch(kv, kv)  # 6 <= 8: fine without scores
+    c.update_and_fetch(kv, kv)  # 12: a chunk may overflow until its scores arrive
+    with pytest.raises(ScoresMissing, match="did not pass scores"):
+        c.update_and_fetch(kv[:, :, :1], kv[:, :, :1])
