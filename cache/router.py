@@ -5,7 +5,9 @@ imported from `mlx_lm.models.base`. Installing the router rebinds that name, in
 the modules the model's classes come from, to a wrapper: a layer whose cache
 has `update_scores` attends through cache/attention.py (which exports the
 scores) and hands the scores to its cache; every other layer goes through
-mlx-lm's original function unchanged. No mlx-lm source is modified.
+mlx-lm's original function unchanged. A BatchedCache (several sessions in one
+forward pass, cache/batch.py) is attended row by row, each row by these same
+rules. No mlx-lm source is modified.
 
 Loud, never silent: a scored layer whose attention passes `sinks=` or another
 argument the scoring kernels do not take raises `UnroutedAttention`, and
@@ -25,6 +27,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from cache.attention import ATTENTION, DENSE
+from cache.batch import BatchedCache
 
 _ATTR = "scaled_dot_product_attention"
 
@@ -35,6 +38,12 @@ class UnroutedAttention(ValueError):
 
 def _route(original: Callable) -> Callable:
     def routed_sdpa(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None, **kw):
+        if isinstance(cache, BatchedCache):  # one row per session, each against its own cache
+
+            def attend_row(q, k, v, row_cache):
+                return routed_sdpa(q, k, v, row_cache, scale, None, sinks, **kw)
+
+            return cache.attend(queries, keys, values, attend_row)
         if not hasattr(cache, "update_scores"):
             if sinks is not None:
                 kw["sinks"] = sinks

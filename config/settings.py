@@ -33,6 +33,12 @@ class ServerSettings(BaseSettings):
     kv_budget: str = Field("auto", description="memory for all KV caches: 1GiB, 512MB, or auto")
     max_sessions: int = Field(8, ge=1, description="conversations kept in memory at once")
     prefill_step: int = Field(512, ge=16, description="prompt tokens per forward pass")
+    prefill_budget: int = Field(
+        512,
+        ge=16,
+        description="prompt tokens prefilled per round while others decode (whole chunks, "
+        "at least one)",
+    )
     preset: PresetName = DEFAULT_PRESET
     score: ScoreRuleName = DEFAULT_SCORE
     max_queue: int = Field(32, ge=1, description="requests waiting beyond this get 429")

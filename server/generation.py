@@ -1,8 +1,12 @@
-"""One request's generation, advanced one unit of work at a time by the worker.
+"""One request's generation: its prompt still to prefill, its sampling, its reply so far.
 
-A unit is one prefill chunk or one decoded token, so the worker can interleave
-many requests step by step. The session's `tokens` always equal what its
-caches hold: a generation stopped at any step (finished, cancelled, failed)
+The worker's Batcher (server/batcher.py) drives it: `prefill` runs prompt
+chunks through the session's caches; each decode round the Batcher feeds
+`next_input` in one batched forward pass with the other decoding requests,
+`sample` draws the next token (lazily: it is read a round later, while the
+next round computes), and `accept` turns a read token into the reply's Delta.
+`session.tokens` always equals what the caches hold once a round's tokens are
+read, so a generation stopped at any round (finished, cancelled, failed)
 leaves a consistent conversation behind.
 """
 
@@ -88,18 +92,15 @@ class StopText:
 class Generation:
     def __init__(
         self,
-        model,
         tokenizer,
         session: Session,
         prompt: list[int],
         reused: int,
         params: SamplingParams,
-        prefill_step: int,
     ):
-        self.model, self.tokenizer, self.session = model, tokenizer, session
+        self.tokenizer, self.session = tokenizer, session
         self.prompt, self.reused, self.params = prompt, reused, params
-        self.prefill_step = prefill_step
-        self.pending = prompt[reused:]  # fed to the model next (the last one yields logits)
+        self.pending = prompt[reused:]  # prompt tokens not yet fed; the last starts decoding
         self.generated: list[int] = []
         self.reply = StopText(params.stop)
         self.finish_reason: str | None = None
@@ -114,6 +115,11 @@ class Generation:
             frequency_penalty=params.frequency_penalty or None,
             frequency_context_size=PENALTY_CONTEXT,
         )
+        # Decoding: the token fed next round (an int, or a sampled array not yet read) and
+        # what this round sampled (token, logprobs), read once the next round is launched.
+        self.next_input: int | mx.array | None = None
+        self.sampled: tuple[mx.array, mx.array] | None = None
+        self._start_decoding()
 
     @property
     def done(self) -> bool:
@@ -121,37 +127,85 @@ class Generation:
 
     @property
     def prefilling(self) -> bool:
-        return len(self.pending) > 1
+        return bool(self.pending)
 
-    def step(self) -> Delta | None:
-        """Prefill one chunk (returns None) or decode one token (returns its Delta)."""
+    # ------------------------------------------------------------------ prefill
+
+    def next_chunk(self, step: int) -> int:
+        """Size of the next prefill chunk: `step` tokens, the last one short (all but the
+        prompt's last token, which starts decoding).
+
+        Chunks are fixed per request, whatever else the worker is doing, because
+        H2O evicts after each chunk: a request prefilled alone or beside others
+        keeps the same cache.
+        """
+        return min(step, len(self.pending) - 1)
+
+    def prefill(self, model, step: int) -> int:
+        """Feed the next chunk of the prompt (never its last token); return its size."""
+        chunk = self.pending[: self.next_chunk(step)]
         caches = self.session.caches
-        if self.prefilling:
-            chunk = self.pending[: min(self.prefill_step, len(self.pending) - 1)]
-            self.model(mx.array(chunk)[None], cache=caches)
-            mx.eval([c.state for c in caches])
-            self._fed(chunk)
-            return None
-        fed = self.pending
-        logits = self.model(mx.array(fed)[None], cache=caches)[:, -1, :]
-        self._fed(fed)
+        model(mx.array(chunk)[None], cache=caches)
+        mx.eval([c.state for c in caches])
+        self.session.tokens.extend(chunk)
+        self.pending = self.pending[len(chunk) :]
+        self._start_decoding()
+        return len(chunk)
+
+    def _start_decoding(self) -> None:
+        """Once one prompt token is left, it is the first decode round's input."""
+        if len(self.pending) == 1:
+            self.next_input = self.pending.pop()
+
+    # ------------------------------------------------------------------ decode
+
+    def input_array(self) -> mx.array:
+        """This round's input token as a [1] array (sampled ones stay lazy)."""
+        token = self.next_input
+        return mx.array([token]) if isinstance(token, int) else token
+
+    def fed(self) -> int | None:
+        """Account for the input this round fed: a known token now, a sampled one once read.
+
+        Returns the token when it was known (the last prompt token).
+        """
+        if isinstance(self.next_input, int):
+            self.session.tokens.append(self.next_input)
+            return self.next_input
+        return None
+
+    def sample(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """(token [1], logprobs [vocab]) drawn from logits [1, vocab], lazily.
+
+        The previous round's draw (`sampled`) may still be unread: it is part of
+        the penalties' context as an array.
+        """
         if self.processors:
-            context = mx.array((self.prompt + self.generated)[-PENALTY_CONTEXT:])
-            for process in self.processors:
-                logits = process(context, logits)
+            logits = self._processed(logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token = self.sampler(logprobs)
-        mx.eval(token, logprobs)
-        return self._accept(token.item(), logprobs[0])
+        return self.sampler(logprobs).reshape(1), logprobs[0]
 
-    def _fed(self, tokens: list[int]) -> None:
-        """The caches now hold `tokens` (the head of `pending`)."""
-        self.session.tokens.extend(tokens)
-        self.pending = self.pending[len(tokens) :]
+    def read(self) -> Delta:
+        """Read last round's draw, which this round fed; it joins the conversation."""
+        token_arr, logprobs = self.sampled
+        token = token_arr.item()
+        self.sampled = None
+        self.session.tokens.append(token)
+        return self.accept(token, logprobs)
 
-    def _accept(self, token: int, logprobs: mx.array) -> Delta:
+    def _processed(self, logits: mx.array) -> mx.array:
+        """Penalties and logit bias over the last PENALTY_CONTEXT tokens of prompt and reply."""
+        unread = None if self.sampled is None else self.sampled[0]
+        known = (self.prompt + self.generated)[-(PENALTY_CONTEXT - (unread is not None)) :]
+        context = mx.array(known)
+        if unread is not None:
+            context = mx.concatenate([context, unread])
+        for process in self.processors:
+            logits = process(context, logits)
+        return logits
+
+    def accept(self, token: int, logprobs: mx.array) -> Delta:
         self.generated.append(token)
-        self.pending = [token]
         delta = Delta()
         if self.params.logprobs is not None:
             delta.logprobs.append(self._logprob(token, logprobs))

@@ -1,10 +1,11 @@
 """The worker: the one thread that touches MLX.
 
 Handlers submit Jobs; the worker admits them (finds or builds their session),
-then advances every active generation by one unit per round (a prefill chunk
-or a token), so all streams progress together. Events go back to the
+then runs rounds (server/batcher.py): every decoding generation advances one
+token in one batched forward pass and prompts are prefilled under a per-round
+token budget, so all streams progress together. Events go back to the
 handler's asyncio queue. Anything else that needs MLX (deleting a session,
-reading cache sizes) runs here too, through `call`.
+reading cache sizes) runs here too, between rounds, through `call`.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ import concurrent.futures
 import logging
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from config.settings import ServerSettings
+from server.batcher import Batcher
 from server.generation import Generation
 from server.jobs import Failed, Job, QueueFull, SessionBusy, Started
 from server.metrics import Metrics
@@ -31,6 +32,7 @@ class Worker:
         self.settings = settings
         self.metrics = Metrics()
         self.engine = None
+        self.batcher: Batcher | None = None  # built with the engine, on the worker thread
         self._load_engine = load_engine
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: deque[Job] = deque()
@@ -88,11 +90,14 @@ class Worker:
             self._startup_error = e
             self._ready.set()
             return
+        self.batcher = Batcher(
+            self.engine.model, self.settings.prefill_step, self.settings.prefill_budget
+        )
         self._ready.set()
         while not self._stopping:
             self._take_inbox(block=not self._active and not self._waiting)
             self._admit()
-            self._step_all()
+            self._round()
 
     def _take_inbox(self, block: bool) -> None:
         try:
@@ -124,15 +129,7 @@ class Worker:
             session = None
             try:
                 session, reused = self.engine.store.acquire(job.session_key, job.prompt, job.spec)
-                gen = Generation(
-                    self.engine.model,
-                    self.engine.tokenizer,
-                    session,
-                    job.prompt,
-                    reused,
-                    job.params,
-                    self.settings.prefill_step,
-                )
+                gen = Generation(self.engine.tokenizer, session, job.prompt, reused, job.params)
             except SessionBusy:
                 still_waiting.append(job)  # same conversation, one turn at a time
                 continue
@@ -152,27 +149,26 @@ class Worker:
         with self._lock:
             self._pending -= 1
 
-    def _step_all(self) -> None:
+    def _round(self) -> None:
+        """Cancel what was abandoned, then one Batcher round over every active generation."""
         for job, gen in list(self._active):
-            if job.cancelled.is_set():
+            if job.cancelled.is_set():  # a draw not yet read was never fed: nothing to undo
                 self._finish(job, gen)
                 self.metrics.add("requests_cancelled_total")
-                continue
-            try:
-                prefilling, t0 = gen.prefilling, time.perf_counter()
-                n_pending = len(gen.pending)
-                delta = gen.step()
-                if prefilling:
-                    self.metrics.add("prefill_tokens_total", n_pending - len(gen.pending))
-                else:
-                    self.metrics.add("decode_seconds_total", time.perf_counter() - t0)
-                if delta is not None:
-                    job.emit(delta)
-            except Exception as e:
-                log.exception("generation failed")
+        if not self._active:
+            return
+        jobs = {gen: job for job, gen in self._active}
+        done = self.batcher.run(list(jobs))
+        self.metrics.add("prefill_tokens_total", done.prefill_tokens)
+        self.metrics.add("decode_seconds_total", done.decode_seconds)
+        for gen, outcome in done.outcomes:
+            job = jobs[gen]
+            if isinstance(outcome, Exception):
+                log.error("generation failed", exc_info=outcome)
                 self._finish(job, gen, broken=True)
-                self._fail(job, 500, f"generation failed: {type(e).__name__}: {e}")
+                self._fail(job, 500, f"generation failed: {type(outcome).__name__}: {outcome}")
                 continue
+            job.emit(outcome)
             if gen.done:
                 self._finish(job, gen)
                 finished = gen.finished()
