@@ -1,11 +1,13 @@
-"""Decode speed of each cache policy at a long context, measured side by side.
+"""Prefill and decode speed of each cache policy at a long context, measured side by side.
 
-Each round prefills the same essay context into a fresh cache for every
-policy, then times `--steps` single-token decode steps. Rounds interleave the
+Each round prefills the same essay context into a fresh cache for every policy
+(512-token forward passes, timed), then times `--steps` single-token decode
+steps. "stock mlx-lm full" is mlx-lm's own cache (`make_prompt_cache`) and
+attention, with this project's router uninstalled. Rounds interleave the
 policies so machine noise hits them alike; ratios are taken within a round and
-the median over rounds is reported.
+the median over rounds is reported, in wall time and in process CPU time.
 
-    python -m bench.decode_speed --context 2048 --rounds 3 --out docs/decode_speed.md
+    python -m bench.decode_speed --context 2048 --rounds 5 --out docs/decode_speed.md
 """
 
 from __future__ import annotations
@@ -17,16 +19,19 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
 from bench.report import command, machine, publish
 from bench.text import essay_token_ids
-from cache import make_cache
+from cache import make_cache, uninstall_router
 from server.models import load_model
 
-# (label, make_cache kwargs, label of the baseline it is compared with)
+STOCK = "stock mlx-lm full"
+# (label, make_cache kwargs (None: mlx-lm's own), label of the baseline it is compared with)
 CASES = [
-    ("full", {"policy": "full"}, None),
-    ("h2o, no eviction (max_kv 4096)", {"policy": "h2o", "max_kv": 4096}, "full"),
+    (STOCK, None, None),
+    ("full", {"policy": "full"}, STOCK),
+    ("h2o, no eviction (max_kv 4096)", {"policy": "h2o", "max_kv": 4096}, STOCK),
     ("rotating 256", {"policy": "rotating", "max_kv": 256}, None),
     ("h2o 256, evicting (batch 16)", {"policy": "h2o", "max_kv": 256}, "rotating 256"),
     (
@@ -42,19 +47,41 @@ CASES = [
 ]
 
 
-def decode_tps(model, context: mx.array, steps: int, **cache_kwargs) -> float:
-    caches = make_cache(model, **cache_kwargs)
+def speeds(model, context: mx.array, steps: int, cache_kwargs: dict | None) -> dict:
+    """Prefill and decode tok/s (wall and CPU time) of one fresh cache."""
+    if cache_kwargs is None:
+        uninstall_router(model)  # mlx-lm exactly as it ships
+        caches = make_prompt_cache(model)
+    else:
+        caches = make_cache(model, **cache_kwargs)
+    wall, cpu = time.perf_counter(), time.process_time()
     for start in range(0, context.size, 512):
-        mx.eval(model(context[None, start : start + 512], cache=caches))
+        model(context[None, start : start + 512], cache=caches)
+        mx.eval([c.state for c in caches])
+    prefill = (
+        context.size / (time.perf_counter() - wall),
+        context.size / (time.process_time() - cpu),
+    )
     token = context[-1:].reshape(1, 1)
     logits = model(token, cache=caches)  # warm-up step, not timed
     mx.eval(logits)
-    start = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         token = mx.argmax(logits[:, -1], axis=-1).reshape(1, 1)
         logits = model(token, cache=caches)
         mx.eval(logits)
-    return steps / (time.perf_counter() - start)
+    decode = (steps / (time.perf_counter() - wall), steps / (time.process_time() - cpu))
+    return {
+        "prefill": prefill[0],
+        "prefill_cpu": prefill[1],
+        "decode": decode[0],
+        "decode_cpu": decode[1],
+    }
+
+
+def ratio(tps: dict, label: str, base: str, key: str) -> str:
+    per_round = [a[key] / b[key] for a, b in zip(tps[label], tps[base], strict=True)]
+    return f"{statistics.median(per_round):.3f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,24 +95,29 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tokenizer = load_model(args.model)
     context = mx.array(essay_token_ids(tokenizer, args.context))
-    tps: dict[str, list[float]] = {label: [] for label, _, _ in CASES}
+    tps: dict[str, list[dict]] = {label: [] for label, _, _ in CASES}
     for r in range(args.rounds):
         for label, kwargs, _ in CASES:
-            tps[label].append(decode_tps(model, context, args.steps, **kwargs))
-            print(f"round {r + 1}: {label}: {tps[label][-1]:.2f} tok/s", file=sys.stderr)
+            tps[label].append(speeds(model, context, args.steps, kwargs))
+            print(f"round {r + 1}: {label}: {tps[label][-1]}", file=sys.stderr)
 
-    rows = ["| cache | decode tok/s (median) | ratio | vs |", "|---|---|---|---|"]
+    rows = [
+        "| cache | prefill tok/s | ratio (wall / CPU) | decode tok/s | ratio (wall / CPU) | vs |",
+        "|---|---|---|---|---|---|",
+    ]
     for label, _, base in CASES:
-        ratio = ""
+        med = {k: statistics.median(x[k] for x in tps[label]) for k in ("prefill", "decode")}
+        pre = dec = ""
         if base:
-            per_round = [a / b for a, b in zip(tps[label], tps[base], strict=True)]
-            ratio = f"{statistics.median(per_round):.3f}"
-        rows.append(f"| {label} | {statistics.median(tps[label]):.2f} | {ratio} | {base or ''} |")
+            pre = f"{ratio(tps, label, base, 'prefill')} / {ratio(tps, label, base, 'prefill_cpu')}"
+            dec = f"{ratio(tps, label, base, 'decode')} / {ratio(tps, label, base, 'decode_cpu')}"
+        speeds_ = f"{med['prefill']:.0f} | {pre} | {med['decode']:.2f} | {dec}"
+        rows.append(f"| {label} | {speeds_} | {base or ''} |")
     publish(
-        "Decode speed by cache policy",
-        f"Model `{args.model}`, {args.context} tokens of context, {args.steps} timed "
-        f"decode steps, {args.rounds} interleaved rounds; ratio = median of per-round ratios. "
-        f"Machine: {machine()}.",
+        "Prefill and decode speed by cache policy",
+        f"Model `{args.model}`, {args.context} tokens of context (prefilled in 512-token "
+        f"passes), {args.steps} timed decode steps, {args.rounds} interleaved rounds; ratio = "
+        f"median of per-round ratios. Machine: {machine()}.",
         command("bench.decode_speed", argv),
         rows,
         args.out,

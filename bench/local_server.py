@@ -32,13 +32,21 @@ def start_server(
         stderr=subprocess.STDOUT if stdout else None,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+    wait_healthy(process, port, timeout=timeout)
+    return process, port
+
+
+def wait_healthy(
+    process: subprocess.Popen, port: int, path: str = "/health", timeout: float = 180
+) -> None:
+    """Return once GET `path` answers on loopback; raise if the process exits or time runs out."""
     deadline = time.monotonic() + timeout
     while True:
         if process.poll() is not None:
             raise RuntimeError("the server exited while starting")
         try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return process, port
+            urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2)
+            return
         except OSError:
             pass
         if time.monotonic() > deadline:

@@ -16,11 +16,20 @@ import os
 from dataclasses import dataclass
 
 import mlx.core as mx
+from mlx.utils import tree_map
 
-from kernels import AUTO, check_backend, quantized_sdpa_with_scores, sdpa_with_scores
+from kernels import (
+    AUTO,
+    check_backend,
+    quantized_sdpa_with_scores,
+    reference,
+    sdpa_with_scores,
+    select_backend,
+)
 from kernels.reference import expand_mask
 
 QUANTIZED_PATHS = ("fused", "dequantize")
+QUERY_BLOCK = 128  # prompt queries attended at once by a scored layer (bounds its memory)
 BACKEND_ENV = "H2O_KERNEL"
 
 
@@ -41,11 +50,14 @@ DENSE = KVFormat()
 
 
 class ScoredAttention:
-    """(out, float32 pre-softmax logits [B, n_q, L_q, L_k]) for a layer whose cache scores keys."""
+    """Attention for layers whose cache scores keys: the output, with the scores folded in."""
 
-    def __init__(self, backend: str = AUTO, quantized_path: str = "fused"):
+    def __init__(
+        self, backend: str = AUTO, quantized_path: str = "fused", block: int = QUERY_BLOCK
+    ):
         self.backend = AUTO
         self.quantized_path = "fused"
+        self.block = block
         self.configure(backend, quantized_path)
 
     def configure(self, backend: str | None = None, quantized_path: str | None = None) -> None:
@@ -59,32 +71,92 @@ class ScoredAttention:
                 )
             self.quantized_path = quantized_path
 
-    def __call__(self, queries: mx.array, keys, values, cache, scale: float, mask=None):
+    def attend_scored(self, queries: mx.array, keys, values, cache, scale: float, mask=None):
+        """The layer's output; its scores go to `cache` (which evicts when it overflows).
+
+        A prompt chunk longer than `block` goes block of queries by block, each
+        block's scores folded into the cache and evaluated before the next, so only
+        one block's logits (block x keys per head) exist at a time.
+        """
+        L = queries.shape[2]
+        if L <= self.block:
+            out, logits, probs = self.attend(queries, keys, values, cache, scale, mask)
+            cache.update_scores(logits, probs)
+            return out
+        n_keys = cache.size()
+        # One part stores a chunk's slots in arrival order: a block sees exactly the
+        # first n_keys - L + stop of them, causally, and scores only those.
+        prefix = len(cache.kv_segments(keys, values)) == 1 and (mask is None or mask == "causal")
+        outs = []
+        for start in range(0, L, self.block):
+            stop = min(start + self.block, L)
+            q = queries[:, :, start:stop]
+            if prefix:
+                seen = n_keys - L + stop
+                k, v = (tree_map(lambda a, n=seen: a[:, :, :n], x) for x in (keys, values))
+                out, logits, probs = self.attend(q, k, v, cache, scale, mask)
+            else:
+                rows = _mask_rows(mask, L, n_keys, start, stop)
+                out, logits, probs = self.attend(q, keys, values, cache, scale, rows)
+            cache.add_scores(logits, probs)
+            mx.eval(out, cache.scores)  # frees this block's logits and probabilities
+            outs.append(out)
+        cache.evict_if_full()
+        return mx.concatenate(outs, axis=2)
+
+    def attend(self, queries: mx.array, keys, values, cache, scale: float, mask=None):
+        """(out, float32 logits [B, n_q, L_q, L_k], probs or None) over the cache's parts."""
         parts = cache.kv_segments(keys, values)
         if len(parts) == 1:
             k, v, fmt = parts[0]
-            return self.attend(queries, k, v, fmt, scale, mask)
+            return self.attend_part(queries, k, v, fmt, scale, mask)
         full = expand_mask(mask, queries.shape[2], sum(seq_length(k) for k, _, _ in parts))
         results, start = [], 0
         for k, v, fmt in parts:
             n = seq_length(k)
             m = None if full is None else full[..., start : start + n]
-            results.append(self.attend(queries, k, v, fmt, scale, m))
+            results.append(self.attend_part(queries, k, v, fmt, scale, m)[:2])
             start += n
-        return merge_parts(results, queries.dtype)
+        return (*merge_parts(results, queries.dtype), None)
 
-    def attend(self, queries, keys, values, fmt: KVFormat, scale: float, mask=None):
-        """One part: dense or packed K/V in `fmt`."""
+    def __call__(self, queries: mx.array, keys, values, cache, scale: float, mask=None):
+        """(out, logits): attention over the cache's parts, scores not folded in."""
+        return self.attend(queries, keys, values, cache, scale, mask)[:2]
+
+    def attend_part(self, queries, keys, values, fmt: KVFormat, scale: float, mask=None):
+        """One part, dense or packed in `fmt`: (out, logits, probs or None).
+
+        The reference kernels hand back their probabilities; the GPU decode kernels
+        export logits only (rules take a softmax of one row there).
+        """
         if not fmt.packed:
-            return sdpa_with_scores(queries, keys, values, scale, mask, backend=self.backend)
+            if select_backend(self.backend, queries, keys, mask) == "reference":
+                return reference.sdpa_with_probs(queries, keys, values, scale, mask)
+            return (*sdpa_with_scores(queries, keys, values, scale, mask, self.backend), None)
         gs, k_bits, v_bits = fmt.group_size, fmt.key_bits, fmt.value_bits or fmt.key_bits
         if self.quantized_path == "dequantize":
             k = mx.dequantize(*keys, group_size=gs, bits=k_bits)
             v = mx.dequantize(*values, group_size=gs, bits=v_bits)
-            return self.attend(queries, k, v, DENSE, scale, mask)
-        return quantized_sdpa_with_scores(
+            return self.attend_part(queries, k, v, DENSE, scale, mask)
+        pick = {"group_size": gs, "bits": k_bits, "value_bits": v_bits}
+        if select_backend(self.backend, queries, keys[0], mask, **pick) == "reference":
+            return reference.quantized_sdpa_with_probs(
+                queries, keys, values, scale, mask, gs, k_bits, v_bits
+            )
+        out, logits = quantized_sdpa_with_scores(
             queries, keys, values, scale, mask, gs, k_bits, value_bits=v_bits, backend=self.backend
         )
+        return out, logits, None
+
+
+def _mask_rows(mask, L: int, n_keys: int, start: int, stop: int):
+    """Rows [start, stop) of the mask of an L-query chunk over n_keys keys."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):  # causal, bottom-right aligned: query i sees keys <= n_keys - L + i
+        rows = mx.arange(n_keys - L + start, n_keys - L + stop)[:, None]
+        return rows >= mx.arange(n_keys)[None]
+    return mask[..., start:stop, :] if mask.shape[-2] == L else mask
 
 
 def backend_from_env() -> str:

@@ -96,18 +96,36 @@ class H2OKVCache:
         self.offset += n_new
         return self._fetch()
 
-    def update_scores(self, scores: mx.array) -> None:
-        """Accumulate one attention call's logits [B, n_q_heads, L_q, size], then evict."""
+    def update_scores(self, scores: mx.array, probs: mx.array | None = None) -> None:
+        """Accumulate one attention call's logits [B, n_q_heads, L_q, size], then evict.
+
+        `probs`: the softmax the attention used, when it has it (saves rules a second one).
+        """
+        if scores.shape[-1] != self._len:
+            raise ValueError(
+                f"scores cover {scores.shape[-1]} keys but the cache holds {self._len}"
+            )
+        self.add_scores(scores, probs)
+        self.evict_if_full()
+
+    def add_scores(self, scores: mx.array, probs: mx.array | None = None) -> None:
+        """Accumulate logits of some query rows (in order) without evicting yet.
+
+        They may cover the first n slots only: the keys a block of a prompt chunk
+        can see (slots of one chunk are stored in order).
+        """
         n = scores.shape[-1]
-        if n != self._len:
+        if n > self._len:
             raise ValueError(f"scores cover {n} keys but the cache holds {self._len}")
         full = n == self.scores.shape[-1]
         held = self.scores if full else self.scores[..., :n]
-        updated = self.score_rule.accumulate(held, scores, self.positions.shape[1])
+        updated = self.score_rule.accumulate(held, scores, self.positions.shape[1], probs)
         if full:
             self.scores = updated
         else:
             self.scores[..., :n] = updated
+
+    def evict_if_full(self) -> None:
         if self._len > self.max_size:
             self._evict()
 

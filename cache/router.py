@@ -54,9 +54,7 @@ def _route(original: Callable) -> Callable:
                 f"this layer's attention passes {', '.join(extra)}, which the score-exporting "
                 "kernels do not take: H2O cannot score it; use policy full or rotating"
             )
-        out, scores = ATTENTION(queries, keys, values, cache, scale, mask)
-        cache.update_scores(scores)
-        return out
+        return ATTENTION.attend_scored(queries, keys, values, cache, scale, mask)
 
     routed_sdpa.h2o_original = original
     return routed_sdpa
@@ -134,8 +132,11 @@ class _Probe:
     def kv_segments(self, keys, values):
         return [(keys, values, DENSE)]
 
-    def update_scores(self, scores) -> None:
+    def update_scores(self, scores, probs=None) -> None:
         self.scored = True
+
+    def size(self) -> int:
+        return 1
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         return None if N == 1 else "causal"

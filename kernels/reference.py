@@ -35,6 +35,17 @@ def sdpa_with_scores(
     Returns out [B, n_q_heads, L_q, D] in q's dtype and scores, float32
     [B, n_q_heads, L_q, L_k], with masked positions at -inf.
     """
+    out, scores, _ = sdpa_with_probs(q, k, v, scale, mask)
+    return out, scores
+
+
+def sdpa_with_probs(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask = None
+) -> tuple[mx.array, mx.array, mx.array]:
+    """`sdpa_with_scores` plus the softmax probabilities it attended with, [B, n_q, L_q, L_k].
+
+    Score rules that need probabilities take these instead of a second softmax.
+    """
     B, n_q, L_q, D = q.shape
     n_kv, L_k = k.shape[1], k.shape[2]
     rep = n_q // n_kv
@@ -49,7 +60,8 @@ def sdpa_with_scores(
     )
     if out.dtype != q.dtype:
         out = out.astype(q.dtype)
-    return out, scores.reshape(B, n_q, L_q, L_k)
+    shape = (B, n_q, L_q, L_k)
+    return out, scores.reshape(shape), probs.reshape(shape)
 
 
 def _apply_mask(
@@ -93,6 +105,23 @@ def quantized_sdpa_with_scores(
     along D; values at `value_bits` when given (e.g. keys 8-bit, values 4-bit). Same
     outputs as `sdpa_with_scores` on the dequantized K/V.
     """
+    out, scores, _ = quantized_sdpa_with_probs(
+        q, k_q, v_q, scale, mask, group_size, bits, value_bits
+    )
+    return out, scores
+
+
+def quantized_sdpa_with_probs(
+    q: mx.array,
+    k_q: QuantizedTensor,
+    v_q: QuantizedTensor,
+    scale: float,
+    mask: Mask = None,
+    group_size: int = 64,
+    bits: int = 8,
+    value_bits: int | None = None,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """`quantized_sdpa_with_scores` plus the softmax probabilities (see sdpa_with_probs)."""
     B, n_q, L_q, D = q.shape
     k_w, k_scales, k_biases = k_q
     v_w, v_scales, v_biases = v_q
@@ -117,4 +146,5 @@ def quantized_sdpa_with_scores(
     out = out.reshape(B, n_q, L_q, D)
     if out.dtype != q.dtype:
         out = out.astype(q.dtype)
-    return out, scores.reshape(B, n_q, L_q, L_k)
+    shape = (B, n_q, L_q, L_k)
+    return out, scores.reshape(shape), probs.reshape(shape)

@@ -91,20 +91,21 @@ def test_rope_positions_survive_eviction(default_model, essay_text, monkeypatch)
 
 
 def test_chunked_prefill_mask_and_output(default_model, essay_text, monkeypatch):
-    """3000-token prompt in 512-token chunks at max_kv=256: each chunk's mask and
+    """3000-token prompt in 512-token chunks at max_kv=256: every query block's mask and
     output match an explicit float64 computation over what the cache holds."""
     model, tokenizer = default_model
     ids = essay_ids(tokenizer, essay_text, 3000)
     layer, step = 7, 512
+    block = cache.attention.ATTENTION.block
     calls = []
-    real = cache.attention.sdpa_with_scores
+    real = cache.attention.reference.sdpa_with_probs
 
-    def recording(q, k, v, scale, mask=None, backend="auto"):
-        out, scores = real(q, k, v, scale, mask, backend=backend)
-        calls.append((q, k, v, scale, mask, out))
-        return out, scores
+    def recording(q, k, v, scale, mask=None):
+        result = real(q, k, v, scale, mask)
+        calls.append((q, k, v, scale, mask, result[0]))
+        return result
 
-    monkeypatch.setattr(cache.attention, "sdpa_with_scores", recording)
+    monkeypatch.setattr(cache.attention.reference, "sdpa_with_probs", recording)
     caches = make_cache(model, "h2o", max_kv=256)
     n_layers = len(model.layers)
     sizes = []
@@ -113,23 +114,31 @@ def test_chunked_prefill_mask_and_output(default_model, essay_text, monkeypatch)
         chunk = mx.array(ids[start : start + step])[None]
         stored_before = caches[layer].size()
         mx.eval(model(chunk, cache=caches))
-        assert len(calls) == n_layers
-        q, k, v, scale, mask, out = calls[layer]
         N, C = chunk.shape[1], stored_before
-        assert k.shape[2] == C + N <= 256 + step  # peak inside a chunk
-        expected_mask = np.concatenate([np.ones((N, C), bool), np.tril(np.ones((N, N), bool))], 1)
-        got_mask = expand_mask(mask, N, C + N) if mask is not None else None
-        np.testing.assert_array_equal(np.array(got_mask), expected_mask)
-
-        qn = np.array(q, np.float64)[0]
-        kn, vn = np.array(k, np.float64)[0], np.array(v, np.float64)[0]
-        rep = qn.shape[0] // kn.shape[0]
-        logits = np.einsum("hqd,hkd->hqk", qn, np.repeat(kn, rep, axis=0)) * scale
-        logits = np.where(expected_mask, logits, -np.inf)
-        probs = np.exp(logits - logits.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        explicit = np.einsum("hqk,hkd->hqd", probs, np.repeat(vn, rep, axis=0))
-        np.testing.assert_allclose(np.array(out)[0], explicit, atol=1e-4)
+        blocks = math.ceil(N / block)
+        assert len(calls) == n_layers * blocks  # one call per query block and layer
+        outs = []
+        for b, (q, k, v, scale, mask, out) in enumerate(
+            calls[layer * blocks : (layer + 1) * blocks]
+        ):
+            stop = b * block + q.shape[2]
+            rows = np.arange(b * block, stop)[:, None]
+            # a block attends over the keys up to its last query: stored ones, then causal
+            assert k.shape[2] == C + stop <= 256 + step
+            expected_mask = np.arange(C + stop)[None] <= C + rows
+            got_mask = np.array(expand_mask(mask, len(rows), C + stop))
+            np.testing.assert_array_equal(got_mask, expected_mask)
+            outs.append((q, k, v, scale, expected_mask, out))
+        for q, k, v, scale, expected_mask, out in outs:
+            qn = np.array(q, np.float64)[0]
+            kn, vn = np.array(k, np.float64)[0], np.array(v, np.float64)[0]
+            rep = qn.shape[0] // kn.shape[0]
+            logits = np.einsum("hqd,hkd->hqk", qn, np.repeat(kn, rep, axis=0)) * scale
+            logits = np.where(expected_mask, logits, -np.inf)
+            probs = np.exp(logits - logits.max(-1, keepdims=True))
+            probs /= probs.sum(-1, keepdims=True)
+            explicit = np.einsum("hqk,hkd->hqd", probs, np.repeat(vn, rep, axis=0))
+            np.testing.assert_allclose(np.array(out)[0], explicit, atol=1e-4)
         sizes.append(caches[layer].size())
     # Each overflowing chunk is cut back to max_kv + 1 - evict_batch (room to decode).
     assert sizes == [257 - caches[layer].evict_batch] * len(sizes)

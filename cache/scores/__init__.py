@@ -10,7 +10,7 @@ file here, one entry in RULES and its name in config/cache_spec.SCORE_RULES.
 from __future__ import annotations
 
 from cache.scores.attn import AttnScore
-from cache.scores.base import ScoreRule, per_kv_head
+from cache.scores.base import ScoreRule, per_kv_head, softmax_of
 from cache.scores.ema import EmaScore
 from config.cache_spec import SCORE_RULES, choose
 
@@ -23,4 +23,12 @@ def make_score_rule(name: str, **knobs) -> ScoreRule:
     return RULES[choose("score rule", name, SCORE_RULES)](**knobs)
 
 
-__all__ = ["RULES", "AttnScore", "EmaScore", "ScoreRule", "make_score_rule", "per_kv_head"]
+__all__ = [
+    "RULES",
+    "AttnScore",
+    "EmaScore",
+    "ScoreRule",
+    "make_score_rule",
+    "per_kv_head",
+    "softmax_of",
+]

@@ -6,13 +6,14 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from cache.scores.base import ScoreRule, per_kv_head
+from cache.scores.base import ScoreRule, per_kv_head, softmax_of
 
 
 @dataclass(frozen=True)
 class AttnScore(ScoreRule):
     name = "attn"
 
-    def accumulate(self, held: mx.array, logits: mx.array, n_kv_heads: int) -> mx.array:
-        probs = mx.softmax(logits, axis=-1, precise=True)
-        return held + per_kv_head(probs, n_kv_heads)
+    def accumulate(
+        self, held: mx.array, logits: mx.array, n_kv_heads: int, probs: mx.array | None = None
+    ) -> mx.array:
+        return held + per_kv_head(softmax_of(logits, probs), n_kv_heads)

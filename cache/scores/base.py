@@ -24,11 +24,14 @@ class ScoreRule:
 
     name: ClassVar[str]
 
-    def accumulate(self, held: mx.array, logits: mx.array, n_kv_heads: int) -> mx.array:
+    def accumulate(
+        self, held: mx.array, logits: mx.array, n_kv_heads: int, probs: mx.array | None = None
+    ) -> mx.array:
         """New importance [B, n_kv, L_k] from the held one and logits [B, n_q, L_q, L_k].
 
-        `logits` are pre-softmax, masked keys at -inf; the L_q query rows are the
-        tokens of one forward pass, in order.
+        `logits` are pre-softmax, masked keys at -inf; the L_q query rows are tokens
+        in order (a prompt chunk arrives in several calls, one per query block).
+        `probs`, when given, is softmax(logits) as the attention computed it.
         """
         raise NotImplementedError
 
@@ -42,3 +45,8 @@ class ScoreRule:
     def knobs(self) -> dict:
         """The rule's settings, saved with a cache so that a restored one scores alike."""
         return asdict(self)
+
+
+def softmax_of(logits: mx.array, probs: mx.array | None) -> mx.array:
+    """The attention's own probabilities when it passed them, else softmax(logits)."""
+    return probs if probs is not None else mx.softmax(logits, axis=-1, precise=True)

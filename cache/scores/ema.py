@@ -22,7 +22,9 @@ class EmaScore(ScoreRule):
     name = "ema"
     alpha: float = EMA_ALPHA
 
-    def accumulate(self, held: mx.array, logits: mx.array, n_kv_heads: int) -> mx.array:
+    def accumulate(
+        self, held: mx.array, logits: mx.array, n_kv_heads: int, probs: mx.array | None = None
+    ) -> mx.array:
         a, L = self.alpha, logits.shape[2]
         if L == 1:  # a decode row sees every key: no -inf to clear
             weighted = mx.abs(logits) * (1.0 - a)
