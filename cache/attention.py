@@ -2,7 +2,9 @@
 
 A scored cache hands its stored K/V to attention as one or more parts, each with a
 `KVFormat` (`kv_segments`): dense arrays, or mx.quantize's packed (words, scales,
-biases) at some key/value width. `ScoredAttention` runs each part through a kernel
+biases) at some key/value width, either possibly Hadamard-rotated (the query is
+rotated in and the output back once), or KVarN storage (kernels/kvarn.py, reference
+only). `ScoredAttention` runs each part through a kernel
 from kernels/ (`sdpa_with_scores` for dense parts; for packed parts the fused
 `quantized_sdpa_with_scores`, or mx.dequantize and the dense kernel when the
 `dequantize` path is chosen) on the backend it was configured with, and merges
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from kernels import AUTO, check_backend, quantized_sdpa_with_scores, sdpa_with_scores
+from kernels.hadamard import rotate
+from kernels.kvarn import TileFormat, kvarn_sdpa_with_scores
 from kernels.reference import expand_mask
 
 QUANTIZED_PATHS = ("fused", "dequantize")
@@ -31,6 +35,8 @@ class KVFormat:
     key_bits: int | None = None  # None: dense arrays
     value_bits: int | None = None
     group_size: int = 64
+    rotated: bool = False  # stored Hadamard-rotated along the head dim (kernels/hadamard.py)
+    tile: int | None = None  # KVarN storage [front, tiles, tail] (kernels/kvarn.py)
 
     @property
     def packed(self) -> bool:
@@ -38,6 +44,10 @@ class KVFormat:
 
 
 DENSE = KVFormat()
+
+
+def unrotated(fmt: KVFormat) -> KVFormat:
+    return KVFormat(fmt.key_bits, fmt.value_bits, fmt.group_size)
 
 
 class ScoredAttention:
@@ -75,6 +85,13 @@ class ScoredAttention:
 
     def attend(self, queries, keys, values, fmt: KVFormat, scale: float, mask=None):
         """One part: dense or packed K/V in `fmt`."""
+        if fmt.tile is not None:  # KVarN: rotates the query in and the output back itself
+            tiles = TileFormat(fmt.tile, fmt.key_bits, fmt.value_bits, fmt.group_size)
+            dequantize = self.quantized_path == "dequantize"
+            return kvarn_sdpa_with_scores(queries, keys, values, scale, mask, tiles, dequantize)
+        if fmt.rotated:  # any backend's kernel on rotated storage: rotate in, rotate out once
+            out, scores = self.attend(rotate(queries), keys, values, unrotated(fmt), scale, mask)
+            return rotate(out), scores
         if not fmt.packed:
             return sdpa_with_scores(queries, keys, values, scale, mask, backend=self.backend)
         gs, k_bits, v_bits = fmt.group_size, fmt.key_bits, fmt.value_bits or fmt.key_bits
