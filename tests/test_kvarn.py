@@ -4,8 +4,6 @@ Synthetic tensors and tiny random-weight models only; quality on the default mod
 is bench/quantized.py's (docs/quantized.md).
 """
 
-import config  # noqa: F401  (loads OpenBLAS before the first mlx import)
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -13,6 +11,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 import cache  # noqa: F401  (registers the cache classes with mlx-lm)
+import config  # noqa: F401  (loads OpenBLAS before the first mlx import)
 from cache import ATTENTION, H2OKVarNCache, H2OKVCache, KVarNCache, QuantizedH2OKVCache, make_cache
 from cache.budget import ModelShape, cache_bytes, max_kv_within
 from cache.kvarn_tiles import imbalance, sinkhorn
