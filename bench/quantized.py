@@ -32,7 +32,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from bench.text import essay_token_ids
-from cache import cache_usage, configure, make_cache
+from cache import ATTENTION, cache_usage, configure, make_cache
 from cache.budget import KVARN_POLICIES, ModelShape, bytes_per_token, cache_bytes
 from config.cache_spec import DEFAULT_MIXED
 from kernels import select_backend
@@ -262,7 +262,7 @@ def render(args, argv, began, cases, ppl_cases, tps, prefill, held, ppl, kl, sha
         )
     q = mx.zeros((1, 9, 1, 64))
     packed = mx.zeros((1, 3, args.max_kv, 16), dtype=mx.uint32)
-    backend = select_backend(q, packed, None, group_size=64, bits=8)
+    backend = select_backend(ATTENTION.backend, q, packed, None, group_size=64, bits=8)
     command = "python -m bench.quantized " + " ".join(argv if argv is not None else sys.argv[1:])
     return "\n".join(
         [
