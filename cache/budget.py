@@ -132,15 +132,17 @@ def bytes_per_token(
     policy: str,
     group_size: int = DEFAULT_GROUP_SIZE,
     max_kv: int | None = None,
+    kvarn: str = DEFAULT_KVARN,
 ) -> float:
     """Bytes one cached token costs across all layers under `policy`.
 
-    kvarn / h2o-kvarn: `cache_bytes` over max_kv (default KVARN_REFERENCE_TOKENS).
+    kvarn / h2o-kvarn (preset `kvarn`): `cache_bytes` over max_kv (default
+    KVARN_REFERENCE_TOKENS).
     """
     info = POLICIES[choose("policy", policy, POLICIES)]
     if policy in KVARN_POLICIES:
         tokens = max_kv or KVARN_REFERENCE_TOKENS
-        return cache_bytes(shape, policy, tokens) / tokens
+        return cache_bytes(shape, policy, tokens, kvarn) / tokens
 
     def width(bits: int | None) -> float:  # K or V of one head: dense, or packed plus scale/bias
         if bits is None:
@@ -153,7 +155,7 @@ def bytes_per_token(
     return shape.layers * shape.kv_heads * per_head
 
 
-def max_kv_within(nbytes: int, shape: ModelShape, policy: str) -> int:
+def max_kv_within(nbytes: int, shape: ModelShape, policy: str, kvarn: str = DEFAULT_KVARN) -> int:
     """The largest max_kv whose cache, as allocated, fits in `nbytes`.
 
     Scored caches hold one spare slot (the newest token before eviction); mlx-lm's
@@ -161,14 +163,14 @@ def max_kv_within(nbytes: int, shape: ModelShape, policy: str) -> int:
     policies: the largest max_kv whose `cache_bytes` fits (they grow monotonically).
     """
     if policy in KVARN_POLICIES:
-        if cache_bytes(shape, policy, 2) > nbytes:
+        if cache_bytes(shape, policy, 2, kvarn) > nbytes:
             return 0
         lo, hi = 2, 4
-        while cache_bytes(shape, policy, hi) <= nbytes:
+        while cache_bytes(shape, policy, hi, kvarn) <= nbytes:
             lo, hi = hi, hi * 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if cache_bytes(shape, policy, mid) <= nbytes else (lo, mid)
+            lo, hi = (mid, hi) if cache_bytes(shape, policy, mid, kvarn) <= nbytes else (lo, mid)
         return lo
     slots = int(nbytes // bytes_per_token(shape, policy))
     info = POLICIES[policy]
@@ -210,7 +212,8 @@ def fit_spec(
         policy = auto_policy(shape, budget)
     choose("policy", policy, POLICIES)
     if budget is not None:
-        limit = min(max_kv_within(budget.per_session, shape, policy), shape.context)
+        kvarn = fields.get("kvarn", DEFAULT_KVARN)
+        limit = min(max_kv_within(budget.per_session, shape, policy, kvarn), shape.context)
         if limit < MIN_MAX_KV:
             raise ValueError(
                 f"--kv-budget {budget.total} B over {budget.sessions} sessions leaves {limit} "

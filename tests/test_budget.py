@@ -68,6 +68,10 @@ def test_kvarn_policies_are_sized_by_their_exact_bytes():
         assert cache_bytes(SMOLLM2_CPU, policy, max_kv) <= share
         assert cache_bytes(SMOLLM2_CPU, policy, max_kv + 1) > share
         assert max_kv > 3 * max_kv_within(share, SMOLLM2_CPU, "h2o")
+    # wider presets are priced as such: k4v4 holds fewer tokens in the same share
+    k4v4 = fit_spec(SMOLLM2_CPU, Budget(share, 1), "kvarn", kvarn="k4v4")
+    assert k4v4.max_kv < max_kv_within(share, SMOLLM2_CPU, "kvarn")
+    assert cache_bytes(SMOLLM2_CPU, "kvarn", k4v4.max_kv, "k4v4") <= share
     # amortized over the whole context, a packed token costs ~0.14x of a float32 one
     kvarn = bytes_per_token(SMOLLM2_CPU, "kvarn", max_kv=8192)
     assert 0.11 < kvarn / bytes_per_token(SMOLLM2_CPU, "full") < 0.15

@@ -16,6 +16,7 @@ from cache import ATTENTION, H2OKVarNCache, H2OKVCache, KVarNCache, QuantizedH2O
 from cache.budget import ModelShape, cache_bytes, max_kv_within
 from cache.kvarn_tiles import imbalance, sinkhorn
 from cache.router import uninstall_router
+from config.cache_spec import KVARN_PRESETS
 from kernels.hadamard import hadamard_block, rotate, rotation_matrix
 from kernels.kvarn import kvarn_sdpa_with_scores
 from kernels.reference import sdpa_with_scores
@@ -119,17 +120,18 @@ def test_quantization_error_shrinks_with_the_widths():
 # --- bytes ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("preset", list(KVARN_PRESETS))
 @pytest.mark.parametrize("tokens", [1, 100, 128, 129, 300, 1000])
-def test_kvarn_bytes_match_the_budget_formula(tokens):
+def test_kvarn_bytes_match_the_budget_formula(tokens, preset):
     rng = np.random.default_rng(4)
-    c = KVarNCache(head_dim=D)
+    c = KVarNCache(*KVARN_PRESETS[preset], head_dim=D)
     done = 0
     while done < tokens:
         n = min(tokens - done, 97)
         c.update_and_fetch(*random_kv(rng, n))
         done += n
     shape = ModelShape(layers=1, kv_heads=N_KV, head_dim=D, element_bytes=4, context=8192)
-    assert c.nbytes == cache_bytes(shape, "kvarn", tokens)
+    assert c.nbytes == cache_bytes(shape, "kvarn", tokens, preset)
 
 
 def test_h2o_kvarn_bytes_peak_at_the_budget_formula():
