@@ -9,17 +9,21 @@ import mlx_lm.models.cache as _mlx_lm_cache
 from cache.attention import ATTENTION, ScoredAttention, configure
 from cache.factory import cache_usage, make_cache
 from cache.h2o import H2OKVCache, ScoresMissing
+from cache.h2o_kvarn import H2OKVarNCache
+from cache.kvarn import KVarNCache
 from cache.mixed import MixedH2OKVCache
 from cache.quantized import QuantizedH2OKVCache
 from cache.router import UnroutedAttention, install_router, uninstall_router, verify_routing
 
 # mlx-lm's load_prompt_cache looks cache classes up by name in its own module.
-for _cls in (H2OKVCache, QuantizedH2OKVCache, MixedH2OKVCache):
+for _cls in (H2OKVCache, QuantizedH2OKVCache, MixedH2OKVCache, KVarNCache, H2OKVarNCache):
     setattr(_mlx_lm_cache, _cls.__name__, _cls)
 
 __all__ = [
     "ATTENTION",
     "H2OKVCache",
+    "H2OKVarNCache",
+    "KVarNCache",
     "MixedH2OKVCache",
     "QuantizedH2OKVCache",
     "ScoredAttention",

@@ -2,7 +2,9 @@
 
 A scored cache hands its stored K/V to attention as one or more parts, each with a
 `KVFormat` (`kv_segments`): dense arrays, or mx.quantize's packed (words, scales,
-biases) at some key/value width. `ScoredAttention` runs each part through a kernel
+biases) at some key/value width, either possibly Hadamard-rotated (the query is
+rotated in and the output back once), or KVarN storage (kernels/kvarn.py, reference
+only). `ScoredAttention` runs each part through a kernel
 from kernels/ (`sdpa_with_scores` for dense parts; for packed parts the fused
 `quantized_sdpa_with_scores`, or mx.dequantize and the dense kernel when the
 `dequantize` path is chosen) on the backend it was configured with, and merges
@@ -26,6 +28,8 @@ from kernels import (
     sdpa_with_scores,
     select_backend,
 )
+from kernels.hadamard import rotate
+from kernels.kvarn import TileFormat, kvarn_sdpa_with_scores
 from kernels.reference import expand_mask
 
 QUANTIZED_PATHS = ("fused", "dequantize")
@@ -40,6 +44,8 @@ class KVFormat:
     key_bits: int | None = None  # None: dense arrays
     value_bits: int | None = None
     group_size: int = 64
+    rotated: bool = False  # stored Hadamard-rotated along the head dim (kernels/hadamard.py)
+    tile: int | None = None  # KVarN storage [front, tiles, tail] (kernels/kvarn.py)
 
     @property
     def packed(self) -> bool:
@@ -47,6 +53,10 @@ class KVFormat:
 
 
 DENSE = KVFormat()
+
+
+def unrotated(fmt: KVFormat) -> KVFormat:
+    return KVFormat(fmt.key_bits, fmt.value_bits, fmt.group_size)
 
 
 class ScoredAttention:
@@ -84,9 +94,11 @@ class ScoredAttention:
             cache.update_scores(logits, probs)
             return out
         n_keys = cache.size()
-        # One part stores a chunk's slots in arrival order: a block sees exactly the
-        # first n_keys - L + stop of them, causally, and scores only those.
-        prefix = len(cache.kv_segments(keys, values)) == 1 and (mask is None or mask == "causal")
+        # One plain part stores a chunk's slots in arrival order: a block sees exactly
+        # the first n_keys - L + stop of them, causally, and scores only those.
+        parts = cache.kv_segments(keys, values)
+        plain = len(parts) == 1 and parts[0][2].tile is None
+        prefix = plain and (mask is None or isinstance(mask, str))  # None or "causal"
         outs = []
         for start in range(0, L, self.block):
             stop = min(start + self.block, L)
@@ -99,7 +111,8 @@ class ScoredAttention:
                 rows = _mask_rows(mask, L, n_keys, start, stop)
                 out, logits, probs = self.attend(q, keys, values, cache, scale, rows)
             cache.add_scores(logits, probs)
-            mx.eval(out, cache.scores)  # frees this block's logits and probabilities
+            # Evaluated now, this block's logits and probabilities are freed.
+            mx.eval([x for x in (out, cache.scores) if x is not None])
             outs.append(out)
         cache.evict_if_full()
         return mx.concatenate(outs, axis=2)
@@ -127,8 +140,20 @@ class ScoredAttention:
         """One part, dense or packed in `fmt`: (out, logits, probs or None).
 
         The reference kernels hand back their probabilities; the GPU decode kernels
-        export logits only (rules take a softmax of one row there).
+        and KVarN's tile kernel export logits only (rules take a softmax there).
         """
+        if fmt.tile is not None:  # KVarN: rotates the query in and the output back itself
+            tiles = TileFormat(fmt.tile, fmt.key_bits, fmt.value_bits, fmt.group_size)
+            dequantize = self.quantized_path == "dequantize"
+            out, logits = kvarn_sdpa_with_scores(
+                queries, keys, values, scale, mask, tiles, dequantize
+            )
+            return out, logits, None
+        if fmt.rotated:  # any backend's kernel on rotated storage: rotate in, rotate out once
+            out, logits, probs = self.attend_part(
+                rotate(queries), keys, values, unrotated(fmt), scale, mask
+            )
+            return rotate(out), logits, probs
         if not fmt.packed:
             if select_backend(self.backend, queries, keys, mask) == "reference":
                 return reference.sdpa_with_probs(queries, keys, values, scale, mask)

@@ -6,6 +6,13 @@ bytes/token = layers x kv_heads x (2 x head_dim x element bytes + H2O bookkeepin
 where quantized policies store head_dim x bits / 8 bytes plus one scale and one
 bias (float32 on CPU, float16 elsewhere) per `group_size` elements, and scored
 (H2O) policies keep a float32 score and an int32 position per KV head and token.
+
+kvarn and h2o-kvarn are priced by `cache_bytes` at their largest, exactly as their
+`nbytes` counts (cache/kvarn.py): the dense front pool (kvarn: 128 sink slots; h2o-kvarn:
+H2O's sinks) and the dense tail pool (one tile of slots) whole, plus every packed tile
+(`tile_nbytes`: words, float16 scales, biases and Sinkhorn factors); h2o-kvarn adds
+H2O's score and position for max_kv + 1 slots. Their bytes per token are that total
+amortized over max_kv tokens, so they depend on max_kv.
 """
 
 from __future__ import annotations
@@ -13,7 +20,20 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from config.cache_spec import AUTO, DEFAULT_GROUP_SIZE, POLICIES, CacheSpec, choose
+from config.cache_spec import (
+    AUTO,
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_KVARN,
+    H2O_KVARN_TILE,
+    KVARN_PRESETS,
+    KVARN_SCALE_BYTES,
+    KVARN_SINK,
+    KVARN_TILE,
+    POLICIES,
+    CacheSpec,
+    choose,
+    split_segments,
+)
 
 H2O_BOOKKEEPING = 8  # float32 score + int32 position, per KV head and token
 FULL_CACHE_STEP = 256  # mlx-lm KVCache.step
@@ -65,9 +85,64 @@ class Budget:
         return self.total // self.sessions
 
 
-def bytes_per_token(shape: ModelShape, policy: str, group_size: int = DEFAULT_GROUP_SIZE) -> float:
-    """Bytes one cached token costs across all layers under `policy`."""
+KVARN_POLICIES = ("kvarn", "h2o-kvarn")
+KVARN_REFERENCE_TOKENS = 8192  # bytes_per_token of the kvarn policies without a max_kv
+
+
+def value_group(head_dim: int) -> int:
+    """KVarN's value quantization group: the largest of 128/64/32 dividing the head dim."""
+    for g in (128, 64, 32):
+        if head_dim % g == 0:
+            return g
+    raise ValueError(
+        f"head dim {head_dim} is not a multiple of 32, the smallest quantization group "
+        "mx.quantize supports: KVarN cannot pack its values; use a dense policy"
+    )
+
+
+def tile_nbytes(head_dim: int, tile: int, key_bits: int, value_bits: int) -> int:
+    """Bytes of one packed KVarN tile of one KV head: keys and values, words and every scale."""
+    d, s, g = head_dim, KVARN_SCALE_BYTES, value_group(head_dim)
+    keys = d * tile * key_bits // 8 + 2 * d * s + tile * s  # + scale/bias per channel, token factor
+    values = tile * d * value_bits // 8 + 2 * tile * (d // g) * s + d * s  # + channel factor
+    return keys + values
+
+
+def cache_bytes(shape: ModelShape, policy: str, max_kv: int, kvarn: str = DEFAULT_KVARN) -> int:
+    """Bytes of one conversation's kvarn / h2o-kvarn cache at its largest (max_kv tokens)."""
+    if policy not in KVARN_POLICIES:
+        raise ValueError(f"cache_bytes prices the kvarn policies, not {policy!r}")
+    key_bits, value_bits = KVARN_PRESETS[kvarn]
+    tile = KVARN_TILE if policy == "kvarn" else H2O_KVARN_TILE
+    dense_slot = 2 * shape.head_dim * shape.element_bytes
+    if policy == "kvarn":
+        front, tokens, book = KVARN_SINK, max_kv, 0
+    else:  # the newest token sits in a spare slot until eviction, as in dense H2O
+        front, tokens = split_segments(max_kv).sink, max_kv + 1
+        book = H2O_BOOKKEEPING * tokens
+    tiles = max(0, tokens - front) // tile
+    tail_pool = tile if tokens > front else 0
+    packed = tiles * tile_nbytes(shape.head_dim, tile, key_bits, value_bits)
+    per_head = (front + tail_pool) * dense_slot + packed + book
+    return shape.layers * shape.kv_heads * per_head
+
+
+def bytes_per_token(
+    shape: ModelShape,
+    policy: str,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    max_kv: int | None = None,
+    kvarn: str = DEFAULT_KVARN,
+) -> float:
+    """Bytes one cached token costs across all layers under `policy`.
+
+    kvarn / h2o-kvarn (preset `kvarn`): `cache_bytes` over max_kv (default
+    KVARN_REFERENCE_TOKENS).
+    """
     info = POLICIES[choose("policy", policy, POLICIES)]
+    if policy in KVARN_POLICIES:
+        tokens = max_kv or KVARN_REFERENCE_TOKENS
+        return cache_bytes(shape, policy, tokens, kvarn) / tokens
 
     def width(bits: int | None) -> float:  # K or V of one head: dense, or packed plus scale/bias
         if bits is None:
@@ -80,12 +155,23 @@ def bytes_per_token(shape: ModelShape, policy: str, group_size: int = DEFAULT_GR
     return shape.layers * shape.kv_heads * per_head
 
 
-def max_kv_within(nbytes: int, shape: ModelShape, policy: str) -> int:
+def max_kv_within(nbytes: int, shape: ModelShape, policy: str, kvarn: str = DEFAULT_KVARN) -> int:
     """The largest max_kv whose cache, as allocated, fits in `nbytes`.
 
     Scored caches hold one spare slot (the newest token before eviction); mlx-lm's
-    KVCache grows 256 tokens at a time, so a full cache gets whole steps.
+    KVCache grows 256 tokens at a time, so a full cache gets whole steps. The kvarn
+    policies: the largest max_kv whose `cache_bytes` fits (they grow monotonically).
     """
+    if policy in KVARN_POLICIES:
+        if cache_bytes(shape, policy, 2, kvarn) > nbytes:
+            return 0
+        lo, hi = 2, 4
+        while cache_bytes(shape, policy, hi, kvarn) <= nbytes:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if cache_bytes(shape, policy, mid, kvarn) <= nbytes else (lo, mid)
+        return lo
     slots = int(nbytes // bytes_per_token(shape, policy))
     info = POLICIES[policy]
     if not info.bounded:
@@ -94,10 +180,13 @@ def max_kv_within(nbytes: int, shape: ModelShape, policy: str) -> int:
 
 
 def auto_policy(shape: ModelShape, budget: Budget) -> str:
-    """full when the model's whole context fits, else h2o, else 8-bit H2O below AUTO_FLOOR."""
+    """full when the model's whole context fits, else kvarn when it fits packed (nothing
+    forgotten, within ~0.5% of full), else h2o, else 8-bit H2O below AUTO_FLOOR."""
     share = budget.per_session
     if share >= shape.context * bytes_per_token(shape, "full"):
         return "full"
+    if share >= cache_bytes(shape, "kvarn", shape.context):
+        return "kvarn"
     if share >= AUTO_FLOOR * bytes_per_token(shape, "h2o"):
         return "h2o"
     return AUTO_QUANTIZED
@@ -123,7 +212,8 @@ def fit_spec(
         policy = auto_policy(shape, budget)
     choose("policy", policy, POLICIES)
     if budget is not None:
-        limit = min(max_kv_within(budget.per_session, shape, policy), shape.context)
+        kvarn = fields.get("kvarn", DEFAULT_KVARN)
+        limit = min(max_kv_within(budget.per_session, shape, policy, kvarn), shape.context)
         if limit < MIN_MAX_KV:
             raise ValueError(
                 f"--kv-budget {budget.total} B over {budget.sessions} sessions leaves {limit} "

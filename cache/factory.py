@@ -8,10 +8,14 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from cache.h2o import H2OKVCache
+from cache.h2o_kvarn import H2OKVarNCache
+from cache.kvarn import KVarNCache
+from cache.kvarn import check_head_dim as check_kvarn_head_dim
 from cache.mixed import MIXED_LAYOUTS
 from cache.quantized import QuantizedH2OKVCache
 from cache.router import install_router, verify_routing
-from config.cache_spec import DEFAULT_POLICY, CacheSpec
+from config.cache_spec import DEFAULT_POLICY, KVARN_PRESETS, CacheSpec
+from kernels.hadamard import hadamard_block
 
 
 def _h2o_knobs(spec: CacheSpec) -> dict:
@@ -26,13 +30,21 @@ def _quantized(spec: CacheSpec) -> QuantizedH2OKVCache:
     info = spec.info
     return QuantizedH2OKVCache(
         spec.max_kv, **_h2o_knobs(spec), group_size=spec.group_size, bits=info.key_bits,
-        value_bits=info.value_bits,
+        value_bits=info.value_bits, rotate=spec.rotate,
     )  # fmt: skip
 
 
 def _mixed(spec: CacheSpec) -> H2OKVCache:
     cls, widths = MIXED_LAYOUTS[spec.mixed]
-    return cls(spec.max_kv, **_h2o_knobs(spec), group_size=spec.group_size, **widths)
+    rotate = {"rotate": spec.rotate} if cls is QuantizedH2OKVCache else {}  # k8v4 only
+    return cls(spec.max_kv, **_h2o_knobs(spec), group_size=spec.group_size, **widths, **rotate)
+
+
+def _h2o_kvarn(spec: CacheSpec) -> H2OKVarNCache:
+    return H2OKVarNCache(
+        spec.max_kv, *KVARN_PRESETS[spec.kvarn], **_h2o_knobs(spec),
+        strategy=spec.kvarn_strategy,
+    )  # fmt: skip
 
 
 # PolicyInfo.cache -> a builder of one layer's cache.
@@ -42,7 +54,24 @@ BUILDERS = {
     "h2o": lambda spec: H2OKVCache(spec.max_kv, **_h2o_knobs(spec)),
     "quantized": _quantized,
     "mixed": _mixed,
+    "kvarn": lambda spec: KVarNCache(*KVARN_PRESETS[spec.kvarn]),
+    "h2o-kvarn": _h2o_kvarn,
 }
+
+
+def check_head_dim(spec: CacheSpec, head_dim: int | None) -> None:
+    """Raise now, not on the first token, when the policy cannot store this head dim."""
+    if head_dim is None:
+        return
+    if spec.info.cache in ("kvarn", "h2o-kvarn"):
+        check_kvarn_head_dim(head_dim)
+    elif spec.rotate:
+        hadamard_block(head_dim)
+    if spec.info.cache in ("quantized", "mixed") and head_dim % spec.group_size:
+        raise ValueError(
+            f"head dim {head_dim} is not a multiple of the quantization group size "
+            f"{spec.group_size}: use a smaller group_size (32) or a dense policy"
+        )
 
 
 def _is_sliding_layer(layer: nn.Module) -> bool:
@@ -69,6 +98,10 @@ def make_cache(model: nn.Module, policy: str | CacheSpec = DEFAULT_POLICY, **fie
         policy.replace(**fields) if isinstance(policy, CacheSpec) else CacheSpec(policy, **fields)
     )
     build = BUILDERS[spec.info.cache]
+    args = getattr(model, "args", None)
+    heads = getattr(args, "num_attention_heads", None)
+    hidden = getattr(args, "hidden_size", None)
+    check_head_dim(spec, getattr(args, "head_dim", None) or (hidden // heads if heads else None))
     base = make_prompt_cache(model)
     layers = getattr(model, "layers", None) or [None] * len(base)
     window = getattr(getattr(model, "args", None), "sliding_window", None)

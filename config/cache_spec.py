@@ -56,6 +56,24 @@ POLICIES: dict[str, PolicyInfo] = {
         key_bits=8,
         value_bits=4,
     ),
+    # KVarN (cache/kvarn.py, cache/h2o_kvarn.py): widths of the default preset (k4v2);
+    # `kvarn` picks another from KVARN_PRESETS.
+    "kvarn": PolicyInfo(
+        "KVarN: every token kept, Hadamard-rotated, Sinkhorn-balanced 128-token tiles",
+        "kvarn",
+        bounded=False,
+        scored=True,  # no eviction, but its packed tiles are read through the router
+        key_bits=4,
+        value_bits=2,
+    ),
+    "h2o-kvarn": PolicyInfo(
+        "H2O eviction over KVarN storage (64-token tiles)",
+        "h2o-kvarn",
+        bounded=True,
+        scored=True,
+        key_bits=4,
+        value_bits=2,
+    ),
 }
 AUTO = "auto"  # serve only: pick from the budget (cache/budget.py)
 
@@ -74,10 +92,23 @@ MIXED_SCHEMES: dict[str, str] = {
     "dense-recent": "recent window dense, 8-bit once a token leaves it",
 }
 
+# KVarN presets: name -> (key bits, value bits).
+KVARN_PRESETS: dict[str, tuple[int, int]] = {"k4v2": (4, 2), "k4v4": (4, 4), "k2v2": (2, 2)}
+KVARN_TILE = 128  # kvarn: tokens per packed tile (KVarN's tile)
+KVARN_SINK = 128  # kvarn: first tokens kept dense (the sink pool)
+H2O_KVARN_TILE = 64  # h2o-kvarn: a quarter of max_kv 256 (docs/quantized.md)
+# h2o-kvarn: how a tile loses tokens (cache/h2o_kvarn.py says why the default).
+KVARN_STRATEGIES: dict[str, str] = {
+    "requantize": "token-level H2O; damaged tiles are packed again",
+    "tile": "whole tiles leave, lowest summed score first",
+}
+KVARN_SCALE_BYTES = 2  # float16 scales, biases and Sinkhorn factors
+
 DEFAULT_POLICY = "h2o"
 DEFAULT_PRESET = "heavy"
 DEFAULT_SCORE = "attn"
 DEFAULT_MIXED = "k8v4"
+DEFAULT_KVARN = "k4v2"
 DEFAULT_MAX_KV = 256
 DEFAULT_SINK = 4
 DEFAULT_GROUP_SIZE = 64  # quantization group along the head dim
@@ -165,11 +196,16 @@ class CacheSpec:
     evict_batch: int | None = None  # None: default_evict_batch
     mixed: str = DEFAULT_MIXED  # h2o-mixed layout
     group_size: int = DEFAULT_GROUP_SIZE  # quantized policies
+    rotate: bool = False  # h2o-q8/h2o-q4/h2o-mixed k8v4: Hadamard-rotate K/V before packing
+    kvarn: str = DEFAULT_KVARN  # kvarn, h2o-kvarn: KVARN_PRESETS key
+    kvarn_strategy: str = "requantize"  # h2o-kvarn: KVARN_STRATEGIES key
 
     def __post_init__(self) -> None:
         choose("policy", self.policy, POLICIES)
         choose("score rule", self.score, SCORE_RULES)
         choose("mixed scheme", self.mixed, MIXED_SCHEMES)
+        choose("kvarn preset", self.kvarn, KVARN_PRESETS)
+        choose("kvarn strategy", self.kvarn_strategy, KVARN_STRATEGIES)
         segments = self.segments()  # checks preset and sizes
         if self.evict_batch is not None and not 1 <= self.evict_batch <= max(1, segments.heavy):
             raise ValueError(

@@ -18,14 +18,19 @@ pass that raises fails the rows it carried.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
+from cache import install_router
 from cache.batch import batch_caches
 from server.generation import Generation
 from server.jobs import Delta
+
+log = logging.getLogger("h2o_server.batcher")
 
 
 @dataclass
@@ -42,6 +47,7 @@ class Batcher:
         self.model = model
         self.prefill_step = prefill_step
         self.prefill_budget = prefill_budget
+        self.batched = can_batch(model)  # else one forward pass per decoding row
 
     def run(self, gens: list[Generation]) -> Round:
         done = Round()
@@ -70,9 +76,7 @@ class Batcher:
             inputs = mx.concatenate([g.input_array() for g in rows])[:, None]
             for g in rows:
                 g.fed()
-            sessions = [g.session.caches for g in rows]
-            caches = sessions[0] if len(rows) == 1 else batch_caches(sessions)
-            logits = self.model(inputs, cache=caches)[:, -1, :]
+            logits = self._forward(inputs, [g.session.caches for g in rows])
         except Exception as e:  # the pass itself: every row it carried
             done.outcomes += [(g, e) for g in rows]
             return [], []
@@ -86,6 +90,15 @@ class Batcher:
         kept = [(g, d) for g, d in zip(rows, draws, strict=True) if d is not None]
         mx.async_eval([x for _, d in kept for x in d])
         return [g for g, _ in kept], [d for _, d in kept]
+
+    def _forward(self, inputs: mx.array, sessions: list[list]) -> mx.array:
+        """Last-position logits [rows, vocab] of one token per session."""
+        if len(sessions) == 1:
+            return self.model(inputs, cache=sessions[0])[:, -1, :]
+        if self.batched:
+            return self.model(inputs, cache=batch_caches(sessions))[:, -1, :]
+        rows = [self.model(inputs[i : i + 1], cache=c)[:, -1, :] for i, c in enumerate(sessions)]
+        return mx.concatenate(rows, axis=0)
 
     def _prefill(self, gens: list[Generation], budget: int, done: Round) -> int:
         """Whole prompt chunks in admission order while they fit `budget` (at least one)."""
@@ -101,3 +114,18 @@ class Batcher:
                     done.outcomes.append((g, e))
                     break
         return fed
+
+
+def can_batch(model) -> bool:
+    """Whether this model's attention takes BatchedCaches (it goes through the router).
+
+    Traces, never evaluates, one batched step over two fresh caches.
+    """
+    install_router(model)
+    try:
+        rows = [make_prompt_cache(model) for _ in range(2)]
+        model(mx.zeros((2, 1), dtype=mx.int32), cache=batch_caches(rows))
+    except Exception as e:  # e.g. attention that calls mx.fast directly
+        log.warning("this model's attention cannot batch sessions (%s): one pass per row", e)
+        return False
+    return True

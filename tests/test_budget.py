@@ -8,6 +8,7 @@ from cache.budget import (
     Budget,
     ModelShape,
     bytes_per_token,
+    cache_bytes,
     fit_spec,
     max_kv_within,
     parse_bytes,
@@ -51,11 +52,29 @@ def test_allocated_cache_fits_its_share():
 def test_auto_policy():
     big = fit_spec(SMOLLM2_CPU, Budget(64 * 2**30, 8))
     assert big.policy == "full" and big.max_kv == 8192
-    mid = fit_spec(SMOLLM2_CPU, Budget(512 * 2**20, 8))
+    packed = fit_spec(SMOLLM2_CPU, Budget(512 * 2**20, 8))  # all 8192 tokens fit packed
+    assert packed.policy == "kvarn" and packed.max_kv == 8192
+    mid = fit_spec(SMOLLM2_CPU, Budget(256 * 2**20, 8))
     assert mid.policy == "h2o" and 256 <= mid.max_kv < 8192
-    assert (mid.max_kv + 1) * bytes_per_token(SMOLLM2_CPU, "h2o") <= 64 * 2**20
+    assert (mid.max_kv + 1) * bytes_per_token(SMOLLM2_CPU, "h2o") <= 32 * 2**20
     small = fit_spec(SMOLLM2_CPU, Budget(8 * 2**20, 2))  # dense would hold < 256 tokens
     assert small.policy == "h2o-q8" and small.max_kv >= 256
+
+
+def test_kvarn_policies_are_sized_by_their_exact_bytes():
+    share = 16 * 2**20
+    for policy in ("kvarn", "h2o-kvarn"):
+        max_kv = max_kv_within(share, SMOLLM2_CPU, policy)
+        assert cache_bytes(SMOLLM2_CPU, policy, max_kv) <= share
+        assert cache_bytes(SMOLLM2_CPU, policy, max_kv + 1) > share
+        assert max_kv > 3 * max_kv_within(share, SMOLLM2_CPU, "h2o")
+    # wider presets are priced as such: k4v4 holds fewer tokens in the same share
+    k4v4 = fit_spec(SMOLLM2_CPU, Budget(share, 1), "kvarn", kvarn="k4v4")
+    assert k4v4.max_kv < max_kv_within(share, SMOLLM2_CPU, "kvarn")
+    assert cache_bytes(SMOLLM2_CPU, "kvarn", k4v4.max_kv, "k4v4") <= share
+    # amortized over the whole context, a packed token costs ~0.14x of a float32 one
+    kvarn = bytes_per_token(SMOLLM2_CPU, "kvarn", max_kv=8192)
+    assert 0.11 < kvarn / bytes_per_token(SMOLLM2_CPU, "full") < 0.15
 
 
 def test_budget_too_small_is_a_clear_error():

@@ -1,0 +1,365 @@
+"""KVarN: Hadamard rotation, Sinkhorn tiles, the kvarn and h2o-kvarn caches, rotated h2o-q4.
+
+Synthetic tensors and tiny random-weight models only; quality on the default model
+is bench/quantized.py's (docs/quantized.md).
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import llama
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+import cache  # noqa: F401  (registers the cache classes with mlx-lm)
+import config  # noqa: F401  (loads OpenBLAS before the first mlx import)
+from cache import ATTENTION, H2OKVarNCache, H2OKVCache, KVarNCache, QuantizedH2OKVCache, make_cache
+from cache.budget import ModelShape, cache_bytes, max_kv_within
+from cache.kvarn_tiles import imbalance, sinkhorn
+from cache.router import uninstall_router
+from config.cache_spec import KVARN_PRESETS
+from kernels.hadamard import hadamard_block, rotate, rotation_matrix
+from kernels.kvarn import kvarn_sdpa_with_scores
+from kernels.reference import sdpa_with_scores
+from kernels.src import EMULATOR_DIALECT, emulator, launch
+
+B, N_Q, N_KV, D = 1, 6, 2, 64
+
+
+def random_kv(rng: np.random.Generator, n: int, d: int = D) -> tuple[mx.array, mx.array]:
+    shape = (B, N_KV, n, d)
+    k = rng.standard_normal(shape).astype(np.float32)
+    k[..., :3] *= 8  # outlier channels, as real keys have
+    return mx.array(k), mx.array(rng.standard_normal(shape).astype(np.float32))
+
+
+def assert_close(got: mx.array, want: mx.array, atol: float) -> None:
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=atol, rtol=0)
+
+
+# --- rotation ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d, block", [(64, 64), (128, 128), (96, 32), (80, 16)])
+def test_rotation_is_orthonormal_and_its_own_inverse(d, block):
+    assert hadamard_block(d) == block
+    r = rotation_matrix(d)
+    assert_close(r @ r.T, mx.eye(d), 1e-6)
+    assert_close(r, r.T, 0.0)
+    x = mx.random.normal((2, 3, 7, d), key=mx.random.key(d))
+    assert_close(rotate(rotate(x)), x, 1e-5)
+    assert_close((rotate(x) ** 2).sum(-1), (x**2).sum(-1), 1e-3)  # norms kept
+
+
+@pytest.mark.parametrize("d", [63, 1])
+def test_odd_head_dim_cannot_be_rotated(d):
+    with pytest.raises(ValueError, match="cannot be Hadamard-rotated"):
+        hadamard_block(d)
+
+
+def test_attention_on_rotated_dense_storage_equals_the_original():
+    """Unquantized tokens (front and tail pools only): rotation changes nothing, to 1e-5."""
+    rng = np.random.default_rng(0)
+    c = KVarNCache(sink=48, tile=32, head_dim=D)
+    k, v = random_kv(rng, 70)  # 48 in front, 22 in the tail: no tile yet
+    keys, values = c.update_and_fetch(k, v)
+    assert c.n_tiles() == 0 and c.size() == 70
+    q = mx.array(rng.standard_normal((B, N_Q, 3, D)).astype(np.float32))
+    out, scores = ATTENTION(q, keys, values, c, 0.125, "causal")
+    want_out, want_scores = sdpa_with_scores(q, k, v, 0.125, "causal")
+    assert_close(scores, want_scores, 1e-5)
+    assert_close(out, want_out, 1e-5)
+
+
+# --- Sinkhorn tiles ---------------------------------------------------------------------
+
+
+def test_sinkhorn_reduces_tile_imbalance():
+    rng = np.random.default_rng(1)
+    rows = np.exp(rng.standard_normal((5, 64, 1)) * 1.5)
+    cols = np.exp(rng.standard_normal((5, 1, 128)) * 1.5)
+    x = mx.array((rng.standard_normal((5, 64, 128)) * rows * cols).astype(np.float32))
+    r, c = sinkhorn(x)
+    before, after = np.array(imbalance(x)), np.array(imbalance(x / r / c))
+    assert np.all(after < before / 10), (before, after)
+    # Balancing never makes a tile worse, even an already balanced one.
+    y = mx.array(rng.standard_normal((5, 64, 128)).astype(np.float32))
+    r, c = sinkhorn(y)
+    assert np.all(np.array(imbalance(y / r / c)) <= np.array(imbalance(y)) + 1e-6)
+
+
+@pytest.mark.parametrize("key_bits, value_bits", [(4, 2), (4, 4), (2, 2), (8, 8)])
+def test_packed_attention_equals_attention_on_dequantized_tiles(key_bits, value_bits):
+    rng = np.random.default_rng(2)
+    c = KVarNCache(key_bits, value_bits, sink=8, tile=32, head_dim=D)
+    for n in (40, 70, 1, 1):
+        keys, values = c.update_and_fetch(*random_kv(rng, n))
+    assert c.n_tiles() == 3 and c.size() == 8 + 3 * 32 + 8
+    q = mx.array(rng.standard_normal((B, N_Q, 2, D)).astype(np.float32))
+    fmt = c.fmt
+    packed = kvarn_sdpa_with_scores(q, keys, values, 0.125, "causal", fmt)
+    oracle = kvarn_sdpa_with_scores(q, keys, values, 0.125, "causal", fmt, dequantize=True)
+    assert_close(packed[1], oracle[1], 1e-4)
+    assert_close(packed[0], oracle[0], 1e-4)
+
+
+def test_quantization_error_shrinks_with_the_widths():
+    """The packed cache's attention approaches dense attention as widths grow."""
+    rng = np.random.default_rng(3)
+    k, v = random_kv(rng, 200)
+    q = mx.array(rng.standard_normal((B, N_Q, 1, D)).astype(np.float32))
+    want, _ = sdpa_with_scores(q, k, v, 0.125)
+    errors = []
+    for bits in ((2, 2), (4, 2), (4, 4), (8, 8)):
+        c = KVarNCache(*bits, sink=4, tile=64, head_dim=D)
+        out, _ = ATTENTION(q, *c.update_and_fetch(k, v), c, 0.125)
+        errors.append(float(mx.abs(out - want).mean()))
+    k2v2, k4v2, k4v4, k8v8 = errors
+    assert k2v2 > k4v2 > k4v4 > k8v8 and k8v8 < 0.01, errors
+
+
+# --- bytes ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", list(KVARN_PRESETS))
+@pytest.mark.parametrize("tokens", [1, 100, 128, 129, 300, 1000])
+def test_kvarn_bytes_match_the_budget_formula(tokens, preset):
+    rng = np.random.default_rng(4)
+    c = KVarNCache(*KVARN_PRESETS[preset], head_dim=D)
+    done = 0
+    while done < tokens:
+        n = min(tokens - done, 97)
+        c.update_and_fetch(*random_kv(rng, n))
+        done += n
+    shape = ModelShape(layers=1, kv_heads=N_KV, head_dim=D, element_bytes=4, context=8192)
+    assert c.nbytes == cache_bytes(shape, "kvarn", tokens, preset)
+
+
+def test_h2o_kvarn_bytes_peak_at_the_budget_formula():
+    rng = np.random.default_rng(5)
+    max_kv = 256
+    c = H2OKVarNCache(max_kv, head_dim=D)
+    peak = 0
+    for _ in range(700):
+        c.update_and_fetch(*random_kv(rng, 1))
+        peak = max(peak, c.nbytes)
+        c.update_scores(mx.array(rng.random((B, N_Q, 1, c.size())).astype(np.float32)))
+        assert c.size() <= max_kv
+    shape = ModelShape(layers=1, kv_heads=N_KV, head_dim=D, element_bytes=4, context=8192)
+    assert peak == cache_bytes(shape, "h2o-kvarn", max_kv)
+    assert max_kv_within(peak, shape, "h2o-kvarn") == max_kv
+    assert max_kv_within(peak - 1, shape, "h2o-kvarn") < max_kv
+
+
+# --- eviction ------------------------------------------------------------------------
+
+SEGMENTS = {"sink": 4, "heavy": 72, "recent": 20}  # max_size 96
+
+
+def feed_scores(c, table: np.ndarray, n_new: int) -> None:
+    """Scores looked up by the position each slot holds: the same per token in every cache."""
+    pos = np.array(c.positions[0, :, : c.size()])
+    group = N_Q // N_KV
+    scores = np.empty((B, N_Q, n_new, pos.shape[1]), np.float32)
+    for q in range(N_Q):
+        p = pos[q // group]
+        for r in range(n_new):
+            scores[0, q, r] = np.where(p <= c.offset - n_new + r, table[q, r, p], -np.inf)
+    c.update_scores(mx.array(scores))
+
+
+@pytest.mark.parametrize("evict_batch", [1, 8])
+def test_h2o_kvarn_keeps_dense_h2o_positions(evict_batch):
+    rng = np.random.default_rng(6)
+    dense = H2OKVCache(96, **SEGMENTS, evict_batch=evict_batch)
+    kvarn = H2OKVarNCache(96, **SEGMENTS, tile=32, evict_batch=evict_batch, head_dim=D)
+    for n_new in [60, *[1] * 70, 40, *[1] * 30]:  # prefill, decode, a chunk
+        k, v = random_kv(rng, n_new)
+        table = rng.standard_normal((N_Q, n_new, dense.offset + n_new)).astype(np.float32) * 3
+        for c in (dense, kvarn):
+            c.update_and_fetch(k, v)
+            feed_scores(c, table, n_new)
+        assert (kvarn.offset, kvarn.size(), kvarn.evicted) == (
+            dense.offset,
+            dense.size(),
+            dense.evicted,
+        )
+        got = np.sort(np.array(kvarn.positions[0]), axis=-1)
+        want = np.sort(np.array(dense.positions[0, :, : dense.size()]), axis=-1)
+        np.testing.assert_array_equal(got, want)
+    assert kvarn.evicted > 0 and kvarn.n_tiles() >= 1
+
+
+def test_h2o_kvarn_tile_rule_drops_whole_tiles_with_the_lowest_scores():
+    rng = np.random.default_rng(7)
+    c = H2OKVarNCache(96, **SEGMENTS, tile=32, strategy="tile", head_dim=D)
+    c.update_and_fetch(*random_kv(rng, 96))
+    c.update_scores(mx.zeros((B, N_Q, 96, 96)))
+    k, v = random_kv(rng, 1)
+    c.update_and_fetch(k, v)
+    # Per-token scores set by hand: in head 0 tile 1 (positions 36..67) scores lowest.
+    pos = np.array(c.positions[0])
+    score = np.ones(pos.shape, np.float32)
+    score[0] = np.where((pos[0] >= 36) & (pos[0] < 68), 0.0, 1.0)
+    score[1] = np.where(pos[1] < 36, 0.0, 1.0)  # head 1: tile 0 (positions 4..35)
+    c.scores = mx.array(score[None])
+    c.update_scores(mx.zeros((B, N_Q, 1, 97)))  # uniform: the same increment for every slot
+    kept = np.array(c.positions[0])
+    assert c.size() == 97 - 32 and c.evicted == 32
+    assert not np.any((kept[0] >= 36) & (kept[0] < 68)) and np.all(
+        np.isin(np.arange(4, 36), kept[0])
+    )
+    assert not np.any((kept[1] >= 4) & (kept[1] < 36)) and np.all(
+        np.isin(np.arange(36, 68), kept[1])
+    )
+
+
+# --- protocol ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: KVarNCache(sink=16, tile=32, head_dim=D),
+        lambda: H2OKVarNCache(96, **SEGMENTS, tile=32, head_dim=D),
+    ],
+)
+def test_save_load_round_trip(tmp_path, make):
+    rng = np.random.default_rng(8)
+    c, empty = make(), make()
+    for n in (50, *[1] * 80):
+        keys, values = c.update_and_fetch(*random_kv(rng, n))
+        if hasattr(c, "scores"):
+            c.update_scores(mx.array(rng.random((B, N_Q, n, c.size())).astype(np.float32)))
+    path = str(tmp_path / "kvarn.safetensors")
+    save_prompt_cache(path, [c, empty])
+    loaded, loaded_empty = load_prompt_cache(path)
+    assert type(loaded) is type(c) and loaded_empty.empty()
+    assert (loaded.offset, loaded.size(), loaded.nbytes) == (c.offset, c.size(), c.nbytes)
+    q = mx.array(rng.standard_normal((B, N_Q, 1, D)).astype(np.float32))
+    k, v = random_kv(rng, 1)
+    want = ATTENTION(q, *c.update_and_fetch(k, v), c, 0.125)
+    got = ATTENTION(q, *loaded.update_and_fetch(k, v), loaded, 0.125)
+    assert_close(got[0], want[0], 1e-6)
+    assert_close(got[1], want[1], 1e-6)
+
+
+def test_bad_head_dims_fail_at_creation():
+    with pytest.raises(ValueError, match="Hadamard"):
+        KVarNCache(head_dim=63)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        KVarNCache(head_dim=48)  # rotatable (blocks of 16), but no value group fits
+    with pytest.raises(ValueError, match="multiple of the quantization group"):
+        QuantizedH2OKVCache(64, bits=4, group_size=64, rotate=True, head_dim=48)
+    with pytest.raises(ValueError, match="tile"):
+        KVarNCache(tile=100)
+
+
+def test_rotated_q4_attention_equals_dequantized_rotated_attention():
+    """Rotated packed storage: the router's path equals dense attention on the rotated,
+    dequantized K/V with the output rotated back."""
+    rng = np.random.default_rng(9)
+    c = QuantizedH2OKVCache(64, bits=4, rotate=True, head_dim=D)
+    k, v = random_kv(rng, 40)
+    keys, values = c.update_and_fetch(k, v)
+    q = mx.array(rng.standard_normal((B, N_Q, 1, D)).astype(np.float32))
+    out, scores = ATTENTION(q, keys, values, c, 0.125)
+    deq = [mx.dequantize(*x, group_size=64, bits=4) for x in (keys, values)]
+    want_out, want_scores = sdpa_with_scores(rotate(q), *deq, 0.125)
+    assert_close(scores, want_scores, 1e-4)
+    assert_close(out, rotate(want_out), 1e-4)
+    # and it is closer to the exact attention than unrotated 4-bit storage here
+    exact, _ = sdpa_with_scores(q, k, v, 0.125)
+    plain = QuantizedH2OKVCache(64, bits=4, head_dim=D)
+    plain_out, _ = ATTENTION(q, *plain.update_and_fetch(k, v), plain, 0.125)
+    assert float(mx.abs(out - exact).max()) < float(mx.abs(plain_out - exact).max())
+
+
+def test_h2o_kvarn_eviction_keeps_intact_tiles_bit_for_bit():
+    """Tiles that lost no token keep their packed bytes: only damaged tiles are re-packed."""
+    rng = np.random.default_rng(10)
+    c = H2OKVarNCache(96, **SEGMENTS, tile=32, head_dim=D)
+    c.update_and_fetch(*random_kv(rng, 96))
+    c.update_scores(mx.zeros((B, N_Q, 96, 96)))
+    c.update_and_fetch(*random_kv(rng, 1))
+    # Every head: the lowest scores sit in tile 1 (positions 36..67); tile 0 stays intact.
+    pos = np.array(c.positions[0])
+    c.scores = mx.array(np.where((pos >= 36) & (pos < 68), 0.0, 1.0).astype(np.float32)[None])
+    before = [np.array(a) for a in c.tiles[0] + c.tiles[1]]
+    c.update_scores(mx.zeros((B, N_Q, 1, 97)))
+    assert c.evicted == 32 and c.size() == 97 - 32
+    after = [np.array(a) for a in c.tiles[0] + c.tiles[1]]
+    for old, new in zip(before, after, strict=True):
+        np.testing.assert_array_equal(new[:, :, 0], old[:, :, 0])  # tile 0 untouched
+
+
+def test_emulated_gpu_kernel_serves_rotated_packed_storage():
+    """The Metal/CUDA quantized kernel body (CPU emulation) on rotated packed K/V, with the
+    query rotated before and the output rotated once after, equals the reference."""
+    if emulator.compiler() is None:
+        pytest.skip("the CPU emulation of the kernel bodies needs a C++ compiler")
+    kernels = launch.DecodeKernels(EMULATOR_DIALECT, emulator.make_kernel)
+    rng = np.random.default_rng(11)
+    c = QuantizedH2OKVCache(64, bits=4, rotate=True, head_dim=D)
+    keys, values = c.update_and_fetch(*random_kv(rng, 40))
+    q = mx.array(rng.standard_normal((B, N_Q, 1, D)).astype(np.float32))
+    assert launch.supports(rotate(q), keys[0], None, group_size=64, bits=4)
+    out, scores = kernels.quantized(rotate(q), keys, values, 0.125, None, 64, 4)
+    want_out, want_scores = ATTENTION(q, keys, values, c, 0.125)
+    assert_close(scores, want_scores, 1e-4)
+    assert_close(rotate(out), want_out, 1e-4)
+
+
+# --- end to end on a tiny random-weight model ----------------------------------------
+
+
+def tiny_llama(head_dim: int):
+    args = {
+        "model_type": "llama",
+        "hidden_size": 2 * head_dim,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": head_dim,
+        "num_hidden_layers": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 128,
+        "tie_word_embeddings": False,
+    }
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(args))
+    model.set_dtype(mx.float32)
+    return model
+
+
+@pytest.mark.parametrize("policy", ["kvarn", "h2o-kvarn"])
+def test_tiny_model_decodes_through_kvarn_caches(policy):
+    model = tiny_llama(64)
+    try:
+        prompt = mx.random.randint(0, 128, (1, 400), key=mx.random.key(1))
+        logits = {}
+        for name in ("full", policy):
+            caches = make_cache(model, policy=name, max_kv=256)
+            for start in range(0, 400, 128):  # chunked prefill: tiles form mid-chunk
+                out = model(prompt[:, start : start + 128], cache=caches)
+            steps = [out[:, -1]]
+            for t in range(20):
+                steps.append(model(prompt[:, t : t + 1], cache=caches)[:, -1])
+            logits[name] = mx.stack(steps)
+        held = caches[0]
+        assert held.n_tiles() >= 1 and held.offset == 420
+        if policy == "h2o-kvarn":
+            assert held.evicted > 0 and held.size() <= 256
+        else:  # nothing evicted: close to the full cache
+            p, q = (mx.softmax(logits[n], axis=-1) for n in ("full", policy))
+            assert float((p * (mx.log(p) - mx.log(q))).sum(-1).max()) < 0.01
+    finally:
+        uninstall_router(model)
+
+
+def test_make_cache_rejects_a_head_dim_kvarn_cannot_pack():
+    model = tiny_llama(16)  # no value group of 32+ fits
+    try:
+        with pytest.raises(ValueError, match="head dim 16"):
+            make_cache(model, policy="kvarn")
+    finally:
+        uninstall_router(model)
