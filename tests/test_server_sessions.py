@@ -37,7 +37,9 @@ def test_second_turn_reuses_the_first(api):
     assert turn1 - 3 <= cached < second.usage.prompt_tokens  # minus template slack
     session = api.sessions()[key]
     assert session["logical_tokens"] >= second.usage.prompt_tokens
-    assert session["policy"] == "h2o" and session["max_kv"] > 0 and session["bytes"] > 0
+    # `auto` under a 512 MiB budget for 8 sessions: a bounded cache within the 64 MiB share
+    # (KVarN when the whole context fits packed, H2O otherwise)
+    assert session["policy"] in ("kvarn", "h2o") and 0 < session["bytes"] <= 64 * 2**20
 
 
 def test_anonymous_follow_up_is_found_by_prefix(api):
