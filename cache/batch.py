@@ -6,7 +6,9 @@ them. Each row keeps its own cache: any policy, its own length, eviction state
 and RoPE offset. `update_and_fetch` hands row i's new key/value to cache i and
 returns the rows' results as lists; the router (cache/router.py) then attends
 row by row, each row against its own cache, so a batched step computes exactly
-what the rows would alone. Decode only: every row brings one new token.
+what the rows would alone. A decode step brings one token per row; a prefill
+pass brings a chunk per row, causal within each row (rows of unequal chunks are
+right-padded by the caller, server/batcher.py, and trimmed back after).
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ class BatchedCache:
         return [k for k, _ in rows], [v for _, v in rows]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        if N != 1:
-            raise ValueError("a batched step feeds one token per row")
-        return None  # one new token sees every key its row's cache holds
+        if return_array or window_size is not None:
+            raise ValueError("batched sessions attend row by row: no shared mask array")
+        # One new token sees every key its row holds; a chunk is causal within its row.
+        return None if N == 1 else "causal"
 
     def attend(self, queries: mx.array, keys: list, values: list, attend_row: Callable):
         """attend_row(q, k, v, cache) per row, stacked back into the batch."""

@@ -40,8 +40,8 @@ def _route(original: Callable) -> Callable:
     def routed_sdpa(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None, **kw):
         if isinstance(cache, BatchedCache):  # one row per session, each against its own cache
 
-            def attend_row(q, k, v, row_cache):
-                return routed_sdpa(q, k, v, row_cache, scale, None, sinks, **kw)
+            def attend_row(q, k, v, row_cache):  # mask: None or "causal" (BatchedCache)
+                return routed_sdpa(q, k, v, row_cache, scale, mask, sinks, **kw)
 
             return cache.attend(queries, keys, values, attend_row)
         if not hasattr(cache, "update_scores"):

@@ -4,11 +4,15 @@ Each round, on the worker thread:
 1. every decoding generation feeds its next input in ONE forward pass (several
    sessions' caches as one batch, cache/batch.py: the weights are read once for
    all rows) and draws its next token lazily, launched with `mx.async_eval`;
-2. while that computes, prompts are prefilled, at most `prefill_budget` tokens
-   this round when anyone is decoding (`prefill_step` when nobody is), so a
-   decoding stream never waits for a whole long prompt. Chunks are whole
-   `prefill_step` pieces of a request's prompt, never cut by the budget: H2O
-   evicts after each chunk, so a request's cache must not depend on the load;
+2. while that computes, prompts are prefilled in passes of one chunk per waiting
+   request, at most `prefill_budget` tokens this round when anyone is decoding
+   (one pass, every waiting request's next chunk, when nobody is), so a
+   decoding stream never waits for a whole long prompt. Requests whose caches
+   are plain (mlx-lm's KVCache) share one forward pass per chunk, right-padded
+   and trimmed back, as mlx-lm's own server prefills a batch; the others go one
+   by one. Chunks are whole `prefill_step` pieces of a request's prompt, never
+   cut by the budget: H2O evicts after each chunk, so a request's cache must not
+   depend on the load;
 3. last round's draws, which were this round's inputs, are read and become
    the replies' Deltas (building a step while the previous one computes is what
    mlx-lm's generate_step does too).
@@ -55,8 +59,9 @@ class Batcher:
         t0 = time.perf_counter()
         decoding, draws = self._decode(decoding, done) if decoding else ([], [])
         t1 = time.perf_counter()
-        budget = self.prefill_budget if decoding else self.prefill_step
-        done.prefill_tokens = self._prefill([g for g in gens if g.prefilling], budget, done)
+        waiting = [g for g in gens if g.prefilling]
+        budget = self.prefill_budget if decoding else None
+        done.prefill_tokens = self._prefill(waiting, budget, done)
         t2 = time.perf_counter()
         for g, draw in zip(decoding, draws, strict=True):
             if g.sampled is not None:
@@ -100,31 +105,67 @@ class Batcher:
         rows = [self.model(inputs[i : i + 1], cache=c)[:, -1, :] for i, c in enumerate(sessions)]
         return mx.concatenate(rows, axis=0)
 
-    def _prefill(self, gens: list[Generation], budget: int, done: Round) -> int:
-        """Whole prompt chunks in admission order while they fit `budget` (at least one)."""
-        fed = 0
-        for g in gens:
-            while g.prefilling:
+    def _prefill(self, gens: list[Generation], budget: int | None, done: Round) -> int:
+        """Passes of one chunk per waiting generation, in admission order, while they fit
+        `budget` (the first chunk always goes; None: one pass over all of them)."""
+        fed, failed = 0, set()
+        while True:
+            chunks, size = [], 0
+            for g in gens:
+                if not g.prefilling or id(g) in failed:
+                    continue
                 n = g.next_chunk(self.prefill_step)
-                if fed and fed + n > budget:
-                    return fed
-                try:
-                    fed += g.prefill(self.model, self.prefill_step)
-                except Exception as e:
-                    done.outcomes.append((g, e))
+                if budget is not None and (fed or chunks) and fed + size + n > budget:
                     break
+                chunks.append(g)
+                size += n
+            if not chunks:
+                return fed
+            fed += self._prefill_pass(chunks, done, failed)
+            if budget is None:
+                return fed
+
+    def _prefill_pass(self, gens: list[Generation], done: Round, failed: set) -> int:
+        """Each generation's next chunk: plain-cache ones in one forward pass, others alone."""
+        together = [g for g in gens if self.batched and g.plain_caches]
+        if len(together) < 2:
+            together = []
+        groups = [together] * bool(together) + [[g] for g in gens if g not in together]
+        fed = 0
+        for group in groups:
+            try:
+                fed += self._prefill_rows(group)
+            except Exception as e:  # that pass: every row it carried
+                done.outcomes += [(g, e) for g in group]
+                failed.update(id(g) for g in group)
         return fed
+
+    def _prefill_rows(self, gens: list[Generation]) -> int:
+        if len(gens) == 1:
+            return gens[0].prefill(self.model, self.prefill_step)
+        sizes = [g.next_chunk(self.prefill_step) for g in gens]
+        width = max(sizes)
+        # Right padding: a row's real tokens come first, so causally they never see it.
+        rows = [g.pending[:n] + [0] * (width - n) for g, n in zip(gens, sizes, strict=True)]
+        self.model(mx.array(rows), cache=batch_caches([g.session.caches for g in gens]))
+        for g, n in zip(gens, sizes, strict=True):
+            for c in g.session.caches:
+                c.trim(width - n)
+        mx.eval([c.state for g in gens for c in g.session.caches])
+        return sum(g.prefilled(n) for g, n in zip(gens, sizes, strict=True))
 
 
 def can_batch(model) -> bool:
     """Whether this model's attention takes BatchedCaches (it goes through the router).
 
-    Traces, never evaluates, one batched step over two fresh caches.
+    Traces, never evaluates, one batched decode step and one batched chunk over two
+    fresh caches.
     """
     install_router(model)
     try:
-        rows = [make_prompt_cache(model) for _ in range(2)]
-        model(mx.zeros((2, 1), dtype=mx.int32), cache=batch_caches(rows))
+        for width in (1, 2):
+            rows = [make_prompt_cache(model) for _ in range(2)]
+            model(mx.zeros((2, width), dtype=mx.int32), cache=batch_caches(rows))
     except Exception as e:  # e.g. attention that calls mx.fast directly
         log.warning("this model's attention cannot batch sessions (%s): one pass per row", e)
         return False

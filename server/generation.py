@@ -15,6 +15,7 @@ from __future__ import annotations
 import secrets
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import (
     apply_min_p,
     apply_top_p,
@@ -147,10 +148,21 @@ class Generation:
         caches = self.session.caches
         model(mx.array(chunk)[None], cache=caches)
         mx.eval([c.state for c in caches])
-        self.session.tokens.extend(chunk)
-        self.pending = self.pending[len(chunk) :]
+        return self.prefilled(len(chunk))
+
+    @property
+    def plain_caches(self) -> bool:
+        """Whether every layer is mlx-lm's KVCache: it neither scores nor evicts, so a
+        chunk can be right-padded and trimmed back (server/batcher.py prefills such
+        sessions together)."""
+        return all(type(c) is KVCache for c in self.session.caches)
+
+    def prefilled(self, n: int) -> int:
+        """The next `n` prompt tokens are in the caches now; return n."""
+        self.session.tokens.extend(self.pending[:n])
+        self.pending = self.pending[n:]
         self._start_decoding()
-        return len(chunk)
+        return n
 
     def _start_decoding(self) -> None:
         """Once one prompt token is left, it is the first decode round's input."""

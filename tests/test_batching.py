@@ -156,3 +156,38 @@ def test_a_failing_row_fails_alone(default_model, requests):
         active = [g for g in active if not g.done and g not in failed]
     assert failed == [bad] and deltas == STEPS and good.finish_reason == "length"
     assert good.session.tokens == p1 + good.generated  # every draw was fed, then read
+
+
+class CountingModel:
+    """The model, recording the input shape of every forward pass."""
+
+    def __init__(self, model):
+        self.model, self.shapes = model, []
+
+    def __call__(self, inputs, cache=None):
+        self.shapes.append(tuple(inputs.shape))
+        return self.model(inputs, cache=cache)
+
+
+def test_plain_sessions_prefill_in_one_pass(default_model, essay_text):
+    """Full-cache prompts of unequal lengths share prefill passes (right-padded, trimmed
+    back) and decode what each decodes alone; a scored session beside them goes alone."""
+    model, tokenizer = default_model
+    ids = tokenizer.encode(essay_text)
+    specs = [CacheSpec("full", 4096), CacheSpec("full", 4096), CacheSpec("h2o", 96)]
+    prompts = [ids[:50], ids[400:537], ids[900:1020]]
+    alone = []
+    for spec, prompt in zip(specs, prompts, strict=True):
+        g = start(model, tokenizer, spec, prompt)
+        alone.append(drive(Batcher(model, prefill_step=64, prefill_budget=100), [g])[id(g)])
+    batcher = Batcher(model, prefill_step=64, prefill_budget=100)
+    batcher.model = counting = CountingModel(model)
+    gens = [start(model, tokenizer, s, p) for s, p in zip(specs, prompts, strict=True)]
+    out = drive(batcher, gens)
+    # nobody decodes in round 1: one pass of every prompt's first chunk, the two full ones
+    # together (49 and 64 tokens, padded to 64), the h2o one alone
+    assert counting.shapes[:2] == [(2, 64), (1, 64)]
+    for g, spec, ref in zip(gens, specs, alone, strict=True):
+        assert_same_greedy(out[id(g)], ref, spec)
+        assert all(c.offset == len(g.session.tokens) for c in g.session.caches)
+        assert g.session.tokens[: len(g.prompt)] == g.prompt

@@ -77,3 +77,19 @@ def test_without_spill_dir_old_sessions_are_dropped(tmp_path):
         again = turn(api, "a", a, "Who am I?")  # rebuilt from the history the client sends
         assert again.usage.prompt_tokens_details.cached_tokens == 0
         assert again.choices[0].message.content
+
+
+def test_auto_under_a_small_budget_bounds_every_session(tmp_path):
+    """`auto` with a share too small for the whole context picks an evicting policy:
+    a conversation longer than its max_kv keeps going, within its share."""
+    with running_server(tmp_path, "--kv-budget", str(BUDGET), "--max-sessions", "2") as api:
+        history = [{"role": "user", "content": "Tell me about goats. " * 80}]  # ~480 tokens
+        r = api.client.chat.completions.create(
+            model=MODEL, messages=history, temperature=0, max_tokens=16,
+            extra_body={"prompt_cache_key": "long"},
+        )  # fmt: skip
+        assert r.usage.prompt_tokens > 400 and r.choices[0].message.content
+        s = api.sessions()["long"]
+        assert s["policy"] == "h2o-q8"  # dense H2O would hold fewer than 256 tokens
+        assert s["stored_tokens"] <= s["max_kv"] < s["logical_tokens"]
+        assert s["evictions"] > 0 and s["bytes"] <= BUDGET // 2
