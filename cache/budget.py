@@ -36,6 +36,7 @@ from config.cache_spec import (
 )
 
 H2O_BOOKKEEPING = 8  # float32 score + int32 position, per KV head and token
+ADAPTIVE_BOOKKEEPING = 1  # h2o-ada: a uint8 head id per slot (cache/adaptive.py)
 FULL_CACHE_STEP = 256  # mlx-lm KVCache.step
 AUTO_FLOOR = 256  # `auto` switches to 8-bit below this many dense tokens
 AUTO_QUANTIZED = "h2o-q8"  # what `auto` picks below AUTO_FLOOR
@@ -152,6 +153,8 @@ def bytes_per_token(
     per_head = width(info.key_bits) + width(info.value_bits)
     if info.scored:
         per_head += H2O_BOOKKEEPING
+    if info.cache == "adaptive":
+        per_head += ADAPTIVE_BOOKKEEPING
     return shape.layers * shape.kv_heads * per_head
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
+from cache.adaptive import AdaptiveH2OKVCache
 from cache.h2o import H2OKVCache
 from cache.h2o_kvarn import H2OKVarNCache
 from cache.kvarn import KVarNCache
@@ -52,6 +53,7 @@ BUILDERS = {
     "full": lambda spec: KVCache(),
     "rotating": lambda spec: RotatingKVCache(max_size=spec.max_kv, keep=spec.segments().sink),
     "h2o": lambda spec: H2OKVCache(spec.max_kv, **_h2o_knobs(spec)),
+    "adaptive": lambda spec: AdaptiveH2OKVCache(spec.max_kv, **_h2o_knobs(spec)),
     "quantized": _quantized,
     "mixed": _mixed,
     "kvarn": lambda spec: KVarNCache(*KVARN_PRESETS[spec.kvarn]),

@@ -76,7 +76,6 @@ class H2OKVCache:
         self.offset = 0
         self.evicted = 0  # tokens evicted (per head; every head evicts as many)
         self._len = 0  # slots in use
-        self._last_eviction = 0  # offset at the last eviction; trim never crosses it
 
     # ------------------------------------------------------------------ protocol
 
@@ -126,7 +125,7 @@ class H2OKVCache:
             self.scores[..., :n] = updated
 
     def evict_if_full(self) -> None:
-        if self._len > self.max_size:
+        if self._len > self._slot_budget:
             self._evict()
 
     def kv_segments(self, keys, values) -> list[tuple[object, object, KVFormat]]:
@@ -151,8 +150,8 @@ class H2OKVCache:
         return "causal"
 
     def size(self) -> int:
-        """Tokens physically stored (per head)."""
-        return self._len
+        """Tokens physically stored (per head; on average when heads hold different counts)."""
+        return self._len // self._slots_per_token
 
     def empty(self) -> bool:
         return self.positions is None
@@ -166,11 +165,26 @@ class H2OKVCache:
         return sum(a.nbytes for _, a in tree_flatten(held) if a is not None)
 
     def is_trimmable(self) -> bool:
-        return self.offset > self._last_eviction
+        return self.trimmable_tokens() > 0
+
+    def trimmable_tokens(self) -> int:
+        """How many of the newest tokens every head still holds, all of them: trim's limit.
+
+        Everything after the last eviction is held, and so is the recent window that
+        eviction protected (and any heavy hitters right before it); trimming past the
+        newest evicted token would need a token the cache no longer has.
+        """
+        if self.positions is None:
+            return 0
+        n = self._len
+        held = mx.sort(self.positions[..., :n], axis=-1)
+        # Sorted positions end at offset - 1; they are contiguous over a suffix only.
+        in_order = held == mx.arange(self.offset - n, self.offset, dtype=held.dtype)
+        return int(in_order.sum(axis=-1).min().item())
 
     def trim(self, n: int) -> int:
-        """Drop the n newest tokens, never past the last eviction; return how many."""
-        n = max(0, min(n, self.offset - self._last_eviction))
+        """Drop the n newest tokens, never past an evicted one; return how many."""
+        n = max(0, min(n, self.trimmable_tokens()))
         if n == 0:
             return 0
         keep = self.positions[..., : self._len] < self.offset - n
@@ -178,7 +192,8 @@ class H2OKVCache:
         # Kept slots first, in slot order: every head keeps the same count.
         order = mx.sort(mx.where(keep, slots, self._len + slots), axis=-1)
         self.offset -= n
-        self._gather(order[..., : self._len - n], capacity=self.positions.shape[-1])
+        dropped = n * self._slots_per_token
+        self._gather(order[..., : self._len - dropped], capacity=self.positions.shape[-1])
         return n
 
     @property
@@ -211,7 +226,6 @@ class H2OKVCache:
             "evict_batch": self.evict_batch,
             "offset": self.offset,
             "evicted": self.evicted,
-            "last_eviction": self._last_eviction,
         }
         return (json.dumps(meta),)
 
@@ -227,7 +241,6 @@ class H2OKVCache:
         self.score_rule = make_score_rule(meta["score"], **meta.get("score_knobs", {}))
         self.evict_batch = meta.get("evict_batch", 1)
         self.offset, self.evicted = meta["offset"], meta["evicted"]
-        self._last_eviction = meta["last_eviction"]
 
     @classmethod
     def from_state(cls, state) -> H2OKVCache:
@@ -269,9 +282,18 @@ class H2OKVCache:
 
     # ------------------------------------------------------------------ internals
 
+    # Slots one token takes along the slot axis: one here (a slot row per KV head);
+    # a layout whose heads share one slot axis (cache/adaptive.py) takes one per head.
+    _slots_per_token = 1
+
+    @property
+    def _slot_budget(self) -> int:
+        """Slots in use past which eviction runs."""
+        return self.max_size * self._slots_per_token
+
     def _check_scored(self) -> None:
         """Eviction runs when scores arrive; a cache past max_size never got them."""
-        if self._len > self.max_size:
+        if self._len > self._slot_budget:
             raise ScoresMissing(
                 f"this H2O cache holds {self._len} tokens (max_kv {self.max_size}): its layer's "
                 "attention did not pass scores to update_scores, so nothing was evicted. The "
@@ -291,8 +313,9 @@ class H2OKVCache:
     def _grow(self, keys, values, needed: int) -> None:
         # Decode needs max_size + 1 slots at most (one for the newest token); a
         # prefill chunk gets exactly what it needs until eviction cuts it back.
-        if needed <= self.max_size + 1:
-            capacity = min(-(-needed // self.step) * self.step, self.max_size + 1)
+        decode_slots = self._slot_budget + self._slots_per_token
+        if needed <= decode_slots:
+            capacity = min(-(-needed // self.step) * self.step, decode_slots)
         else:
             capacity = needed
         if self.positions is None:  # first tokens: nothing to copy over
@@ -327,11 +350,11 @@ class H2OKVCache:
         keep = self.max_size + 1 - self.evict_batch
         pos = self.positions[..., : self._len]
         middle = (pos >= self.sink) & (pos < self.offset - self.recent)
-        # Protected slots score +inf so they always win.
-        ranked = mx.where(middle, self.scores[..., : self._len], mx.inf)
+        value = self.score_rule.rank(self.scores[..., : self._len], pos, self.offset)
+        # Protected slots rank +inf so they always win.
+        ranked = mx.where(middle, value, mx.inf)
         top = mx.argpartition(-ranked, kth=keep - 1, axis=-1)[..., :keep]
         self.evicted += self._len - keep
-        self._last_eviction = self.offset
         self._gather(top, capacity=self.max_size + 1)
 
 

@@ -78,8 +78,8 @@ class MixedH2OKVCache(H2OKVCache):
         return [part for part in parts if seq_length(part[0])]
 
     def trim(self, n: int) -> int:
-        """Drop the n newest tokens, never past the last eviction; return how many."""
-        n = max(0, min(n, self.offset - self._last_eviction))
+        """Drop the n newest tokens, never past an evicted one; return how many."""
+        n = max(0, min(n, self.trimmable_tokens()))
         if n == 0:
             return 0
         # Slots are in position order in every head: the newest n are the last n.

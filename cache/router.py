@@ -54,6 +54,8 @@ def _route(original: Callable) -> Callable:
                 f"this layer's attention passes {', '.join(extra)}, which the score-exporting "
                 "kernels do not take: H2O cannot score it; use policy full or rotating"
             )
+        if hasattr(cache, "attention_mask"):  # a cache whose slots need their own mask
+            mask = cache.attention_mask(queries.shape[1], queries.shape[2])
         return ATTENTION.attend_scored(queries, keys, values, cache, scale, mask)
 
     routed_sdpa.h2o_original = original

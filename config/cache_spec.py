@@ -56,6 +56,12 @@ POLICIES: dict[str, PolicyInfo] = {
         key_bits=8,
         value_bits=4,
     ),
+    "h2o-ada": PolicyInfo(
+        "H2O with one pool per layer: heads share the middle slots (AdaKV)",
+        "adaptive",
+        bounded=True,
+        scored=True,
+    ),
     # KVarN (cache/kvarn.py, cache/h2o_kvarn.py): widths of the default preset (k4v2);
     # `kvarn` picks another from KVARN_PRESETS.
     "kvarn": PolicyInfo(
@@ -84,6 +90,8 @@ PRESETS: dict[str, str] = {
 SCORE_RULES: dict[str, str] = {
     "attn": "accumulated softmax probability (original H2O)",
     "ema": "EMA of |pre-softmax logit|, C = a*C + (1-a)*|s| (the MLX H2O paper)",
+    "mean": "accumulated probability per query that has seen the key (no bias toward old keys)",
+    "tova": "probability from the newest query only (TOVA)",
 }
 # h2o-mixed layouts (cache/quantized.py implements them; docs/quantized.md measures them).
 MIXED_SCHEMES: dict[str, str] = {

@@ -7,9 +7,11 @@ A request finds its session by key (`prompt_cache_key` or `X-Session-ID`), or
 else by the longest stored token prefix: an anonymous session is reused only
 when the new prompt extends the previous request's whole prompt (so two chats
 sharing a system prompt never take over each other's cache). The cache is
-rewound to the last token where the stored history and the new prompt agree;
-when that point lies before an eviction the conversation is rebuilt from the
-prompt instead (an evicted cache cannot be rewound).
+rewound to the last token where the stored history and the new prompt agree.
+An evicting cache can be rewound as long as it still holds every token after
+that point (the recent window, or everything since the last eviction); when
+the point lies before an evicted token the conversation is rebuilt from the
+prompt instead (an evicted token cannot be restored).
 
 At most `max_sessions` caches live in memory (each is sized so that they all
 fit the budget). Past that, the least recently used idle session is spilled
@@ -83,11 +85,19 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def can_trim(cache, n: int) -> bool:
+    """Whether a layer can drop its n newest tokens (H2O: none of them evicted)."""
+    limit = getattr(cache, "trimmable_tokens", None)
+    if limit is not None:
+        return limit() >= n
+    return cache.is_trimmable() and cache.offset >= n
+
+
 def rewind(caches: list, n: int) -> bool:
-    """Drop the n newest tokens from every layer; False when some layer cannot."""
+    """Drop the n newest tokens from every layer; False (nothing dropped) when some cannot."""
     if n == 0:
         return True
-    if not all(c.is_trimmable() for c in caches):
+    if not all(can_trim(c, n) for c in caches):
         return False
     return all(c.trim(n) == n for c in caches)
 

@@ -40,10 +40,12 @@ class Oracle:
                 rows = np.zeros(len(positions))
                 decay = 1.0
                 for r in range(n_new):
+                    if self.rule == "tova" and r < n_new - 1:
+                        continue  # TOVA: the newest query row only
                     query_pos = self.offset - n_new + r
                     logits = logit_table[q, r, positions].astype(np.float64)
                     visible = positions <= query_pos
-                    if self.rule == "attn":
+                    if self.rule in ("attn", "mean", "tova"):
                         e = np.where(visible, np.exp(logits - logits[visible].max()), 0.0)
                         rows += e / e.sum()
                     else:
@@ -52,6 +54,8 @@ class Oracle:
                 increment += rows / group
             if self.rule == "ema":
                 decay = ALPHA**n_new
+            if self.rule == "tova":
+                decay = 0.0  # the newest query's attention replaces the held one
             for p, inc in zip(positions, increment, strict=True):
                 kept[p] = decay * kept[p] + inc
             self._evict(kept)
@@ -61,9 +65,16 @@ class Oracle:
             return
         excess = len(kept) - (self.max_size + 1 - self.evict_batch)
         middle = [p for p in kept if self.sink <= p < self.offset - self.recent]
-        middle.sort(key=lambda p: kept[p])
+        # mean: per query that has seen the key (offset - p of them, by causality)
+        norm = (lambda p: self.offset - p) if self.rule == "mean" else (lambda p: 1.0)
+        middle.sort(key=lambda p: kept[p] / norm(p))
         for p in middle[:excess]:
             del kept[p]
+
+
+def cache_positions_of(c: H2OKVCache) -> list[set]:
+    pos = np.array(c.positions[0, :, : c._len])
+    return [set(pos[h].tolist()) for h in range(pos.shape[0])]
 
 
 def cache_positions(c: H2OKVCache) -> list[set]:
@@ -93,7 +104,7 @@ def feed(c: H2OKVCache, oracle: Oracle, rng: np.random.Generator, n_new: int) ->
     return inside
 
 
-@pytest.mark.parametrize("rule", ["attn", "ema"])
+@pytest.mark.parametrize("rule", ["attn", "ema", "mean", "tova"])
 @pytest.mark.parametrize("preset", ["heavy", "balanced"])
 @pytest.mark.parametrize("evict_batch", [1, 4])
 def test_decode_eviction_matches_oracle(rule, preset, evict_batch):
@@ -114,7 +125,7 @@ def test_decode_eviction_matches_oracle(rule, preset, evict_batch):
     assert c.evicted == oracle.offset - c.size()
 
 
-@pytest.mark.parametrize("rule", ["attn", "ema"])
+@pytest.mark.parametrize("rule", ["attn", "ema", "mean", "tova"])
 @pytest.mark.parametrize("evict_batch", [1, 3])
 def test_chunked_prefill_eviction_matches_oracle(rule, evict_batch):
     rng = np.random.default_rng(1)
@@ -204,11 +215,21 @@ def test_nbytes_counts_every_buffer():
     assert c.nbytes == 2 * (2 * cap * 8 * 4) + 2 * cap * 4 + 2 * cap * 4
 
 
-def test_trim_never_crosses_an_eviction():
+def test_trim_stops_at_the_newest_evicted_token():
+    """After evictions the newest tokens still held in order (the recent window at
+    least) can be trimmed; one more would need an evicted token back."""
     c = H2OKVCache(8, sink=1, heavy=3, recent=4)
     for _ in decode_uniform(c, 12):
         pass
-    assert not c.is_trimmable() and c.trim(3) == 0
+    held = sorted(cache_positions_of(c)[0])
+    in_order = 0
+    while held and held[-1 - in_order] == c.offset - 1 - in_order:
+        in_order += 1
+    assert c.trimmable_tokens() == in_order >= 4
+    assert c.trim(3) == 3 and c.offset == 9 and c.size() == 5
+    assert sorted(cache_positions_of(c)[0]) == held[:-3]
+    # asked for more, it stops before the evicted token, as mlx-lm's trim clips
+    assert c.trim(100) == in_order - 3 and not c.is_trimmable()
     c2 = H2OKVCache(64)
     c2.update_and_fetch(mx.zeros((1, 1, 10, 4)), mx.zeros((1, 1, 10, 4)))
     assert c2.trim(4) == 4 and c2.offset == 6 and c2.size() == 6

@@ -173,13 +173,15 @@ def test_trim_drops_the_newest_tokens(layout):
         c.update_and_fetch(k, v)
         c.update_scores(mx.zeros((B, N_Q, n_new, c.size())))
     before = slot_positions(c)
-    assert c.trim(5) == 2 and c.offset == 30 and c.size() == 25
-    np.testing.assert_array_equal(slot_positions(c), before[before < 30].reshape(N_KV, -1))
+    # the recent window is held in order after the eviction: trim reaches into it
+    assert c.trimmable_tokens() >= 5
+    assert c.trim(5) == 5 and c.offset == 27 and c.size() == 22
+    np.testing.assert_array_equal(slot_positions(c), before[before < 27].reshape(N_KV, -1))
     keys, values = c.update_and_fetch(*random_kv(rng, 3))  # appending still lines up
     q = mx.zeros((B, N_Q, 3, D))
     _, scores = ATTENTION(q, keys, values, c, scale=1.0, mask="causal")
     c.update_scores(scores)
-    assert c.offset == 33 and c.size() <= MAX_SIZE
+    assert c.offset == 30 and c.size() <= MAX_SIZE
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

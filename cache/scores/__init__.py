@@ -12,9 +12,16 @@ from __future__ import annotations
 from cache.scores.attn import AttnScore
 from cache.scores.base import ScoreRule, per_kv_head, softmax_of
 from cache.scores.ema import EmaScore
+from cache.scores.mean import MeanAttnScore
+from cache.scores.tova import TovaScore
 from config.cache_spec import SCORE_RULES, choose
 
-RULES: dict[str, type[ScoreRule]] = {"attn": AttnScore, "ema": EmaScore}
+RULES: dict[str, type[ScoreRule]] = {
+    "attn": AttnScore,
+    "ema": EmaScore,
+    "mean": MeanAttnScore,
+    "tova": TovaScore,
+}
 assert set(RULES) == set(SCORE_RULES), "config/cache_spec.SCORE_RULES and RULES disagree"
 
 
@@ -27,6 +34,8 @@ __all__ = [
     "RULES",
     "AttnScore",
     "EmaScore",
+    "MeanAttnScore",
+    "TovaScore",
     "ScoreRule",
     "make_score_rule",
     "per_kv_head",

@@ -26,10 +26,10 @@ class EmaScore(ScoreRule):
         self, held: mx.array, logits: mx.array, n_kv_heads: int, probs: mx.array | None = None
     ) -> mx.array:
         a, L = self.alpha, logits.shape[2]
-        if L == 1:  # a decode row sees every key: no -inf to clear
-            weighted = mx.abs(logits) * (1.0 - a)
+        magnitude = mx.where(mx.isinf(logits), 0.0, mx.abs(logits))  # masked keys count 0
+        if L == 1:
+            weighted = magnitude * (1.0 - a)
         else:
-            magnitude = mx.where(mx.isinf(logits), 0.0, mx.abs(logits))
             weights = (1.0 - a) * a ** mx.arange(L - 1, -1, -1, dtype=mx.float32)
             weighted = magnitude * weights[:, None]
         return (a**L) * held + per_kv_head(weighted, n_kv_heads)
