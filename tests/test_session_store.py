@@ -82,6 +82,18 @@ def test_a_rewind_across_an_eviction_rebuilds(store_for, model):
     assert store.counts["rebuilt"] == 1
 
 
+def test_an_edit_inside_the_held_window_after_eviction_trims(store_for, model):
+    """The recent window is held in order after evictions: an edit there rewinds."""
+    store = store_for()
+    prompt = list(range(1, 30))  # 29 tokens, max_kv 16 (recent window 4)
+    s, _ = turn(store, model, "chat", prompt, H2O)
+    assert s.caches[0].evicted > 0
+    edited = prompt[:-2] + [99, 98]  # the last two tokens re-rendered
+    s, reused = store.acquire("chat", edited, H2O)
+    assert reused == 27 and s.tokens == prompt[:27]
+    assert all(c.offset == 27 for c in s.caches) and store.counts["rebuilt"] == 0
+
+
 def test_anonymous_sessions_are_found_by_a_prompt_that_extends_them(store_for, model):
     store = store_for()
     a, _ = turn(store, model, None, [7, 7, 1, 2])
