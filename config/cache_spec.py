@@ -92,6 +92,7 @@ SCORE_RULES: dict[str, str] = {
     "ema": "EMA of |pre-softmax logit|, C = a*C + (1-a)*|s| (the MLX H2O paper)",
     "mean": "accumulated probability per query that has seen the key (no bias toward old keys)",
     "tova": "probability from the newest query only (TOVA)",
+    "snap": "SnapKV: a prompt's last 32 queries vote, max-pooled over 5 neighbours",
 }
 # h2o-mixed layouts (cache/quantized.py implements them; docs/quantized.md measures them).
 MIXED_SCHEMES: dict[str, str] = {

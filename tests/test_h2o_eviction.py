@@ -13,6 +13,7 @@ import pytest
 
 import cache  # noqa: F401  (registers the class with mlx-lm)
 from cache import H2OKVCache
+from cache.scores import make_score_rule
 from config.cache_spec import split_segments
 
 B, N_Q, N_KV, D = 1, 6, 2, 8
@@ -67,7 +68,8 @@ class Oracle:
         middle = [p for p in kept if self.sink <= p < self.offset - self.recent]
         # mean: per query that has seen the key (offset - p of them, by causality)
         norm = (lambda p: self.offset - p) if self.rule == "mean" else (lambda p: 1.0)
-        middle.sort(key=lambda p: kept[p] / norm(p))
+        rank = {p: kept[p] / norm(p) for p in kept}
+        middle.sort(key=lambda p: rank[p])
         for p in middle[:excess]:
             del kept[p]
 
@@ -254,3 +256,17 @@ def test_bad_budgets_are_rejected():
         H2OKVCache(8, score="nope")
     with pytest.raises(ValueError):
         H2OKVCache(16, sink=2, heavy=6, recent=8, evict_batch=7)
+
+
+def test_snap_counts_the_observation_window_and_pools_neighbours():
+    """Pooled ties break arbitrarily, so snap is checked by its two parts, not the oracle."""
+    rule = make_score_rule("snap", window=2, kernel=3)
+    logits = mx.array(np.log(np.array([[[[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]]],
+                                      np.float32) + 1e-9))  # fmt: skip
+    got = np.array(rule.accumulate(mx.zeros((1, 1, 4)), logits, 1))[0, 0]
+    np.testing.assert_allclose(got, [0, 0, 1, 1], atol=1e-6)  # rows 0, 1 are outside
+    importance = mx.array([[[5.0, 0.0, 0.0, 0.0, 2.0, 0.0]]])
+    positions = mx.array([[[4, 0, 1, 2, 3, 9]]], dtype=mx.int32)  # slots out of order
+    ranked = np.array(rule.rank(importance, positions, 10))[0, 0]
+    # by position 0..4, 9: scores 0, 0, 0, 2, 5, 0 -> pooled 0, 0, 2, 5, 5, 5
+    np.testing.assert_allclose(ranked, [5, 0, 0, 2, 5, 5])

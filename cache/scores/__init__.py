@@ -13,6 +13,7 @@ from cache.scores.attn import AttnScore
 from cache.scores.base import ScoreRule, per_kv_head, softmax_of
 from cache.scores.ema import EmaScore
 from cache.scores.mean import MeanAttnScore
+from cache.scores.snap import SnapScore
 from cache.scores.tova import TovaScore
 from config.cache_spec import SCORE_RULES, choose
 
@@ -20,6 +21,7 @@ RULES: dict[str, type[ScoreRule]] = {
     "attn": AttnScore,
     "ema": EmaScore,
     "mean": MeanAttnScore,
+    "snap": SnapScore,
     "tova": TovaScore,
 }
 assert set(RULES) == set(SCORE_RULES), "config/cache_spec.SCORE_RULES and RULES disagree"
@@ -35,6 +37,7 @@ __all__ = [
     "AttnScore",
     "EmaScore",
     "MeanAttnScore",
+    "SnapScore",
     "TovaScore",
     "ScoreRule",
     "make_score_rule",
