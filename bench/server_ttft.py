@@ -31,8 +31,15 @@ from bench.text import essay_text
 MODEL = "default"
 
 
-def ttft(client: openai.OpenAI, messages: list[dict], key: str, max_tokens: int) -> tuple:
+def ttft(
+    client: openai.OpenAI,
+    messages: list[dict],
+    key: str,
+    max_tokens: int,
+    kv_cache: dict | None = None,
+) -> tuple:
     """(seconds to the first content chunk, reply text, cached prompt tokens, prompt tokens)."""
+    extra = {"kv_cache": kv_cache} if kv_cache else {}
     start, first, text, usage = time.perf_counter(), None, "", None
     stream = client.chat.completions.create(
         model=MODEL,
@@ -41,7 +48,7 @@ def ttft(client: openai.OpenAI, messages: list[dict], key: str, max_tokens: int)
         max_tokens=max_tokens,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"prompt_cache_key": key},
+        extra_body={"prompt_cache_key": key, **extra},
     )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:

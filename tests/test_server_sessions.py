@@ -165,3 +165,40 @@ def test_rewind_across_an_eviction_rebuilds(api):
     assert warm.usage.prompt_tokens_details.cached_tokens == 0
     assert api.metrics()["h2o_sessions_rebuilt_total"] == before + 1
     assert warm.choices[0].message.content == cold.choices[0].message.content
+
+
+def test_edited_reply_after_eviction_trims_instead_of_rebuilding(api):
+    """Turn 1 evicts (max_kv 64); turn 2 drops the reply's last word, an edit inside the
+    recent window every layer still holds: the session is trimmed, not rebuilt.
+
+    Tolerance: the trimmed cache evicted during decoding, a rebuild evicts while
+    prefilling, so they hold different middle tokens; the greedy replies must still
+    agree on their start (bench/edit_reuse.py measures how far they agree).
+    """
+    small = {"policy": "h2o", "max_kv": 64}
+    key = f"trim-{uuid.uuid4().hex[:8]}"
+    messages = [{"role": "user", "content": FACTS["b"] + " Tell me about goats in detail."}]
+    first = chat(
+        api, messages, max_tokens=48, extra_body={"prompt_cache_key": key, "kv_cache": small}
+    )
+    reply = first.choices[0].message.content
+    assert first.usage.total_tokens > 64 + 16  # turn 1 evicted
+    messages += [
+        {"role": "assistant", "content": reply.rsplit(" ", 1)[0]},
+        {"role": "user", "content": "How many goats do I have?"},
+    ]
+    before = api.metrics()["h2o_sessions_rebuilt_total"]
+    warm = chat(
+        api, messages, max_tokens=16, extra_body={"prompt_cache_key": key, "kv_cache": small}
+    )
+    cold_key = key + "-cold"
+    cold = chat(
+        api, messages, max_tokens=16, extra_body={"prompt_cache_key": cold_key, "kv_cache": small}
+    )
+    assert api.metrics()["h2o_sessions_rebuilt_total"] == before
+    assert warm.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    warm_words = warm.choices[0].message.content.split()
+    cold_words = cold.choices[0].message.content.split()
+    print("trim vs rebuild:", warm_words, cold_words)
+    assert warm_words[:3] == cold_words[:3]
