@@ -431,6 +431,10 @@ def write_report(done: dict[str, dict], out: Path, minutes: float, g: dict = SCA
         "when the cache overflows; the paper evicts 1 per step). Sample counts are small to "
         "fit the CPU budget, so differences of a percent or two are within sample noise.",
         "",
+        "Eviction rules beyond H2O (`mean`, `tova`, `snap`, `h2o-ada`) on the rule x max_kv "
+        "x length grid: [rules.md](rules.md) (`python -m bench.rules_grid`, also run by "
+        "`make bench`).",
+        "",
     ]
 
     def section(name: str, build) -> None:
