@@ -44,16 +44,16 @@ def common_words(a: str, b: str) -> int:
     return n
 
 
-def one_chat(client, passage: str, question: str, max_kv: int, reply_tokens: int, order: int):
-    kv = {"policy": "h2o", "max_kv": max_kv}
+def turn_two(
+    client, passage: str, question: str, kv: dict, reply_tokens: int, edit: bool, order: int
+):
+    """Turn 1 on a fresh session, then turn 2 warm (that session) and cold (a fresh key)."""
     key = f"edit-{uuid.uuid4().hex[:8]}"
     messages = [{"role": "user", "content": f"{passage}\n\nSummarize this in detail."}]
     _, reply, _, prompt = ttft(client, messages, key, reply_tokens, kv)
-    edited = reply.rsplit(" ", 1)[0] if " " in reply.strip() else reply
-    messages += [
-        {"role": "assistant", "content": edited},
-        {"role": "user", "content": question},
-    ]
+    if edit and " " in reply.strip():
+        reply = reply.rsplit(" ", 1)[0]
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": question}]
     cold_key = f"cold-{uuid.uuid4().hex[:8]}"
     runs = [(key, "warm"), (cold_key, "cold")][:: 1 if order % 2 == 0 else -1]
     got = {name: ttft(client, messages, k, reply_tokens, kv) for k, name in runs}
@@ -61,6 +61,14 @@ def one_chat(client, passage: str, question: str, max_kv: int, reply_tokens: int
         url = f"{client.base_url}sessions/{k}"
         urllib.request.urlopen(urllib.request.Request(url, method="DELETE"))
     return prompt + reply_tokens, got["warm"], got["cold"]
+
+
+def one_chat(client, passage: str, question: str, max_kv: int, reply_tokens: int, order: int):
+    """(turn-1 tokens, warm, cold) with the reply edited, and (warm, cold) unedited."""
+    kv = {"policy": "h2o", "max_kv": max_kv}
+    turn1, warm, cold = turn_two(client, passage, question, kv, reply_tokens, True, order)
+    _, same_warm, same_cold = turn_two(client, passage, question, kv, reply_tokens, False, order)
+    return turn1, warm, cold, (same_warm, same_cold)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,11 +89,12 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.chats):
                 passage = text[i * args.passage_chars : (i + 1) * args.passage_chars]
                 question = QUESTIONS[i % len(QUESTIONS)]
-                turn1, warm, cold = one_chat(
+                turn1, warm, cold, control = one_chat(
                     client, passage, question, max_kv, args.reply_tokens, i
                 )
                 ratio = difflib.SequenceMatcher(None, warm[1], cold[1]).ratio()
-                rows.append((max_kv, i + 1, turn1, warm, cold, ratio))
+                base = difflib.SequenceMatcher(None, control[0][1], control[1][1]).ratio()
+                rows.append((max_kv, i + 1, turn1, warm, cold, ratio, base))
                 progress = f"cached {warm[2]} vs {cold[2]}, ttft {warm[0]:.2f} vs {cold[0]:.2f}s"
                 print(f"kv {max_kv} chat {i + 1}: {progress}, ratio {ratio:.2f}", file=sys.stderr)
     finally:
@@ -96,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         f"max_kv, essay passages of {args.passage_chars} characters, replies of "
         f"{args.reply_tokens} tokens, greedy. Turn 2 drops the last word of turn 1's reply. "
         "Warm = the chat's session, trimmed to the edit; cold = the same prompt under a "
-        "fresh key (rebuilt). Word agreement: words the two replies share from the start. "
+        "fresh key (rebuilt). Word agreement: words the two replies share from the start; "
+        "similarity: difflib ratio of the two replies. Control: the same chat with turn 1's "
+        "reply unedited, its session (no trim) vs a rebuild: how far an evicting session and "
+        "a rebuild disagree without any trim (they evict different middle tokens). "
         f"Machine: {platform.machine()} {platform.system()}, {os.cpu_count()} cores.",
         command("bench.edit_reuse", argv),
         table(rows, args.max_kv),
@@ -108,14 +120,15 @@ def main(argv: list[str] | None = None) -> int:
 def table(rows: list, sizes: list[int]) -> list[str]:
     lines = [
         "| max_kv | chat | turn-1 tokens | cached warm / cold | TTFT warm / cold (s) "
-        "| same reply | words agreeing | similarity |",
-        "|---|---|---|---|---|---|---|---|",
+        "| same reply | words agreeing | similarity | unedited: similarity |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for max_kv, i, turn1, warm, cold, ratio in rows:
+    for max_kv, i, turn1, warm, cold, ratio, base in rows:
         same = "yes" if warm[1] == cold[1] else "no"
         lines.append(
             f"| {max_kv} | {i} | {turn1} | {warm[2]} / {cold[2]} | {warm[0]:.2f} / {cold[0]:.2f} "
-            f"| {same} | {common_words(warm[1], cold[1])} / {len(cold[1].split())} | {ratio:.2f} |"
+            f"| {same} | {common_words(warm[1], cold[1])} / {len(cold[1].split())} | {ratio:.2f} "
+            f"| {base:.2f} |"
         )
     lines.append("")
     for max_kv in sizes:
@@ -124,7 +137,8 @@ def table(rows: list, sizes: list[int]) -> list[str]:
         speed = statistics.median(r[4][0] / r[3][0] for r in mine)
         lines.append(
             f"- max_kv {max_kv}: {same}/{len(mine)} replies identical to the rebuild's, median "
-            f"similarity {statistics.median(r[5] for r in mine):.2f}, every warm turn reused "
+            f"similarity {statistics.median(r[5] for r in mine):.2f} (unedited control, session "
+            f"vs rebuild: {statistics.median(r[6] for r in mine):.2f}), every warm turn reused "
             f"{min(r[3][2] for r in mine)}+ tokens, median TTFT cold/warm {speed:.1f}x."
         )
     return lines

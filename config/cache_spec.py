@@ -115,7 +115,7 @@ KVARN_SCALE_BYTES = 2  # float16 scales, biases and Sinkhorn factors
 
 DEFAULT_POLICY = "h2o"
 DEFAULT_PRESET = "heavy"
-DEFAULT_SCORE = "attn"
+DEFAULT_SCORE = "mean"  # README: measured against attn, tova, snap, h2o-ada
 DEFAULT_MIXED = "k8v4"
 DEFAULT_KVARN = "k4v2"
 DEFAULT_MAX_KV = 256
