@@ -160,7 +160,7 @@ class SnapshotCache(H2OKVCache):
 @pytest.mark.parametrize("n_new", [1, 9])
 def test_kept_middle_is_top_heavy_by_score(n_new):
     rng = np.random.default_rng(2)
-    c = SnapshotCache(16, sink=2, heavy=8, recent=6, evict_batch=1)
+    c = SnapshotCache(16, sink=2, heavy=8, recent=6, score="attn", evict_batch=1)
     oracle = Oracle(16, 2, 6, "attn")
     feed(c, oracle, rng, 12)
     for _ in range(8):
