@@ -28,7 +28,7 @@ def error_response(status: int, message: str, code: str | None = None, param: st
         404: "not_found_error",
         429: "rate_limit_error",
     }.get(status, "invalid_request_error" if status < 500 else "server_error")
-    headers = {"Retry-After": "1"} if status == 429 else None
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
     return JSONResponse(error_body(message, kind, code, param), status_code=status, headers=headers)
 
 
