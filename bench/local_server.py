@@ -22,10 +22,10 @@ def free_port() -> int:
 
 
 def start_server(
-    flags: list[str], stdout: IO | None = None, timeout: float = 180
+    flags: list[str], stdout: IO | None = None, timeout: float = 180, port: int | None = None
 ) -> tuple[subprocess.Popen, int]:
-    """Start `h2o-server serve FLAGS` on a free port; return once /health answers."""
-    port = free_port()
+    """Start `h2o-server serve FLAGS` on `port` (else a free one); return once /health answers."""
+    port = port or free_port()
     process = subprocess.Popen(
         [*SERVE, "serve", "--port", str(port), *flags],
         stdout=stdout,

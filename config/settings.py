@@ -5,6 +5,8 @@ Names and choices come from the cache vocabulary (config/cache_spec.py).
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -43,9 +45,35 @@ class ServerSettings(BaseSettings):
     score: ScoreRuleName = DEFAULT_SCORE
     max_queue: int = Field(32, ge=1, description="requests waiting beyond this get 429")
     spill_dir: str | None = Field(
-        None, description="folder for sessions spilled from memory (unset: drop them)"
+        None,
+        description="folder for sessions spilled from memory and at shutdown, indexed again "
+        "on start (unset: drop them); one folder per server",
+    )
+    spill_budget: str = Field(
+        "auto", description="disk for every file in --spill-dir (auto: 2x --kv-budget)"
+    )
+    max_prompt_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="longest prompt accepted (default: the model's context); may exceed the "
+        "context only for policies that evict",
+    )
+    shutdown_timeout: float = Field(
+        5.0,
+        ge=0,
+        description="seconds in-flight requests may run after SIGTERM before they are "
+        "cancelled (a second signal exits at once)",
     )
     kernel: str = Field("auto", description="attention backend: auto, reference, metal, cuda")
-    api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>'")
+    api_key: str | None = Field(
+        None,
+        description="require 'Authorization: Bearer <key>' on every route but /health; "
+        "several keys: k1,k2",
+    )
+    session_scope: Literal["shared", "caller"] = Field(
+        "shared",
+        description="caller: a session belongs to the API key and `user` that made it; "
+        "others cannot list, reuse or delete it",
+    )
     allowed_origins: list[str] = Field(default_factory=list, description="CORS origins")
     log_level: str = "info"

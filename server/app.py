@@ -11,16 +11,16 @@ so this module imports nothing that does.
 
 from __future__ import annotations
 
-import hmac
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.concurrency import run_in_threadpool
 
 from config.blas import preload_openblas
 from config.settings import ServerSettings
-from server.errors import error_response, install_error_handlers
+from server.auth import APIKeyMiddleware, parse_keys
+from server.errors import install_error_handlers
 from server.routes import router
 
 
@@ -44,22 +44,17 @@ def create_app(settings: ServerSettings | None = None, load_engine=None) -> Fast
 
     app = FastAPI(title="h2o-server", lifespan=lifespan)
     app.state.worker = worker
+    install_error_handlers(app)
+    # Starlette runs the middleware added last first: CORS answers preflights (which
+    # carry no credentials) before the key is checked, and decorates the 401s too.
+    app.add_middleware(APIKeyMiddleware, keys=parse_keys(settings.api_key))
     if settings.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
             allow_origins=settings.allowed_origins,
             allow_methods=["*"],
             allow_headers=["*"],
+            expose_headers=["X-Session-ID", "Retry-After"],
         )
-    install_error_handlers(app)
-
-    @app.middleware("http")
-    async def require_api_key(request: Request, call_next):
-        if settings.api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if not hmac.compare_digest(given.encode(), settings.api_key.encode()):
-                return error_response(401, "invalid or missing API key", "invalid_api_key")
-        return await call_next(request)
-
     app.include_router(router)
     return app

@@ -240,18 +240,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Flags override H2O_* environment variables, which override the defaults."""
     import logging
 
-    import uvicorn
-
     from config.settings import ServerSettings
-    from server.app import create_app
+    from server.lifecycle import serve
 
     given = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
     settings = ServerSettings(**given)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )
-    app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    serve(settings)
     return 0
 
 

@@ -13,6 +13,7 @@ from config.settings import ServerSettings
 from server.models import DEFAULT_MODEL, kv_shape, load_model
 from server.protocol import CacheOptions
 from server.sessions import SessionStore
+from server.spill import model_identity
 
 log = logging.getLogger("h2o_server.engine")
 
@@ -54,8 +55,15 @@ class Engine:
             shape, budget, settings.policy, preset=settings.preset, score=settings.score
         )
         make_cache(model, spec)  # fails now, not on the first request, if the policy cannot run
+        spill_budget = (
+            2 * total if settings.spill_budget == "auto" else parse_bytes(settings.spill_budget)
+        )
         store = SessionStore(
-            lambda s: make_cache(model, s), settings.max_sessions, settings.spill_dir
+            lambda s: make_cache(model, s),
+            settings.max_sessions,
+            settings.spill_dir,
+            model_identity=model_identity(model) if settings.spill_dir else "",
+            spill_budget=spill_budget,
         )
         model_id = DEFAULT_MODEL_ID if settings.model == DEFAULT_MODEL else settings.model
         log.info(
@@ -91,6 +99,16 @@ class Engine:
             preset=options.preset or self.spec.preset,
             score=options.score or self.spec.score,
         )
+
+    def prompt_limit(self, spec: CacheSpec) -> int:
+        """Longest prompt a request may send: the model's context, or --max-prompt-tokens.
+
+        Only a cache that evicts can hold a conversation past the context, so the flag
+        raises the limit for those policies alone.
+        """
+        context = self.shape.context
+        wanted = self.settings.max_prompt_tokens or context
+        return wanted if spec.info.bounded else min(wanted, context)
 
     def context_limit(self, spec: CacheSpec) -> int | None:
         """Most tokens (prompt + reply) a conversation may reach; None when the cache is bounded."""

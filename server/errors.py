@@ -28,7 +28,7 @@ def error_response(status: int, message: str, code: str | None = None, param: st
         404: "not_found_error",
         429: "rate_limit_error",
     }.get(status, "invalid_request_error" if status < 500 else "server_error")
-    headers = {"Retry-After": "1"} if status == 429 else None
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
     return JSONResponse(error_body(message, kind, code, param), status_code=status, headers=headers)
 
 
@@ -45,7 +45,8 @@ def install_error_handlers(app: FastAPI) -> None:
                 reason = err.get("ctx", {}).get("error", "")
                 return error_response(400, f"the request body is not valid JSON: {reason}")
             where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-            problems.append(f"{where}: {err['msg']}" if where else err["msg"])
+            reason = err["msg"].removeprefix("Value error, ")
+            problems.append(f"{where}: {reason}" if where else reason)
         first = e.errors()[0].get("loc", ()) if e.errors() else ()
         param = ".".join(str(p) for p in first if p != "body") or None
         return error_response(400, "; ".join(problems) or "invalid request", None, param)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 from dataclasses import dataclass, field
 
 from config.cache_spec import CacheSpec
@@ -59,6 +60,7 @@ class Finished:
 class Failed:
     status: int
     message: str
+    code: str | None = None
 
 
 Event = Started | Delta | Finished | Failed
@@ -66,6 +68,10 @@ Event = Started | Delta | Finished | Failed
 
 class QueueFull(Exception):
     """Too many requests are waiting; the client should retry later."""
+
+
+class ShuttingDown(Exception):
+    """The server is draining after SIGTERM and takes no new requests."""
 
 
 class SessionBusy(Exception):
@@ -79,8 +85,17 @@ class Job:
     spec: CacheSpec
     session_key: str | None
     loop: asyncio.AbstractEventLoop
+    owner: str = ""  # whose sessions it may use (server/auth.py)
+    id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex[:12]}")  # for the logs
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    cancel_reason: str = ""
+
+    def cancel(self, reason: str) -> None:
+        """Ask the worker to stop this job (any thread); the first reason given sticks."""
+        if not self.cancelled.is_set():
+            self.cancel_reason = reason
+            self.cancelled.set()
 
     def emit(self, event: Event) -> None:
         """Called from the worker thread: hand the event to the handler's event loop."""

@@ -14,6 +14,7 @@ COUNTERS = {
     "cached_prompt_tokens_total": "prompt tokens reused from a session cache",
     "completion_tokens_total": "tokens generated",
     "decode_seconds_total": "seconds spent in decode steps",
+    "decoded_tokens_total": "tokens decoded, for finished and cancelled requests alike",
     "prefill_tokens_total": "prompt tokens run through the model",
 }
 # Counted by the session store (server/sessions.py, SessionStore.counts).
@@ -22,6 +23,7 @@ SESSION_COUNTERS = {
     "restored": "spilled sessions loaded back",
     "dropped": "sessions dropped to free memory",
     "rebuilt": "sessions rebuilt because a rewind crossed an eviction",
+    "refused": "spill files refused on restore (corrupt or of another model)",
 }
 
 

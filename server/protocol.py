@@ -23,6 +23,9 @@ from config.cache_spec import PolicyName, PresetName, ScoreRuleName
 from server.jobs import SamplingParams
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+# OpenAI documents seed as a signed 64-bit integer; unsigned 64-bit seeds are taken too.
+# Sampling reduces a seed modulo 2**64 (so -1 and 2**64 - 1 draw the same tokens).
+SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 # ----------------------------------------------------------------------- requests
@@ -53,14 +56,14 @@ class SamplingRequest(Request):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[int, float] | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = 1
     user: str | None = None
     prompt_cache_key: str | None = Field(None, pattern=SESSION_ID_PATTERN)
     kv_cache: CacheOptions | None = None
@@ -72,6 +75,13 @@ class SamplingRequest(Request):
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop takes up to 4 non-empty strings")
         return stops
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("n must be 1: this server returns one choice per request")
+        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -90,7 +100,7 @@ class SamplingRequest(Request):
             temperature=self.temperature,
             top_p=self.top_p,
             min_p=self.min_p,
-            seed=self.seed,
+            seed=None if self.seed is None else self.seed % 2**64,
             stop=self.stop,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
@@ -116,11 +126,52 @@ class ChatMessage(Request):
         return self.content or ""
 
 
+def _unsupported(field: str, why: str, harmless: tuple = (None,)):
+    """A validator refusing `field` with a 400 that names it, instead of ignoring it.
+
+    Values in `harmless` (no tools, tool_choice "none") ask for nothing and pass.
+    """
+
+    def check(cls, v):
+        if v not in harmless:
+            raise ValueError(f"{field} is not supported: {why}")
+        return v
+
+    return field_validator(field)(classmethod(check))
+
+
+NO_TOOLS = "this server has no tool calling (send the conversation without tools)"
+
+
+class ResponseFormat(Request):
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, v: str) -> str:
+        if v != "text":
+            raise ValueError(
+                f"response_format {v!r} is not supported: this server has no constrained "
+                "decoding; only {'type': 'text'} is accepted"
+            )
+        return v
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    # Refused rather than ignored: a client that sends them expects them honoured.
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    _no_tools = _unsupported("tools", NO_TOOLS, (None, []))
+    _no_tool_choice = _unsupported("tool_choice", NO_TOOLS, (None, "none"))
+    _no_functions = _unsupported("functions", NO_TOOLS, (None, []))
+    _no_function_call = _unsupported("function_call", NO_TOOLS, (None, "none"))
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
@@ -142,6 +193,16 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[int] = Field(min_length=1)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    _no_suffix = _unsupported("suffix", "this server does not fill in the middle")
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_one(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
+            raise ValueError("best_of must be 1: this server returns one choice per request")
+        return v
 
     def token_limit(self) -> int | None:
         return self.max_tokens or 16  # OpenAI's default for completions

@@ -11,11 +11,12 @@ import re
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Header, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
+from server.auth import session_owner
 from server.errors import APIError
-from server.jobs import Job, QueueFull, SessionBusy
+from server.jobs import Job, QueueFull, SessionBusy, ShuttingDown
 from server.protocol import (
     SESSION_ID_PATTERN,
     ChatCompletionRequest,
@@ -40,7 +41,11 @@ def _worker(request: Request) -> Worker:
 
 @router.get("/health")
 async def health(request: Request):
-    return {"status": "ok", "model": _worker(request).engine.model_id}
+    """Answered on the event loop, never by the worker; 503 while draining after SIGTERM."""
+    worker = _worker(request)
+    if worker.draining:
+        return JSONResponse({"status": "shutting_down"}, status_code=503)
+    return {"status": "ok", "model": worker.engine.model_id}
 
 
 @router.get("/v1/models")
@@ -49,32 +54,41 @@ async def models(request: Request):
     return {"object": "list", "data": [{**card, "owned_by": "h2o-server"}]}
 
 
+# /metrics and /v1/sessions read what the session store last published: they answer
+# at once, even while the worker is inside a long forward pass.
+
+
 @router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request):
     worker = _worker(request)
     store = worker.engine.store
-    sessions, counts = await asyncio.wrap_future(
-        worker.call(lambda: (store.snapshot(), dict(store.counts)))
-    )
+    sessions = [stats for _, stats in store.published]
     return worker.metrics.render(
-        counts, sessions, worker.queue_depth, worker.active, worker.engine.budget.total
+        store.published_counts,
+        sessions,
+        worker.queue_depth,
+        worker.active,
+        worker.engine.budget.total,
     )
 
 
 @router.get("/v1/sessions")
-async def list_sessions(request: Request):
+async def list_sessions(request: Request, user: str | None = None):
+    """The caller's sessions (everyone's unless --session-scope caller)."""
     worker = _worker(request)
-    sessions = await asyncio.wrap_future(worker.call(worker.engine.store.snapshot))
-    return {"object": "list", "data": sessions}
+    owner = _owner(request, user)
+    mine = [stats for who, stats in worker.engine.store.published if who == owner]
+    return {"object": "list", "data": mine}
 
 
 @router.delete("/v1/sessions/{session_id}")
-async def delete_session(session_id: str, request: Request):
+async def delete_session(session_id: str, request: Request, user: str | None = None):
     _check_session_id(session_id)
     worker = _worker(request)
+    owner = _owner(request, user)
     try:
         found = await asyncio.wrap_future(
-            worker.call(lambda: worker.engine.store.delete(session_id))
+            worker.call(lambda: worker.engine.store.delete(session_id, owner))
         )
     except SessionBusy:
         raise APIError(409, f"session {session_id} is answering a request") from None
@@ -113,6 +127,12 @@ def _check_model(engine: Engine, name: str) -> None:
             "model_not_found",
             "model",
         )
+
+
+def _owner(request: Request, user: str | None) -> str:
+    """Who the caller is, as the session store files sessions (server/auth.py)."""
+    scoped = _worker(request).settings.session_scope == "caller"
+    return session_owner(scoped, getattr(request.state, "api_key", None), user)
 
 
 def _check_session_id(session_id: str) -> None:
@@ -161,13 +181,16 @@ async def _generate(
     kind: str,
     echo: str = "",
 ):
-    job = _make_job(worker, body, prompt, body.prompt_cache_key or session_header)
+    owner = _owner(request, body.user)
+    job = _make_job(worker, body, prompt, body.prompt_cache_key or session_header, owner)
     engine = worker.engine
     builder = ReplyBuilder(kind, engine.model_id, engine.tokenizer, body.include_usage(), echo)
-    return await respond(job, request, body.stream, builder)
+    return await respond(job, request, body.stream, builder, worker.settings.shutdown_timeout)
 
 
-def _make_job(worker: Worker, body: SamplingRequest, prompt: list[int], key: str | None) -> Job:
+def _make_job(
+    worker: Worker, body: SamplingRequest, prompt: list[int], key: str | None, owner: str
+) -> Job:
     engine = worker.engine
     if key is not None:
         _check_session_id(key)
@@ -186,6 +209,16 @@ def _make_job(worker: Worker, body: SamplingRequest, prompt: list[int], key: str
             f"max_tokens {max_tokens} exceeds the model's context ({context})",
             param="max_tokens",
         )
+    accepted = engine.prompt_limit(spec)
+    if len(prompt) > accepted:
+        raise APIError(
+            400,
+            f"the prompt has {len(prompt)} tokens, more than the {accepted} this server "
+            f"accepts (the model's context is {context}; --max-prompt-tokens raises the "
+            "limit for policies that evict)",
+            "context_length_exceeded",
+            "prompt" if isinstance(body, CompletionRequest) else "messages",
+        )
     limit = engine.context_limit(spec)
     if limit is not None:  # policy full: prompt and reply must fit in the cache
         room = limit - len(prompt)
@@ -199,9 +232,11 @@ def _make_job(worker: Worker, body: SamplingRequest, prompt: list[int], key: str
             )
         max_tokens = max_tokens or room
     params = body.sampling_params(max_tokens or DEFAULT_REPLY_TOKENS)
-    job = Job(prompt, params, spec, key, asyncio.get_running_loop())
+    job = Job(prompt, params, spec, key, asyncio.get_running_loop(), owner=owner)
     try:
         worker.submit(job)
     except QueueFull:
         raise APIError(429, "the server is busy: too many queued requests", "queue_full") from None
+    except ShuttingDown:
+        raise APIError(503, "the server is shutting down", "server_shutting_down") from None
     return job

@@ -15,14 +15,22 @@ prompt instead (an evicted token cannot be restored).
 
 At most `max_sessions` caches live in memory (each is sized so that they all
 fit the budget). Past that, the least recently used idle session is spilled
-to `spill_dir` as safetensors and restored on its next turn, or, with no spill
-folder, dropped; either way it is counted and logged, and the client's next
-turn (which carries the whole history) rebuilds it.
+to `spill_dir` (server/spill.py) and restored on its next turn, or, with no
+spill folder, dropped; either way it is counted and logged, and the client's
+next turn (which carries the whole history) rebuilds it. Spilled sessions
+outlive the process: the folder is indexed on start.
+
+With sessions scoped to callers, each session has an `owner` (server/auth.py)
+and lookups, listings and deletions see only the caller's own sessions.
+
+A request that fails leaves no session behind: its cache is in an unknown
+state, so the session is forgotten (and rebuilt from the history next turn).
+After every change the store publishes plain snapshots (`published`,
+`published_counts`) that handlers read without waiting for the worker.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -31,11 +39,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
-
 from cache import cache_usage
 from config.cache_spec import CacheSpec
 from server.jobs import SessionBusy
+from server.spill import SpilledSession, SpillError, SpillFolder
 
 log = logging.getLogger("h2o_server.sessions")
 SPILLED_PER_RESIDENT = 16  # spilled sessions kept on disk per in-memory slot
@@ -52,6 +59,8 @@ class Session:
     last_used: float = field(default_factory=time.time)
     busy: bool = False
     spill_path: Path | None = None
+    owner: str = ""  # who may see it (server/auth.py); "" = everyone
+    evictions: int = 0  # as of the last spill (a spilled session's caches cannot tell)
     stats: dict = field(default_factory=dict)
 
     def refresh_stats(self) -> None:
@@ -60,7 +69,11 @@ class Session:
         logical_tokens: tokens the conversation has seen; stored_tokens: tokens its
         cache holds per layer (fewer after eviction).
         """
-        seen, stored, nbytes = cache_usage(self.caches) if self.caches else (len(self.tokens), 0, 0)
+        if self.caches:
+            seen, stored, nbytes = cache_usage(self.caches)
+            self.evictions = seen - stored
+        else:
+            seen, stored, nbytes = len(self.tokens), 0, 0
         self.stats = {
             "id": self.id,
             "policy": self.spec.policy,
@@ -70,7 +83,7 @@ class Session:
             "logical_tokens": seen,
             "stored_tokens": stored,
             "bytes": nbytes,
-            "evictions": seen - stored if self.caches else 0,
+            "evictions": self.evictions,
             "spilled": self.caches is None,
             "busy": self.busy,
             "last_used": int(self.last_used),
@@ -108,27 +121,39 @@ class SessionStore:
         make_caches: Callable[[CacheSpec], list],
         max_sessions: int,
         spill_dir: str | Path | None = None,
+        *,
+        model_identity: str = "",
+        spill_budget: int = 2**62,
     ):
         self.make_caches = make_caches
         self.max_sessions = max_sessions
-        self.spill_dir = Path(spill_dir) if spill_dir else None
-        if self.spill_dir:
-            self.spill_dir.mkdir(parents=True, exist_ok=True)
-        self.counts: Counter[str] = Counter()  # spilled, dropped, restored, rebuilt
-        self.sessions: dict[str, Session] = {}
+        self.counts: Counter[str] = Counter()  # spilled, dropped, restored, rebuilt, refused
+        self.sessions: dict[tuple[str, str], Session] = {}  # (owner, id) -> session
+        self.published: list[tuple[str, dict]] = []  # (owner, stats), for handlers
+        self.published_counts: dict[str, int] = {}
+        self.spill = None
+        if spill_dir:
+            max_files = SPILLED_PER_RESIDENT * max_sessions
+            self.spill = SpillFolder(spill_dir, model_identity, spill_budget, max_files)
+            self._index()
+        self._publish()
 
     # ------------------------------------------------------------------ lookup
 
-    def acquire(self, key: str | None, prompt: list[int], spec: CacheSpec) -> tuple[Session, int]:
+    def acquire(
+        self, key: str | None, prompt: list[int], spec: CacheSpec, owner: str = ""
+    ) -> tuple[Session, int]:
         """The session for this prompt, rewound so it holds a prefix of it; marks it busy.
 
         Returns (session, reused tokens). At least the prompt's last token is left
-        to prefill, since its logits start the reply.
+        to prefill, since its logits start the reply. If this fails, the session is
+        forgotten: no half-prepared session stays behind.
         """
-        session = self._find(key, prompt)
+        session = self._find(owner, key, prompt)
         if session is None:
-            session = Session(id=key or f"anon-{uuid.uuid4().hex[:16]}", spec=spec, keyed=bool(key))
-            self.sessions[session.id] = session
+            session_id = key or f"anon-{uuid.uuid4().hex[:16]}"
+            session = Session(id=session_id, spec=spec, keyed=bool(key), owner=owner)
+            self.sessions[(owner, session.id)] = session
         session.busy = True
         try:
             self._make_room(keep=session)
@@ -143,21 +168,24 @@ class SessionStore:
                 match = 0
             del session.tokens[match:]
         except BaseException:
-            session.busy = False
+            self._forget(session)
+            self._publish()
             raise
         session.prompt_len = len(prompt)
         session.last_used = time.time()
+        session.refresh_stats()
+        self._publish()
         return session, match
 
-    def _find(self, key: str | None, prompt: list[int]) -> Session | None:
+    def _find(self, owner: str, key: str | None, prompt: list[int]) -> Session | None:
         if key:
-            session = self.sessions.get(key)
+            session = self.sessions.get((owner, key))
             if session is not None and session.busy:
                 raise SessionBusy(key)
             return session
         best, best_len = None, 0
         for s in self.sessions.values():
-            if s.keyed or s.busy or not s.prompt_len:
+            if s.keyed or s.busy or not s.prompt_len or s.owner != owner:
                 continue
             n = common_prefix(s.tokens, prompt)
             if n >= s.prompt_len and n > best_len:
@@ -165,30 +193,54 @@ class SessionStore:
         return best
 
     def release(self, session: Session, broken: bool = False) -> None:
-        """The request is over. A request that failed midway leaves no cache behind."""
-        if broken:
-            session.caches, session.tokens = None, []
+        """The request is over. One that failed midway leaves no session behind."""
         session.busy = False
         session.last_used = time.time()
-        session.refresh_stats()
+        if broken:
+            log.warning("session %s discarded: its request failed midway", session.id)
+            self._forget(session)
+        else:
+            session.refresh_stats()
+        self._publish()
 
-    def delete(self, session_id: str) -> bool:
-        session = self.sessions.get(session_id)
+    def delete(self, session_id: str, owner: str = "") -> bool:
+        session = self.sessions.get((owner, session_id))
         if session is None:
             return False
         if session.busy:
             raise SessionBusy(session_id)
         self._forget(session)
+        self._publish()
         return True
 
     def snapshot(self) -> list[dict]:
-        for s in self.sessions.values():
-            if not s.stats:
-                s.refresh_stats()
-        return [dict(s.stats) for s in self.sessions.values()]
+        return [dict(stats) for _, stats in self.published]
 
     def in_memory(self) -> list[Session]:
         return [s for s in self.sessions.values() if s.caches is not None]
+
+    def spill_all(self) -> int:
+        """Write every idle session in memory to the spill folder (at shutdown); how many."""
+        if self.spill is None:
+            return 0
+        idle = [s for s in self.in_memory() if not s.busy]
+        for session in idle:
+            self._spill(session)
+        self._publish()
+        return len(idle)
+
+    def close(self) -> None:
+        """Release the spill folder (sessions already spilled stay there for the next start)."""
+        if self.spill is not None:
+            self.spill.close()
+
+    def _publish(self) -> None:
+        """Plain copies for handlers on other threads (one reference swap each)."""
+        for s in self.sessions.values():
+            if not s.stats:
+                s.refresh_stats()
+        self.published = [(s.owner, dict(s.stats)) for s in self.sessions.values()]
+        self.published_counts = dict(self.counts)
 
     # ------------------------------------------------------------------ memory
 
@@ -198,17 +250,22 @@ class SessionStore:
         excess = len(resident) + 1 - self.max_sessions
         idle = sorted((s for s in resident if not s.busy), key=lambda s: s.last_used)
         for victim in idle[: max(0, excess)]:
-            if self.spill_dir:
+            if self.spill:
                 self._spill(victim)
             else:
                 self._drop(victim, "no --spill-dir")
-        # Disk is bounded too: the oldest spilled sessions go first.
+        self._trim_disk()
+
+    def _trim_disk(self) -> None:
+        """Disk is bounded too (every file in the folder counts): the oldest spills go first."""
+        if self.spill is None:
+            return
         spilled = sorted(
             (s for s in self.sessions.values() if s.spill_path is not None),
             key=lambda s: s.last_used,
         )
-        for victim in spilled[: max(0, len(spilled) - SPILLED_PER_RESIDENT * self.max_sessions)]:
-            self._drop(victim, "too many spilled sessions")
+        while spilled and self.spill.over_budget():
+            self._drop(spilled.pop(0), "over --spill-budget")
 
     def _drop(self, session: Session, why: str) -> None:
         log.info("session %s dropped (%s); its next turn rebuilds it", session.id, why)
@@ -216,22 +273,55 @@ class SessionStore:
         self._forget(session)
 
     def _spill(self, session: Session) -> None:
-        path = self.spill_dir / f"{session.id}.safetensors"
-        save_prompt_cache(str(path), session.caches, {"tokens": json.dumps(session.tokens)})
+        path = self.spill.file_for(session.owner, session.id)
         session.refresh_stats()  # its evictions, while the caches can still tell them
-        session.stats.update(spilled=True, stored_tokens=0, bytes=0)
+        header = {
+            "id": session.id,
+            "owner": session.owner,
+            "keyed": session.keyed,
+            "spec": session.spec.as_dict(),
+            "tokens": session.tokens,
+            "prompt_len": session.prompt_len,
+            "evictions": session.evictions,
+        }
+        try:
+            nbytes = self.spill.write(path, session.caches, header)
+        except OSError as e:
+            log.error("session %s could not be spilled (%s)", session.id, e)
+            self._drop(session, "spill failed")
+            return
         session.caches, session.spill_path = None, path
-        log.info("session %s spilled to %s", session.id, path)
+        session.refresh_stats()
+        log.info("session %s spilled to %s (%.1f MiB)", session.id, path, nbytes / 2**20)
         self.counts["spilled"] += 1
 
     def _restore(self, session: Session) -> None:
-        caches, meta = load_prompt_cache(str(session.spill_path), return_metadata=True)
-        session.caches = caches
-        session.tokens = json.loads(meta["tokens"])
-        session.spill_path.unlink(missing_ok=True)
-        session.spill_path = None
-        log.info("session %s restored", session.id)
-        self.counts["restored"] += 1
+        """Load a spilled session; a file that cannot be used is refused and the session rebuilt."""
+        path, session.spill_path = session.spill_path, None
+        try:
+            session.caches = self.spill.read(path, len(session.tokens))
+            log.info("session %s restored", session.id)
+            self.counts["restored"] += 1
+        except SpillError as e:
+            log.warning("session %s: spill file %s refused: %s; rebuilt", session.id, path, e)
+            self.counts["refused"] += 1
+            session.caches, session.tokens = None, []
+        finally:
+            path.unlink(missing_ok=True)
+
+    def _index(self) -> None:
+        """Spilled sessions of an earlier run (server/spill.py indexes the folder)."""
+        found = self.spill.index()
+        for f in found:
+            self.sessions[(f.owner, f.id)] = _spilled_session(f)
+        self._trim_disk()
+        total, _ = self.spill.usage()
+        log.info(
+            "spill folder %s: %d session(s) from an earlier run, %.1f MiB on disk",
+            self.spill.path,
+            len(found),
+            total / 2**20,
+        )
 
     def _reset(self, session: Session, spec: CacheSpec) -> None:
         session.spec, session.caches, session.tokens = spec, self.make_caches(spec), []
@@ -239,4 +329,20 @@ class SessionStore:
     def _forget(self, session: Session) -> None:
         if session.spill_path is not None:
             session.spill_path.unlink(missing_ok=True)
-        self.sessions.pop(session.id, None)
+        self.sessions.pop((session.owner, session.id), None)
+
+
+def _spilled_session(f: SpilledSession) -> Session:
+    session = Session(
+        id=f.id,
+        spec=f.spec,
+        keyed=f.keyed,
+        tokens=f.tokens,
+        prompt_len=f.prompt_len,
+        last_used=f.mtime,
+        spill_path=f.path,
+        owner=f.owner,
+        evictions=f.evictions,
+    )
+    session.refresh_stats()
+    return session

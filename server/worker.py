@@ -6,6 +6,11 @@ token in one batched forward pass and prompts are prefilled under a per-round
 token budget, so all streams progress together. Events go back to the
 handler's asyncio queue. Anything else that needs MLX (deleting a session,
 reading cache sizes) runs here too, between rounds, through `call`.
+
+After SIGTERM (`begin_shutdown`) the worker drains: queued requests fail with
+503 at once, in-flight ones may finish within `--shutdown-timeout`, then the
+rest are cancelled (their streams end with an error event); every session is
+then spilled to --spill-dir, if set.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +27,7 @@ from typing import Any
 from config.settings import ServerSettings
 from server.batcher import Batcher
 from server.generation import Generation
-from server.jobs import Failed, Job, QueueFull, SessionBusy, Started
+from server.jobs import Failed, Job, QueueFull, SessionBusy, ShuttingDown, Started
 from server.metrics import Metrics
 
 log = logging.getLogger("h2o_server.worker")
@@ -41,6 +47,9 @@ class Worker:
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._stopping = False
+        self._drain_deadline: float | None = None  # set by begin_shutdown
+        self._drained = threading.Event()
+        self._drain_logged = False
         self._startup_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="mlx-worker", daemon=True)
 
@@ -53,12 +62,34 @@ class Worker:
         if self._startup_error is not None:
             raise self._startup_error
 
+    def begin_shutdown(self, timeout: float) -> None:
+        """Stop taking requests; cancel what still runs after `timeout` s.
+
+        Safe in a signal handler: one attribute store, no lock (the loop notices
+        within its 0.25 s inbox poll).
+        """
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + timeout
+
     def stop(self) -> None:
+        """Drain (if no signal started it), spill, and end the thread."""
+        if self._thread.is_alive():
+            self.begin_shutdown(self.settings.shutdown_timeout)
+            self._inbox.put(None)  # wake the loop
+            self._drained.wait(timeout=self.settings.shutdown_timeout + 60)
         self._stopping = True
         self._inbox.put(None)
         self._thread.join(timeout=30)
+        if self.engine is not None:
+            self.engine.store.close()
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
 
     def submit(self, job: Job) -> None:
+        if self.draining:
+            raise ShuttingDown
         with self._lock:
             if self._pending >= self.settings.max_queue:
                 self.metrics.add("requests_rejected_total")
@@ -96,7 +127,10 @@ class Worker:
         self._ready.set()
         while not self._stopping:
             self._take_inbox(block=not self._active and not self._waiting)
-            self._admit()
+            if self.draining:
+                self._drain()
+            else:
+                self._admit()
             self._round()
 
     def _take_inbox(self, block: bool) -> None:
@@ -115,20 +149,50 @@ class Worker:
         except queue.Empty:
             pass
 
+    def _drain(self) -> None:
+        """One round of the shutdown: fail the queue, cut what overruns, spill when idle."""
+        if not self._drain_logged:
+            left = max(0.0, self._drain_deadline - time.monotonic())
+            log.info("shutting down: %d in-flight request(s) get %.1f s", len(self._active), left)
+            self._drain_logged = True
+        for job in self._waiting:
+            self._started(job)
+            self._fail(job, 503, "the server is shutting down", "server_shutting_down")
+        self._waiting.clear()
+        if self._active and time.monotonic() >= self._drain_deadline:
+            cut = "the server shut down before the reply was complete"
+            for job, gen in list(self._active):
+                log.info(
+                    "request %s cut by the shutdown after %d tokens", job.id, len(gen.generated)
+                )
+                self._finish(job, gen)
+                self._fail(job, 503, cut, "server_shutting_down")
+        if not self._active and not self._drained.is_set():
+            spilled = self.engine.store.spill_all()
+            log.info("drained; %d session(s) spilled", spilled)
+            self._drained.set()
+
+    def _cancelled(self, job: Job, gen: Generation | None = None) -> None:
+        self.metrics.add("requests_cancelled_total")
+        done = f" after {len(gen.generated)} tokens" if gen is not None else " while queued"
+        log.info("request %s cancelled (%s)%s", job.id, job.cancel_reason, done)
+
     def _admit(self) -> None:
         still_waiting: deque[Job] = deque()
         while self._waiting:
             job = self._waiting.popleft()
             if job.cancelled.is_set():
                 self._started(job)
-                self.metrics.add("requests_cancelled_total")
+                self._cancelled(job)
                 continue
             if len(self._active) >= self.settings.max_sessions:
                 still_waiting.append(job)
                 continue
             session = None
             try:
-                session, reused = self.engine.store.acquire(job.session_key, job.prompt, job.spec)
+                session, reused = self.engine.store.acquire(
+                    job.session_key, job.prompt, job.spec, job.owner
+                )
                 gen = Generation(self.engine.tokenizer, session, job.prompt, reused, job.params)
             except SessionBusy:
                 still_waiting.append(job)  # same conversation, one turn at a time
@@ -154,7 +218,7 @@ class Worker:
         for job, gen in list(self._active):
             if job.cancelled.is_set():  # a draw not yet read was never fed: nothing to undo
                 self._finish(job, gen)
-                self.metrics.add("requests_cancelled_total")
+                self._cancelled(job, gen)
         if not self._active:
             return
         jobs = {gen: job for job, gen in self._active}
@@ -169,6 +233,7 @@ class Worker:
                 self._fail(job, 500, f"generation failed: {type(outcome).__name__}: {outcome}")
                 continue
             job.emit(outcome)
+            self.metrics.add("decoded_tokens_total")
             if gen.done:
                 self._finish(job, gen)
                 finished = gen.finished()
@@ -181,6 +246,6 @@ class Worker:
         self._active.remove((job, gen))
         self.engine.store.release(gen.session, broken=broken)
 
-    def _fail(self, job: Job, status: int, message: str) -> None:
+    def _fail(self, job: Job, status: int, message: str, code: str | None = None) -> None:
         self.metrics.add("requests_failed_total")
-        job.emit(Failed(status, message))
+        job.emit(Failed(status, message, code))

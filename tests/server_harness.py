@@ -44,16 +44,20 @@ class Server:
     def request(
         self, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None
     ) -> Response:
-        """Plain HTTP, for what the SDK would refuse to send (bad JSON, bad bytes)."""
+        """Plain HTTP, for what the SDK would refuse to send (bad JSON, bad bytes).
+
+        A header given as None is left out (e.g. {"Authorization": None}: no credentials).
+        """
         if isinstance(body, dict):
             body = json.dumps(body).encode()
+        sent = {"Content-Type": "application/json", **self.auth, **(headers or {})}
         conn = self.connection()
         try:
             conn.request(
                 method,
                 path,
                 body=body,
-                headers={"Content-Type": "application/json", **self.auth, **(headers or {})},
+                headers={k: v for k, v in sent.items() if v is not None},
             )
             r = conn.getresponse()
             return Response(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
@@ -76,17 +80,58 @@ class Server:
     def sessions(self) -> dict[str, dict]:
         return {s["id"]: s for s in self.get("/v1/sessions").json()["data"]}
 
+    def log_text(self) -> str:
+        return self.log.read_text()
 
-@contextlib.contextmanager
-def running_server(tmp: Path, *flags: str, timeout: float = 120) -> Iterator[Server]:
+    def open_request(self, body: dict, headers: dict | None = None):
+        """POST /v1/chat/completions and return (connection, response) once headers arrive."""
+        conn = self.connection()
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps(body),
+            {"Content-Type": "application/json", **self.auth, **(headers or {})},
+        )
+        return conn, conn.getresponse()
+
+    def wait_for(self, condition, timeout: float = 60, what: str = "condition") -> dict:
+        """Poll /metrics until condition(metrics) holds; return those metrics."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if condition(m):
+                return m
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: {m}"
+            time.sleep(0.02)
+
+
+def sse_events(response) -> Iterator[dict | str]:
+    """The data of each server-sent event: parsed JSON, or "[DONE]"."""
+    for raw in response:
+        line = raw.decode().strip()
+        if line.startswith("data:"):
+            data = line[5:].strip()
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+def launch(tmp: Path, *flags: str, timeout: float = 120) -> Server:
+    """Start a server the caller stops (or kills) itself."""
     log = tmp / f"server-{time.monotonic_ns()}.log"
     with open(log, "w") as out:
         try:
             process, port = start_server(list(flags), stdout=out, timeout=timeout)
         except RuntimeError as e:
             raise RuntimeError(f"{e}:\n{log.read_text()}") from None
-    api_key = flags[flags.index("--api-key") + 1] if "--api-key" in flags else None
+    keys = flags[flags.index("--api-key") + 1] if "--api-key" in flags else None
+    api_key = keys.split(",")[0] if keys else None  # the first of k1,k2
+    return Server(port, process, log, api_key)
+
+
+@contextlib.contextmanager
+def running_server(tmp: Path, *flags: str, timeout: float = 120) -> Iterator[Server]:
+    server = launch(tmp, *flags, timeout=timeout)
     try:
-        yield Server(port, process, log, api_key)
+        yield server
     finally:
-        stop_server(process)
+        if server.process.poll() is None:
+            stop_server(server.process)

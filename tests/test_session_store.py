@@ -33,6 +33,10 @@ def store_for(model, tmp_path):
     return build
 
 
+def ids(store) -> set[str]:
+    return {s.id for s in store.sessions.values()}
+
+
 def feed(model, session, tokens: list[int]) -> None:
     """What the worker does after acquire: run the new tokens through the caches."""
     new = tokens[len(session.tokens) :]
@@ -114,22 +118,47 @@ def test_a_busy_keyed_session_makes_the_next_turn_wait(store_for, model):
     with pytest.raises(SessionBusy):
         store.delete("chat")
     store.release(s)
-    assert store.delete("chat") and "chat" not in store.sessions
+    assert store.delete("chat") and ids(store) == set()
 
 
-def test_a_failed_request_leaves_no_cache(store_for, model):
+def test_a_failed_request_leaves_no_session(store_for, model):
     store = store_for()
-    s, _ = turn(store, model, "chat", [1, 2, 3])
+    turn(store, model, "chat", [1, 2, 3])
     s, _ = store.acquire("chat", [1, 2, 3, 4], FULL)
     store.release(s, broken=True)
-    assert s.caches is None and s.tokens == []
+    assert ids(store) == set() and store.snapshot() == []
+
+
+def test_a_session_that_cannot_be_prepared_is_not_kept(model, tmp_path):
+    def unbuildable(spec):
+        raise RuntimeError("no memory")
+
+    store = SessionStore(unbuildable, 2)
+    with pytest.raises(RuntimeError):
+        store.acquire("chat", [1, 2, 3], FULL)
+    with pytest.raises(RuntimeError):
+        store.acquire(None, [1, 2, 3], FULL)
+    assert ids(store) == set() and store.snapshot() == []
+
+
+def test_owners_see_only_their_own_sessions(store_for, model):
+    store = store_for()
+    mine, _ = turn(store, model, "chat", [1, 2, 3])
+    other, reused = store.acquire("chat", [1, 2, 3, 4], FULL, owner="someone")
+    assert other is not mine and reused == 0  # same key, another caller: another session
+    store.release(other)
+    anon, reused = store.acquire(None, [1, 2, 3, 4], FULL, owner="someone")
+    assert anon is not mine and reused == 0  # a prefix of another caller's is not reused
+    store.release(anon)
+    assert not store.delete("chat", owner="nobody")
+    assert store.delete("chat", owner="someone") and store.delete("chat")
 
 
 def test_least_recently_used_idle_sessions_are_dropped_without_a_spill_dir(store_for, model):
     store = store_for(max_sessions=2)
     for key in ("a", "b", "c"):
         turn(store, model, key, [1, 2, 3])
-    assert set(store.sessions) == {"b", "c"} and store.counts["dropped"] == 1
+    assert ids(store) == {"b", "c"} and store.counts["dropped"] == 1
 
 
 def test_spilled_sessions_come_back_with_their_cache(store_for, model):
