@@ -18,6 +18,14 @@ spill folder, dropped; either way it is counted and logged, and the client's
 next turn (which carries the whole history) rebuilds it. Spilled sessions
 outlive the process: the folder is indexed on start.
 
+Several replicas may share one spill folder. A replica owns the sessions it
+holds in memory (a claim, server/claims.py) and finds the ones others spilled
+by looking at the folder on every request; a session another replica holds is
+waited for (it hands it over once idle) and, past `claim_wait`, served with a
+throwaway cache rebuilt from the prompt, so two replicas never own one.
+`tick()` spills sessions idle past `--spill-idle-seconds` and those another
+replica asked for.
+
 With sessions scoped to callers, each session has an `owner` (server/auth.py)
 and lookups, listings and deletions see only the caller's own sessions.
 
@@ -39,8 +47,9 @@ from pathlib import Path
 
 from cache import cache_usage
 from config.cache_spec import CacheSpec
-from server.jobs import SessionBusy
-from server.spill import SpilledSession, SpillError, SpillFolder
+from server.claims import Claim
+from server.jobs import SessionBusy, SessionClaimed
+from server.spill import SUFFIX, SpilledSession, SpillError, SpillFolder
 
 log = logging.getLogger("h2o_server.sessions")
 SPILLED_PER_RESIDENT = 16  # spilled sessions kept on disk per in-memory slot
@@ -59,6 +68,8 @@ class Session:
     spill_path: Path | None = None
     owner: str = ""  # who may see it (server/auth.py); "" = everyone
     evictions: int = 0  # as of the last spill (a spilled session's caches cannot tell)
+    claim: Claim | None = None  # held while the caches are in memory (shared spill folder)
+    borrowed: bool = False  # a throwaway for one turn: another replica owns the session
     stats: dict = field(default_factory=dict)
 
     def refresh_stats(self) -> None:
@@ -122,6 +133,7 @@ class SessionStore:
         self.published: list[tuple[str, dict]] = []  # (owner, stats), for handlers
         self.published_counts: dict[str, int] = {}
         self.spill = None
+        self._unusable: set[Path] = set()  # files in the folder _sync cannot use
         if spill_dir:
             max_files = SPILLED_PER_RESIDENT * max_sessions
             self.spill = SpillFolder(spill_dir, model_identity, spill_budget, max_files)
@@ -131,18 +143,32 @@ class SessionStore:
     # ------------------------------------------------------------------ lookup
 
     def acquire(
-        self, key: str | None, prompt: list[int], spec: CacheSpec, owner: str = ""
+        self,
+        key: str | None,
+        prompt: list[int],
+        spec: CacheSpec,
+        owner: str = "",
+        borrow: bool = False,
     ) -> tuple[Session, int]:
         """The session for this prompt, rewound so it holds a prefix of it; marks it busy.
 
         Returns (session, reused tokens). At least the prompt's last token is left
         to prefill, since its logits start the reply. If this fails, the session is
-        forgotten: no half-prepared session stays behind.
+        forgotten: no half-prepared session stays behind. Raises SessionClaimed while
+        another replica owns the session, unless `borrow`.
         """
+        self._sync()
         session = self._find(owner, key, prompt)
         if session is None:
             session_id = key or f"anon-{uuid.uuid4().hex[:16]}"
             session = Session(id=session_id, spec=spec, keyed=bool(key), owner=owner)
+        if not self._own(session):
+            if not borrow:
+                raise SessionClaimed(session.id)
+            log.info("session %s is held by another replica; this turn is rebuilt", session.id)
+            self.counts["borrowed"] += 1
+            session = Session(id=session.id, spec=spec, keyed=True, owner=owner, borrowed=True)
+        elif (owner, session.id) not in self.sessions:
             self.sessions[(owner, session.id)] = session
         session.busy = True
         try:
@@ -186,7 +212,9 @@ class SessionStore:
         """The request is over. One that failed midway leaves no session behind."""
         session.busy = False
         session.last_used = time.time()
-        if broken:
+        if session.borrowed:
+            session.caches = None
+        elif broken:
             log.warning("session %s discarded: its request failed midway", session.id)
             self._forget(session)
         else:
@@ -219,9 +247,28 @@ class SessionStore:
         self._publish()
         return len(idle)
 
+    def tick(self, idle_seconds: float | None) -> int:
+        """Spill sessions idle past `idle_seconds` and those another replica wants; how many."""
+        if self.spill is None:
+            return 0
+        now, spilled = time.time(), 0
+        for session in [s for s in self.in_memory() if not s.busy]:
+            wanted = self.spill.claims.wanted(self._name(session))
+            idle = idle_seconds is not None and now - session.last_used >= idle_seconds
+            if wanted or idle:
+                why = "another replica asked for it" if wanted else "idle"
+                self._spill(session, why)
+                self.counts["handed_over"] += wanted
+                spilled += 1
+        if spilled:
+            self._publish()
+        return spilled
+
     def close(self) -> None:
         """Release the spill folder (sessions already spilled stay there for the next start)."""
         if self.spill is not None:
+            for session in self.in_memory():
+                self._forget(session)  # busy at exit: nobody may wait for its claim
             self.spill.close()
 
     def _publish(self) -> None:
@@ -262,7 +309,7 @@ class SessionStore:
         self.counts["dropped"] += 1
         self._forget(session)
 
-    def _spill(self, session: Session) -> None:
+    def _spill(self, session: Session, why: str = "memory") -> None:
         path = self.spill.file_for(session.owner, session.id)
         session.refresh_stats()  # its evictions, while the caches can still tell them
         header = {
@@ -281,20 +328,31 @@ class SessionStore:
             self._drop(session, "spill failed")
             return
         session.caches, session.spill_path = None, path
+        self._disown(session)  # written first: whoever claims it next finds the file
         session.refresh_stats()
-        log.info("session %s spilled to %s (%.1f MiB)", session.id, path, nbytes / 2**20)
+        log.info("session %s spilled to %s (%s, %.1f MiB)", session.id, path, why, nbytes / 2**20)
         self.counts["spilled"] += 1
 
     def _restore(self, session: Session) -> None:
-        """Load a spilled session; a file that cannot be used is refused and the session rebuilt."""
+        """Load a spilled session; a file that cannot be used is refused and the session rebuilt.
+
+        The header is read again: another replica may have written a newer turn since
+        this one indexed the file, or taken it.
+        """
         path, session.spill_path = session.spill_path, None
         try:
+            header = self.spill.describe(path)
+            session.tokens, session.prompt_len = header.tokens, header.prompt_len
+            session.spec, session.evictions = header.spec, header.evictions
             session.caches = self.spill.read(path, len(session.tokens))
             log.info("session %s restored", session.id)
             self.counts["restored"] += 1
         except SpillError as e:
             log.warning("session %s: spill file %s refused: %s; rebuilt", session.id, path, e)
             self.counts["refused"] += 1
+            session.caches, session.tokens = None, []
+        except FileNotFoundError:
+            log.info("session %s: its spill file is gone (dropped elsewhere); rebuilt", session.id)
             session.caches, session.tokens = None, []
         finally:
             path.unlink(missing_ok=True)
@@ -317,9 +375,52 @@ class SessionStore:
         session.spec, session.caches, session.tokens = spec, self.make_caches(spec), []
 
     def _forget(self, session: Session) -> None:
-        if session.spill_path is not None:
-            session.spill_path.unlink(missing_ok=True)
-        self.sessions.pop((session.owner, session.id), None)
+        if session.spill_path is not None and self._own(session, ask=False):
+            session.spill_path.unlink(missing_ok=True)  # not while another replica restores it
+        self._disown(session)
+        if self.sessions.get((session.owner, session.id)) is session:
+            del self.sessions[(session.owner, session.id)]
+
+    # ------------------------------------------------------------------ ownership
+
+    def _name(self, session: Session) -> str:
+        return self.spill.file_for(session.owner, session.id).stem
+
+    def _own(self, session: Session, ask: bool = True) -> bool:
+        """Claim the session unless this replica already holds it; False if another does
+        (which, if `ask`, is asked to hand it over)."""
+        if self.spill is None or session.claim is not None:
+            return True
+        session.claim = self.spill.claim(self.spill.file_for(session.owner, session.id))
+        if session.claim is None and ask:
+            self.spill.claims.want(self._name(session))
+        return session.claim is not None
+
+    def _disown(self, session: Session) -> None:
+        if session.claim is not None:
+            session.claim.release()
+            session.claim = None
+
+    def _sync(self) -> None:
+        """Follow the shared folder: sessions other replicas spilled, and files they took."""
+        if self.spill is None:
+            return
+        on_disk, before = set(self.spill.path.glob(f"*{SUFFIX}")), len(self.sessions)
+        gone = [k for k, s in self.sessions.items() if s.spill_path and s.spill_path not in on_disk]
+        for key in gone:
+            del self.sessions[key]  # restored (or dropped) by another replica
+        known = {s.spill_path for s in self.sessions.values()}
+        for path in on_disk - known - self._unusable:
+            try:
+                found = self.spill.describe(path)
+            except Exception:  # corrupt, of another model, not ours, or just taken
+                self._unusable.add(path)  # removed by the next replica that starts
+                continue
+            held = self.sessions.get((found.owner, found.id))
+            if held is None or held.caches is None:
+                self.sessions[(found.owner, found.id)] = _spilled_session(found)
+        if gone or len(self.sessions) != before:
+            self._publish()
 
 
 def _spilled_session(f: SpilledSession) -> Session:
