@@ -42,78 +42,15 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from cache import cache_usage
 from config.cache_spec import CacheSpec
-from server.claims import Claim
+from server.conversation import Session, common_prefix, rewind, spilled_session
 from server.jobs import SessionBusy, SessionClaimed
-from server.spill import SUFFIX, SpilledSession, SpillError, SpillFolder
+from server.spill import SpillError, SpillFolder
 
 log = logging.getLogger("h2o_server.sessions")
 SPILLED_PER_RESIDENT = 16  # spilled sessions kept on disk per in-memory slot
-
-
-@dataclass
-class Session:
-    id: str
-    spec: CacheSpec
-    keyed: bool  # found by key, never by prefix
-    caches: list | None = None  # None while spilled
-    tokens: list[int] = field(default_factory=list)  # what the caches hold, in order
-    prompt_len: int = 0  # the last request's prompt length
-    last_used: float = field(default_factory=time.time)
-    busy: bool = False
-    spill_path: Path | None = None
-    owner: str = ""  # who may see it (server/auth.py); "" = everyone
-    evictions: int = 0  # as of the last spill (a spilled session's caches cannot tell)
-    claim: Claim | None = None  # held while the caches are in memory (shared spill folder)
-    borrowed: bool = False  # a throwaway for one turn: another replica owns the session
-    stats: dict = field(default_factory=dict)
-
-    def refresh_stats(self) -> None:
-        """Publish plain numbers for handlers (called by the worker).
-
-        logical_tokens: tokens the conversation has seen; stored_tokens: tokens its
-        cache holds per layer (fewer after eviction).
-        """
-        if self.caches:
-            seen, stored, nbytes = cache_usage(self.caches)
-            self.evictions = seen - stored
-        else:
-            seen, stored, nbytes = len(self.tokens), 0, 0
-        self.stats = {
-            "id": self.id,
-            "policy": self.spec.policy,
-            "max_kv": self.spec.max_kv,
-            "preset": self.spec.preset,
-            "score": self.spec.score,
-            "logical_tokens": seen,
-            "stored_tokens": stored,
-            "bytes": nbytes,
-            "evictions": self.evictions,
-            "spilled": self.caches is None,
-            "busy": self.busy,
-            "last_used": int(self.last_used),
-        }
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-def rewind(caches: list, n: int) -> bool:
-    """Drop the n newest tokens from every layer; False when some layer cannot."""
-    if n == 0:
-        return True
-    if not all(c.is_trimmable() for c in caches):
-        return False
-    return all(c.trim(n) == n for c in caches)
 
 
 class SessionStore:
@@ -133,7 +70,6 @@ class SessionStore:
         self.published: list[tuple[str, dict]] = []  # (owner, stats), for handlers
         self.published_counts: dict[str, int] = {}
         self.spill = None
-        self._unusable: set[Path] = set()  # files in the folder _sync cannot use
         if spill_dir:
             max_files = SPILLED_PER_RESIDENT * max_sessions
             self.spill = SpillFolder(spill_dir, model_identity, spill_budget, max_files)
@@ -253,7 +189,7 @@ class SessionStore:
             return 0
         now, spilled = time.time(), 0
         for session in [s for s in self.in_memory() if not s.busy]:
-            wanted = self.spill.claims.wanted(self._name(session))
+            wanted = self.spill.wanted(session.owner, session.id)
             idle = idle_seconds is not None and now - session.last_used >= idle_seconds
             if wanted or idle:
                 why = "another replica asked for it" if wanted else "idle"
@@ -361,7 +297,7 @@ class SessionStore:
         """Spilled sessions of an earlier run (server/spill.py indexes the folder)."""
         found = self.spill.index()
         for f in found:
-            self.sessions[(f.owner, f.id)] = _spilled_session(f)
+            self.sessions[(f.owner, f.id)] = spilled_session(f)
         self._trim_disk()
         total, _ = self.spill.usage()
         log.info(
@@ -383,18 +319,12 @@ class SessionStore:
 
     # ------------------------------------------------------------------ ownership
 
-    def _name(self, session: Session) -> str:
-        return self.spill.file_for(session.owner, session.id).stem
-
     def _own(self, session: Session, ask: bool = True) -> bool:
-        """Claim the session unless this replica already holds it; False if another does
-        (which, if `ask`, is asked to hand it over)."""
-        if self.spill is None or session.claim is not None:
-            return True
-        session.claim = self.spill.claim(self.spill.file_for(session.owner, session.id))
-        if session.claim is None and ask:
-            self.spill.claims.want(self._name(session))
-        return session.claim is not None
+        """Claim the session unless this replica already holds it; False if another does."""
+        if self.spill is not None and session.claim is None:
+            session.claim = self.spill.claim(session.owner, session.id, ask)
+            return session.claim is not None
+        return True
 
     def _disown(self, session: Session) -> None:
         if session.claim is not None:
@@ -405,35 +335,12 @@ class SessionStore:
         """Follow the shared folder: sessions other replicas spilled, and files they took."""
         if self.spill is None:
             return
-        on_disk, before = set(self.spill.path.glob(f"*{SUFFIX}")), len(self.sessions)
-        gone = [k for k, s in self.sessions.items() if s.spill_path and s.spill_path not in on_disk]
-        for key in gone:
+        gone, found = self.spill.changes({s.spill_path for s in self.sessions.values()} - {None})
+        for key in [k for k, s in self.sessions.items() if s.spill_path in gone]:
             del self.sessions[key]  # restored (or dropped) by another replica
-        known = {s.spill_path for s in self.sessions.values()}
-        for path in on_disk - known - self._unusable:
-            try:
-                found = self.spill.describe(path)
-            except Exception:  # corrupt, of another model, not ours, or just taken
-                self._unusable.add(path)  # removed by the next replica that starts
-                continue
-            held = self.sessions.get((found.owner, found.id))
+        for f in found:
+            held = self.sessions.get((f.owner, f.id))
             if held is None or held.caches is None:
-                self.sessions[(found.owner, found.id)] = _spilled_session(found)
-        if gone or len(self.sessions) != before:
+                self.sessions[(f.owner, f.id)] = spilled_session(f)
+        if gone or found:
             self._publish()
-
-
-def _spilled_session(f: SpilledSession) -> Session:
-    session = Session(
-        id=f.id,
-        spec=f.spec,
-        keyed=f.keyed,
-        tokens=f.tokens,
-        prompt_len=f.prompt_len,
-        last_used=f.mtime,
-        spill_path=f.path,
-        owner=f.owner,
-        evictions=f.evictions,
-    )
-    session.refresh_stats()
-    return session

@@ -88,6 +88,7 @@ class SpillFolder:
         self.partial, alive = private_partial(self.path)
         self._alive: int | None = alive
         self.claims = Claims(self.path)
+        self._unusable: set[Path] = set()  # files `changes` skips
 
     def close(self) -> None:
         """This process is done with the folder (its own .partial/ folder goes)."""
@@ -96,9 +97,30 @@ class SpillFolder:
             os.close(self._alive)
             self._alive = None
 
-    def claim(self, path: Path) -> Claim | None:
-        """Own the session stored (or to be stored) at `path`; None while another server does."""
-        return self.claims.claim(path.stem)
+    def claim(self, owner: str, session_id: str, ask: bool = True) -> Claim | None:
+        """Own a session (server/claims.py); None while another server does, which, if
+        `ask`, is asked to hand it over."""
+        name = self.file_for(owner, session_id).stem
+        claim = self.claims.claim(name)
+        if claim is None and ask:
+            self.claims.want(name)
+        return claim
+
+    def wanted(self, owner: str, session_id: str) -> bool:
+        """Whether another server asked for this session."""
+        return self.claims.wanted(self.file_for(owner, session_id).stem)
+
+    def changes(self, known: set[Path]) -> tuple[set[Path], list[SpilledSession]]:
+        """Since `known` (spill files one server tracks): the files gone, and the new ones
+        (other servers' spills). Files it cannot use are skipped until the next start."""
+        on_disk = set(self.path.glob(f"*{SUFFIX}"))
+        found = []
+        for path in on_disk - known - self._unusable:
+            try:
+                found.append(self._describe(path))
+            except Exception:  # corrupt, of another model, not ours, or just taken
+                self._unusable.add(path)
+        return known - on_disk, found
 
     def file_for(self, owner: str, session_id: str) -> Path:
         return self.path / (f"{owner}~{session_id}{SUFFIX}" if owner else f"{session_id}{SUFFIX}")
