@@ -106,6 +106,10 @@ class SessionStore:
             session = Session(id=session.id, spec=spec, keyed=True, owner=owner, borrowed=True)
         elif (owner, session.id) not in self.sessions:
             self.sessions[(owner, session.id)] = session
+        fresh = session.caches is None and session.spill_path is None and not session.borrowed
+        if fresh and self.spill is not None:
+            on_disk = self.spill.file_for(owner, session.id)  # spilled since _sync looked
+            session.spill_path = on_disk if on_disk.exists() else None
         session.busy = True
         try:
             self._make_room(keep=session)

@@ -99,6 +99,16 @@ def test_a_held_session_is_handed_over_when_idle(replicas, model):
     assert reused == len(PROMPT)  # what a held when it handed it over
 
 
+def test_a_session_spilled_after_the_folder_was_read_is_still_restored(replicas, model):
+    a, b = replicas(), replicas()
+    turn(a, model, "chat", PROMPT)
+    b._sync()  # b looks before a spills ...
+    a.spill_all()
+    b._sync = lambda: None  # ... and not again: the claim must still find the file
+    _, reused, _ = turn(b, model, "chat", PROMPT + [7])
+    assert reused == len(PROMPT) and b.counts["restored"] == 1
+
+
 def test_past_the_wait_a_turn_is_served_with_a_throwaway_cache(replicas, model):
     a, b = replicas(), replicas()
     turn(a, model, "chat", PROMPT)
