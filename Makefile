@@ -11,10 +11,13 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	# OpenBLAS: 40x faster float32 matmuls on MLX's CPU backend. A C++ compiler:
 	# the kernel tests run the Metal/CUDA kernel bodies through a CPU emulation.
+	# nginx: the replica tests run deploy/nginx.conf (RUNLEVEL=1: install, do not
+	# start the system service).
 	@if [ "$$(uname -s)" = Linux ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 	    && { ! ls /usr/lib/*/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1 \
-	         || ! command -v c++ >/dev/null; }; then \
-	    apt-get update -qq && apt-get install -y -qq libopenblas0-pthread g++; fi
+	         || ! command -v c++ >/dev/null || ! command -v nginx >/dev/null; }; then \
+	    apt-get update -qq && RUNLEVEL=1 apt-get install -y -qq libopenblas0-pthread g++ \
+	        nginx-light; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev]"

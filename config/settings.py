@@ -47,7 +47,19 @@ class ServerSettings(BaseSettings):
     spill_dir: str | None = Field(
         None,
         description="folder for sessions spilled from memory and at shutdown, indexed again "
-        "on start (unset: drop them); one folder per server",
+        "on start (unset: drop them); replicas may share one",
+    )
+    spill_idle_seconds: float | None = Field(
+        None,
+        ge=0,
+        description="spill a session to --spill-dir once idle this long (replicas sharing the "
+        "folder can then restore it; unset: only when memory is needed)",
+    )
+    claim_wait: float = Field(
+        10.0,
+        ge=0,
+        description="seconds a turn waits for a session another replica holds (it hands it "
+        "over when idle) before it is served with a cache rebuilt from the prompt",
     )
     spill_budget: str = Field(
         "auto", description="disk for every file in --spill-dir (auto: 2x --kv-budget)"

@@ -78,6 +78,10 @@ class SessionBusy(Exception):
     """The keyed session is serving another request; the job waits its turn."""
 
 
+class SessionClaimed(Exception):
+    """Another replica holds the session (server/claims.py); the job waits for the handover."""
+
+
 @dataclass(eq=False)
 class Job:
     prompt: list[int]
@@ -86,6 +90,7 @@ class Job:
     session_key: str | None
     loop: asyncio.AbstractEventLoop
     owner: str = ""  # whose sessions it may use (server/auth.py)
+    claim_deadline: float | None = None  # waiting for another replica's session until then
     id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex[:12]}")  # for the logs
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)

@@ -19,11 +19,13 @@ COUNTERS = {
 }
 # Counted by the session store (server/sessions.py, SessionStore.counts).
 SESSION_COUNTERS = {
-    "spilled": "sessions written to disk to free memory",
+    "spilled": "sessions written to disk (memory, idle time, handover, shutdown)",
     "restored": "spilled sessions loaded back",
     "dropped": "sessions dropped to free memory",
     "rebuilt": "sessions rebuilt because a rewind crossed an eviction",
     "refused": "spill files refused on restore (corrupt or of another model)",
+    "handed_over": "sessions spilled because another replica asked for them",
+    "borrowed": "turns served with a throwaway cache: another replica kept the session",
 }
 
 

@@ -20,6 +20,14 @@ spill folder, dropped; either way it is counted and logged, and the client's
 next turn (which carries the whole history) rebuilds it. Spilled sessions
 outlive the process: the folder is indexed on start.
 
+Several replicas may share one spill folder. A replica owns the sessions it
+holds in memory (a claim, server/claims.py) and finds the ones others spilled
+by looking at the folder on every request; a session another replica holds is
+waited for (it hands it over once idle) and, past `claim_wait`, served with a
+throwaway cache rebuilt from the prompt, so two replicas never own one.
+`tick()` spills sessions idle past `--spill-idle-seconds` and those another
+replica asked for.
+
 With sessions scoped to callers, each session has an `owner` (server/auth.py)
 and lookups, listings and deletions see only the caller's own sessions.
 
@@ -36,83 +44,15 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from cache import cache_usage
 from config.cache_spec import CacheSpec
-from server.jobs import SessionBusy
-from server.spill import SpilledSession, SpillError, SpillFolder
+from server.conversation import Session, common_prefix, rewind, spilled_session
+from server.jobs import SessionBusy, SessionClaimed
+from server.spill import SpillError, SpillFolder
 
 log = logging.getLogger("h2o_server.sessions")
 SPILLED_PER_RESIDENT = 16  # spilled sessions kept on disk per in-memory slot
-
-
-@dataclass
-class Session:
-    id: str
-    spec: CacheSpec
-    keyed: bool  # found by key, never by prefix
-    caches: list | None = None  # None while spilled
-    tokens: list[int] = field(default_factory=list)  # what the caches hold, in order
-    prompt_len: int = 0  # the last request's prompt length
-    last_used: float = field(default_factory=time.time)
-    busy: bool = False
-    spill_path: Path | None = None
-    owner: str = ""  # who may see it (server/auth.py); "" = everyone
-    evictions: int = 0  # as of the last spill (a spilled session's caches cannot tell)
-    stats: dict = field(default_factory=dict)
-
-    def refresh_stats(self) -> None:
-        """Publish plain numbers for handlers (called by the worker).
-
-        logical_tokens: tokens the conversation has seen; stored_tokens: tokens its
-        cache holds per layer (fewer after eviction).
-        """
-        if self.caches:
-            seen, stored, nbytes = cache_usage(self.caches)
-            self.evictions = seen - stored
-        else:
-            seen, stored, nbytes = len(self.tokens), 0, 0
-        self.stats = {
-            "id": self.id,
-            "policy": self.spec.policy,
-            "max_kv": self.spec.max_kv,
-            "preset": self.spec.preset,
-            "score": self.spec.score,
-            "logical_tokens": seen,
-            "stored_tokens": stored,
-            "bytes": nbytes,
-            "evictions": self.evictions,
-            "spilled": self.caches is None,
-            "busy": self.busy,
-            "last_used": int(self.last_used),
-        }
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-def can_trim(cache, n: int) -> bool:
-    """Whether a layer can drop its n newest tokens (H2O: none of them evicted)."""
-    limit = getattr(cache, "trimmable_tokens", None)
-    if limit is not None:
-        return limit() >= n
-    return cache.is_trimmable() and cache.offset >= n
-
-
-def rewind(caches: list, n: int) -> bool:
-    """Drop the n newest tokens from every layer; False (nothing dropped) when some cannot."""
-    if n == 0:
-        return True
-    if not all(can_trim(c, n) for c in caches):
-        return False
-    return all(c.trim(n) == n for c in caches)
 
 
 class SessionStore:
@@ -141,19 +81,37 @@ class SessionStore:
     # ------------------------------------------------------------------ lookup
 
     def acquire(
-        self, key: str | None, prompt: list[int], spec: CacheSpec, owner: str = ""
+        self,
+        key: str | None,
+        prompt: list[int],
+        spec: CacheSpec,
+        owner: str = "",
+        borrow: bool = False,
     ) -> tuple[Session, int]:
         """The session for this prompt, rewound so it holds a prefix of it; marks it busy.
 
         Returns (session, reused tokens). At least the prompt's last token is left
         to prefill, since its logits start the reply. If this fails, the session is
-        forgotten: no half-prepared session stays behind.
+        forgotten: no half-prepared session stays behind. Raises SessionClaimed while
+        another replica owns the session, unless `borrow`.
         """
+        self._sync()
         session = self._find(owner, key, prompt)
         if session is None:
             session_id = key or f"anon-{uuid.uuid4().hex[:16]}"
             session = Session(id=session_id, spec=spec, keyed=bool(key), owner=owner)
+        if not self._own(session):
+            if not borrow:
+                raise SessionClaimed(session.id)
+            log.info("session %s is held by another replica; this turn is rebuilt", session.id)
+            self.counts["borrowed"] += 1
+            session = Session(id=session.id, spec=spec, keyed=True, owner=owner, borrowed=True)
+        elif (owner, session.id) not in self.sessions:
             self.sessions[(owner, session.id)] = session
+        fresh = session.caches is None and session.spill_path is None and not session.borrowed
+        if fresh and self.spill is not None:
+            on_disk = self.spill.file_for(owner, session.id)  # spilled since _sync looked
+            session.spill_path = on_disk if on_disk.exists() else None
         session.busy = True
         try:
             self._make_room(keep=session)
@@ -196,7 +154,9 @@ class SessionStore:
         """The request is over. One that failed midway leaves no session behind."""
         session.busy = False
         session.last_used = time.time()
-        if broken:
+        if session.borrowed:
+            session.caches = None
+        elif broken:
             log.warning("session %s discarded: its request failed midway", session.id)
             self._forget(session)
         else:
@@ -229,9 +189,28 @@ class SessionStore:
         self._publish()
         return len(idle)
 
+    def tick(self, idle_seconds: float | None) -> int:
+        """Spill sessions idle past `idle_seconds` and those another replica wants; how many."""
+        if self.spill is None:
+            return 0
+        now, spilled = time.time(), 0
+        for session in [s for s in self.in_memory() if not s.busy]:
+            wanted = self.spill.wanted(session.owner, session.id)
+            idle = idle_seconds is not None and now - session.last_used >= idle_seconds
+            if wanted or idle:
+                why = "another replica asked for it" if wanted else "idle"
+                self._spill(session, why)
+                self.counts["handed_over"] += wanted
+                spilled += 1
+        if spilled:
+            self._publish()
+        return spilled
+
     def close(self) -> None:
         """Release the spill folder (sessions already spilled stay there for the next start)."""
         if self.spill is not None:
+            for session in self.in_memory():
+                self._forget(session)  # busy at exit: nobody may wait for its claim
             self.spill.close()
 
     def _publish(self) -> None:
@@ -272,7 +251,7 @@ class SessionStore:
         self.counts["dropped"] += 1
         self._forget(session)
 
-    def _spill(self, session: Session) -> None:
+    def _spill(self, session: Session, why: str = "memory") -> None:
         path = self.spill.file_for(session.owner, session.id)
         session.refresh_stats()  # its evictions, while the caches can still tell them
         header = {
@@ -291,20 +270,31 @@ class SessionStore:
             self._drop(session, "spill failed")
             return
         session.caches, session.spill_path = None, path
+        self._disown(session)  # written first: whoever claims it next finds the file
         session.refresh_stats()
-        log.info("session %s spilled to %s (%.1f MiB)", session.id, path, nbytes / 2**20)
+        log.info("session %s spilled to %s (%s, %.1f MiB)", session.id, path, why, nbytes / 2**20)
         self.counts["spilled"] += 1
 
     def _restore(self, session: Session) -> None:
-        """Load a spilled session; a file that cannot be used is refused and the session rebuilt."""
+        """Load a spilled session; a file that cannot be used is refused and the session rebuilt.
+
+        The header is read again: another replica may have written a newer turn since
+        this one indexed the file, or taken it.
+        """
         path, session.spill_path = session.spill_path, None
         try:
+            header = self.spill.describe(path)
+            session.tokens, session.prompt_len = header.tokens, header.prompt_len
+            session.spec, session.evictions = header.spec, header.evictions
             session.caches = self.spill.read(path, len(session.tokens))
             log.info("session %s restored", session.id)
             self.counts["restored"] += 1
         except SpillError as e:
             log.warning("session %s: spill file %s refused: %s; rebuilt", session.id, path, e)
             self.counts["refused"] += 1
+            session.caches, session.tokens = None, []
+        except FileNotFoundError:
+            log.info("session %s: its spill file is gone (dropped elsewhere); rebuilt", session.id)
             session.caches, session.tokens = None, []
         finally:
             path.unlink(missing_ok=True)
@@ -313,7 +303,7 @@ class SessionStore:
         """Spilled sessions of an earlier run (server/spill.py indexes the folder)."""
         found = self.spill.index()
         for f in found:
-            self.sessions[(f.owner, f.id)] = _spilled_session(f)
+            self.sessions[(f.owner, f.id)] = spilled_session(f)
         self._trim_disk()
         total, _ = self.spill.usage()
         log.info(
@@ -327,22 +317,36 @@ class SessionStore:
         session.spec, session.caches, session.tokens = spec, self.make_caches(spec), []
 
     def _forget(self, session: Session) -> None:
-        if session.spill_path is not None:
-            session.spill_path.unlink(missing_ok=True)
-        self.sessions.pop((session.owner, session.id), None)
+        if session.spill_path is not None and self._own(session, ask=False):
+            session.spill_path.unlink(missing_ok=True)  # not while another replica restores it
+        self._disown(session)
+        if self.sessions.get((session.owner, session.id)) is session:
+            del self.sessions[(session.owner, session.id)]
 
+    # ------------------------------------------------------------------ ownership
 
-def _spilled_session(f: SpilledSession) -> Session:
-    session = Session(
-        id=f.id,
-        spec=f.spec,
-        keyed=f.keyed,
-        tokens=f.tokens,
-        prompt_len=f.prompt_len,
-        last_used=f.mtime,
-        spill_path=f.path,
-        owner=f.owner,
-        evictions=f.evictions,
-    )
-    session.refresh_stats()
-    return session
+    def _own(self, session: Session, ask: bool = True) -> bool:
+        """Claim the session unless this replica already holds it; False if another does."""
+        if self.spill is not None and session.claim is None:
+            session.claim = self.spill.claim(session.owner, session.id, ask)
+            return session.claim is not None
+        return True
+
+    def _disown(self, session: Session) -> None:
+        if session.claim is not None:
+            session.claim.release()
+            session.claim = None
+
+    def _sync(self) -> None:
+        """Follow the shared folder: sessions other replicas spilled, and files they took."""
+        if self.spill is None:
+            return
+        gone, found = self.spill.changes({s.spill_path for s in self.sessions.values()} - {None})
+        for key in [k for k, s in self.sessions.items() if s.spill_path in gone]:
+            del self.sessions[key]  # restored (or dropped) by another replica
+        for f in found:
+            held = self.sessions.get((f.owner, f.id))
+            if held is None or held.caches is None:
+                self.sessions[(f.owner, f.id)] = spilled_session(f)
+        if gone or found:
+            self._publish()

@@ -7,15 +7,14 @@ is indexed from the file headers alone (nothing is loaded): files of another
 model, corrupt files and writes cut short by a crash are refused with a log
 line and removed, since a cache can always be rebuilt from the history a
 client sends. Files are written into `.partial/` and renamed into place, so a
-crash never leaves half a session under a real name. One server per folder: a
-lock file refuses a second.
+crash never leaves half a session under a real name. Several servers (replicas)
+may share one folder: server/claims.py decides which of them owns a session.
 
 `--spill-budget` covers every file in the folder, whoever wrote it.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -30,13 +29,12 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
 
 from config.cache_spec import CacheSpec
+from server.claims import Claim, Claims, private_partial
 
 log = logging.getLogger("h2o_server.spill")
 
 FORMAT = "h2o-server-session/1"
 SUFFIX = ".safetensors"
-PARTIAL = ".partial"  # writes in progress; emptied on start
-LOCK = ".lock"
 MAX_HEADER = 64 * 2**20
 
 
@@ -87,22 +85,42 @@ class SpillFolder:
         self.path, self.identity = Path(path), identity
         self.budget, self.max_files = budget, max_files
         self.path.mkdir(parents=True, exist_ok=True)
-        self._lock = open(self.path / LOCK, "a+")  # held for the life of the process
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ValueError(f"--spill-dir {self.path} is in use by another server") from None
-        partial = self.path / PARTIAL
-        if partial.exists():
-            left = list(partial.iterdir())
-            if left:
-                log.warning("removing %d spill(s) cut short by a crash in %s", len(left), partial)
-            shutil.rmtree(partial)
-        partial.mkdir()
+        self.partial, alive = private_partial(self.path)
+        self._alive: int | None = alive
+        self.claims = Claims(self.path)
+        self._unusable: set[Path] = set()  # files `changes` skips
 
     def close(self) -> None:
-        """Let another server use the folder."""
-        self._lock.close()
+        """This process is done with the folder (its own .partial/ folder goes)."""
+        if self._alive is not None:
+            shutil.rmtree(self.partial, ignore_errors=True)
+            os.close(self._alive)
+            self._alive = None
+
+    def claim(self, owner: str, session_id: str, ask: bool = True) -> Claim | None:
+        """Own a session (server/claims.py); None while another server does, which, if
+        `ask`, is asked to hand it over."""
+        name = self.file_for(owner, session_id).stem
+        claim = self.claims.claim(name)
+        if claim is None and ask:
+            self.claims.want(name)
+        return claim
+
+    def wanted(self, owner: str, session_id: str) -> bool:
+        """Whether another server asked for this session."""
+        return self.claims.wanted(self.file_for(owner, session_id).stem)
+
+    def changes(self, known: set[Path]) -> tuple[set[Path], list[SpilledSession]]:
+        """Since `known` (spill files one server tracks): the files gone, and the new ones
+        (other servers' spills). Files it cannot use are skipped until the next start."""
+        on_disk = set(self.path.glob(f"*{SUFFIX}"))
+        found = []
+        for path in on_disk - known - self._unusable:
+            try:
+                found.append(self._describe(path))
+            except Exception:  # corrupt, of another model, not ours, or just taken
+                self._unusable.add(path)
+        return known - on_disk, found
 
     def file_for(self, owner: str, session_id: str) -> Path:
         return self.path / (f"{owner}~{session_id}{SUFFIX}" if owner else f"{session_id}{SUFFIX}")
@@ -111,7 +129,7 @@ class SpillFolder:
         """Write a session atomically (into .partial/, then renamed); returns its bytes."""
         compact(caches)
         meta = {"format": FORMAT, "model": self.identity, **header}
-        partial = self.path / PARTIAL / path.name
+        partial = self.partial / path.name
         save_prompt_cache(str(partial), caches, {k: json.dumps(v) for k, v in meta.items()})
         os.replace(partial, path)
         return path.stat().st_size
@@ -157,6 +175,12 @@ class SpillFolder:
     def over_budget(self) -> bool:
         total, files = self.usage()
         return total > self.budget or files > self.max_files
+
+    def describe(self, path: Path) -> SpilledSession:
+        """What a session file's header says (raises SpillError, or FileNotFoundError)."""
+        if not path.exists():
+            raise FileNotFoundError(path)
+        return self._describe(path)
 
     def _describe(self, path: Path) -> SpilledSession:
         meta = read_metadata(path)

@@ -11,6 +11,9 @@ After SIGTERM (`begin_shutdown`) the worker drains: queued requests fail with
 503 at once, in-flight ones may finish within `--shutdown-timeout`, then the
 rest are cancelled (their streams end with an error event); every session is
 then spilled to --spill-dir, if set.
+
+Between rounds (at most every TICK seconds) the store spills sessions idle past
+--spill-idle-seconds and those another replica asked for (server/claims.py).
 """
 
 from __future__ import annotations
@@ -27,10 +30,19 @@ from typing import Any
 from config.settings import ServerSettings
 from server.batcher import Batcher
 from server.generation import Generation
-from server.jobs import Failed, Job, QueueFull, SessionBusy, ShuttingDown, Started
+from server.jobs import (
+    Failed,
+    Job,
+    QueueFull,
+    SessionBusy,
+    SessionClaimed,
+    ShuttingDown,
+    Started,
+)
 from server.metrics import Metrics
 
 log = logging.getLogger("h2o_server.worker")
+TICK = 0.25  # seconds between looks for idle and wanted sessions
 
 
 class Worker:
@@ -51,6 +63,7 @@ class Worker:
         self._drained = threading.Event()
         self._drain_logged = False
         self._startup_error: BaseException | None = None
+        self._next_tick = 0.0
         self._thread = threading.Thread(target=self._run, name="mlx-worker", daemon=True)
 
     # ------------------------------------------------------------------ handler side
@@ -126,12 +139,19 @@ class Worker:
         )
         self._ready.set()
         while not self._stopping:
-            self._take_inbox(block=not self._active and not self._waiting)
+            self._take_inbox(block=not self._active)  # waiting jobs alone wait for a handover
             if self.draining:
                 self._drain()
             else:
                 self._admit()
             self._round()
+            self._tick()
+
+    def _tick(self) -> None:
+        if time.monotonic() < self._next_tick or self._drained.is_set():
+            return
+        self._next_tick = time.monotonic() + TICK
+        self.engine.store.tick(self.settings.spill_idle_seconds)
 
     def _take_inbox(self, block: bool) -> None:
         try:
@@ -191,11 +211,11 @@ class Worker:
             session = None
             try:
                 session, reused = self.engine.store.acquire(
-                    job.session_key, job.prompt, job.spec, job.owner
+                    job.session_key, job.prompt, job.spec, job.owner, self._may_borrow(job)
                 )
                 gen = Generation(self.engine.tokenizer, session, job.prompt, reused, job.params)
-            except SessionBusy:
-                still_waiting.append(job)  # same conversation, one turn at a time
+            except (SessionBusy, SessionClaimed):
+                still_waiting.append(job)  # one turn at a time; or another replica hands it over
                 continue
             except Exception as e:
                 log.exception("could not start a request")
@@ -208,6 +228,13 @@ class Worker:
             job.emit(Started(session.id, reused))
             self._active.append((job, gen))
         self._waiting = still_waiting
+
+    def _may_borrow(self, job: Job) -> bool:
+        """Whether the job has waited long enough for a session another replica holds."""
+        now = time.monotonic()
+        if job.claim_deadline is None:
+            job.claim_deadline = now + self.settings.claim_wait
+        return now >= job.claim_deadline
 
     def _started(self, job: Job) -> None:
         with self._lock:

@@ -14,8 +14,9 @@ from tiny import tiny
 
 from cache import make_cache
 from config.cache_spec import CacheSpec
+from server.claims import PARTIAL
 from server.sessions import SessionStore
-from server.spill import PARTIAL, model_identity
+from server.spill import model_identity
 
 FULL = CacheSpec("full", 512)
 H2O = CacheSpec("h2o", 64)
@@ -150,9 +151,3 @@ def test_the_disk_budget_counts_every_file_in_the_folder(open_store, model, tmp_
     small = open_store(budget=int(size * 1.5), max_sessions=1)
     assert {s["id"] for s in small.snapshot()} == set()  # a no longer fits beside big.bin
     assert files(small) == [] and small.counts["dropped"] == 1
-
-
-def test_one_server_per_folder(open_store):
-    open_store()
-    with pytest.raises(ValueError, match="in use by another server"):
-        open_store()

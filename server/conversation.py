@@ -1,0 +1,100 @@
+"""One conversation as the session store holds it: caches, tokens, owner, claim, stats.
+
+Plain data and pure helpers; the store (server/sessions.py) decides what happens to it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cache import cache_usage
+from config.cache_spec import CacheSpec
+from server.claims import Claim
+from server.spill import SpilledSession
+
+
+@dataclass
+class Session:
+    id: str
+    spec: CacheSpec
+    keyed: bool  # found by key, never by prefix
+    caches: list | None = None  # None while spilled
+    tokens: list[int] = field(default_factory=list)  # what the caches hold, in order
+    prompt_len: int = 0  # the last request's prompt length
+    last_used: float = field(default_factory=time.time)
+    busy: bool = False
+    spill_path: Path | None = None
+    owner: str = ""  # who may see it (server/auth.py); "" = everyone
+    evictions: int = 0  # as of the last spill (a spilled session's caches cannot tell)
+    claim: Claim | None = None  # held while the caches are in memory (shared spill folder)
+    borrowed: bool = False  # a throwaway for one turn: another replica owns the session
+    stats: dict = field(default_factory=dict)
+
+    def refresh_stats(self) -> None:
+        """Publish plain numbers for handlers (called by the worker).
+
+        logical_tokens: tokens the conversation has seen; stored_tokens: tokens its
+        cache holds per layer (fewer after eviction).
+        """
+        if self.caches:
+            seen, stored, nbytes = cache_usage(self.caches)
+            self.evictions = seen - stored
+        else:
+            seen, stored, nbytes = len(self.tokens), 0, 0
+        self.stats = {
+            "id": self.id,
+            "policy": self.spec.policy,
+            "max_kv": self.spec.max_kv,
+            "preset": self.spec.preset,
+            "score": self.spec.score,
+            "logical_tokens": seen,
+            "stored_tokens": stored,
+            "bytes": nbytes,
+            "evictions": self.evictions,
+            "spilled": self.caches is None,
+            "busy": self.busy,
+            "last_used": int(self.last_used),
+        }
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def can_trim(cache, n: int) -> bool:
+    """Whether a layer can drop its n newest tokens (H2O: none of them evicted)."""
+    limit = getattr(cache, "trimmable_tokens", None)
+    if limit is not None:
+        return limit() >= n
+    return cache.is_trimmable() and cache.offset >= n
+
+
+def rewind(caches: list, n: int) -> bool:
+    """Drop the n newest tokens from every layer; False (nothing dropped) when some cannot."""
+    if n == 0:
+        return True
+    if not all(can_trim(c, n) for c in caches):
+        return False
+    return all(c.trim(n) == n for c in caches)
+
+
+def spilled_session(f: SpilledSession) -> Session:
+    session = Session(
+        id=f.id,
+        spec=f.spec,
+        keyed=f.keyed,
+        tokens=f.tokens,
+        prompt_len=f.prompt_len,
+        last_used=f.mtime,
+        spill_path=f.path,
+        owner=f.owner,
+        evictions=f.evictions,
+    )
+    session.refresh_stats()
+    return session
