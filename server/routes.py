@@ -14,6 +14,7 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
+from server.cache_view import cache_report, read_contents
 from server.errors import APIError
 from server.jobs import Job, QueueFull, SessionBusy
 from server.protocol import (
@@ -66,6 +67,18 @@ async def list_sessions(request: Request):
     worker = _worker(request)
     sessions = await asyncio.wrap_future(worker.call(worker.engine.store.snapshot))
     return {"object": "list", "data": sessions}
+
+
+@router.get("/v1/sessions/{session_id}/cache")
+async def session_cache(session_id: str, request: Request):
+    """What the session's cache holds, per layer and KV head (server/cache_view.py)."""
+    _check_session_id(session_id)
+    worker = _worker(request)
+    store = worker.engine.store
+    contents = await asyncio.wrap_future(worker.call(lambda: read_contents(store, session_id)))
+    if contents is None:
+        raise APIError(404, f"no session {session_id!r}", "session_not_found")
+    return await run_in_threadpool(cache_report, contents, worker.engine.tokenizer)
 
 
 @router.delete("/v1/sessions/{session_id}")

@@ -33,10 +33,13 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from cache import cache_usage
 from config.cache_spec import CacheSpec
-from server.jobs import SessionBusy
+from server.jobs import Finished, SessionBusy
+from server.protocol import Usage
 
 log = logging.getLogger("h2o_server.sessions")
 SPILLED_PER_RESIDENT = 16  # spilled sessions kept on disk per in-memory slot
+TURNS_KEPT = 256  # per-turn figures kept per session (the cache view's history)
+TURN_FIGURES = ("logical_tokens", "stored_tokens", "bytes", "evictions")
 
 
 @dataclass
@@ -51,6 +54,7 @@ class Session:
     busy: bool = False
     spill_path: Path | None = None
     stats: dict = field(default_factory=dict)
+    turns: list[dict] = field(default_factory=list)  # per answered request: usage and figures
 
     def refresh_stats(self) -> None:
         """Publish plain numbers for handlers (called by the worker).
@@ -154,13 +158,21 @@ class SessionStore:
                 best, best_len = s, n
         return best
 
-    def release(self, session: Session, broken: bool = False) -> None:
-        """The request is over. A request that failed midway leaves no cache behind."""
+    def release(self, session: Session, broken: bool = False, turn: Finished | None = None) -> None:
+        """The request is over. A request that failed midway leaves no cache behind.
+
+        `turn` (what the request used) is recorded with the cache's figures after it.
+        """
         if broken:
             session.caches, session.tokens = None, []
         session.busy = False
         session.last_used = time.time()
         session.refresh_stats()
+        if turn is not None:
+            usage = Usage.of(turn.prompt_tokens, turn.completion_tokens, turn.cached_tokens)
+            figures = {name: session.stats[name] for name in TURN_FIGURES}
+            record = {"usage": usage.model_dump(), **figures}
+            session.turns = [*session.turns[-(TURNS_KEPT - 1) :], record]
 
     def delete(self, session_id: str) -> bool:
         session = self.sessions.get(session_id)
