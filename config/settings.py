@@ -48,4 +48,7 @@ class ServerSettings(BaseSettings):
     kernel: str = Field("auto", description="attention backend: auto, reference, metal, cuda")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>'")
     allowed_origins: list[str] = Field(default_factory=list, description="CORS origins")
+    ui: bool | None = Field(
+        None, description="serve the chat page at / (default: on when --host is loopback)"
+    )
     log_level: str = "info"

@@ -22,6 +22,7 @@ from config.blas import preload_openblas
 from config.settings import ServerSettings
 from server.errors import error_response, install_error_handlers
 from server.routes import router
+from server.ui import install_ui, ui_enabled
 
 
 def create_app(settings: ServerSettings | None = None, load_engine=None) -> FastAPI:
@@ -62,4 +63,6 @@ def create_app(settings: ServerSettings | None = None, load_engine=None) -> Fast
         return await call_next(request)
 
     app.include_router(router)
+    if ui_enabled(settings):
+        install_ui(app)
     return app
