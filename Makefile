@@ -15,6 +15,12 @@ $(STAMP): pyproject.toml
 	    && { ! ls /usr/lib/*/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1 \
 	         || ! command -v c++ >/dev/null; }; then \
 	    apt-get update -qq && apt-get install -y -qq libopenblas0-pthread g++; fi
+	# Chromium for the chat page's browser test (Playwright drives it and downloads
+	# none). Not fatal: where apt has no `chromium` (Ubuntu ships a snap) it is skipped.
+	@if [ "$$(uname -s)" = Linux ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	    && ! command -v chromium >/dev/null; then \
+	    { apt-get update -qq && apt-get install -y -qq chromium; } \
+	    || echo "chromium not installed: the browser test will be skipped"; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev]"
