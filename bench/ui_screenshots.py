@@ -19,7 +19,10 @@ from bench.local_server import start_server, stop_server
 from bench.text import essay_text
 from bench.ui_browser import ChatPage, browser_page, missing_browser
 
-QUESTION = "What is the capital of France? Answer in one sentence, then name two sights there."
+QUESTIONS = [
+    "Give me three tips for writing clear documentation.",
+    "Which one matters most? One sentence.",
+]
 ESSAY_WORDS = 260  # a pasted text long enough to overflow max_kv 64 several times
 
 
@@ -29,30 +32,45 @@ def essay_excerpt(words: int = ESSAY_WORDS) -> str:
     return " ".join(text.split()[:words])
 
 
-def take(out: Path, width: int = 1280, height: int = 820) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        log = open(Path(tmp) / "server.log", "w")  # noqa: SIM115 (closed below)
+def take(out: Path, width: int = 1280) -> None:
+    """Two conversations: one evicting at max_kv 64 (the cache view), one plain chat."""
+    with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "server.log", "w") as log:
         process, port = start_server(["--kv-budget", "512MiB"], stdout=log)
         try:
-            with browser_page(width, height) as page:
+            with browser_page(width, 1480) as page:
                 ui = ChatPage(page, f"http://127.0.0.1:{port}")
                 ui.open()
-                ui.new_chat(policy="h2o", max_kv=64, max_tokens=40)
-                ui.type_message(QUESTION)
-                ui.wait_reply()
-                page.screenshot(path=str(out / "ui-chat.png"))
-
                 ui.new_chat(policy="h2o", max_kv=64, max_tokens=24)
                 ui.type_message(f"{essay_excerpt()}\n\nWho wrote this? Answer in one sentence.")
                 ui.wait_reply()
                 ui.type_message("Summarize it in one sentence.")
                 ui.wait_reply()
+                evicting = ui.current_id()
+
+                ui.new_chat(max_tokens=90)
+                for question in QUESTIONS:
+                    ui.type_message(question)
+                    ui.wait_reply()
+                page.set_viewport_size({"width": width, "height": 820})
+                page.eval_on_selector("#messages", "m => { m.scrollTop = m.scrollHeight }")
+                page.screenshot(path=str(out / "ui-chat.png"))
+
+                page.set_viewport_size({"width": width, "height": 1480})
+                page.click(f".conv[data-id='{evicting}']")
                 ui.open_cache()
                 page.hover("#tokens .tok.seg-heavy >> nth=3")
                 page.screenshot(path=str(out / "ui-cache.png"))
         finally:
             stop_server(process)
-            log.close()
+
+
+def shrink(path: Path) -> None:
+    """A 256-colour palette: flat UI colours survive, the file is a third of the size."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        small = image.convert("RGB").quantize(colors=256, method=Image.Quantize.FASTOCTREE)
+    small.save(path, optimize=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     take(args.out)
     for name in ("ui-chat.png", "ui-cache.png"):
         path = args.out / name
+        shrink(path)
         print(f"{path}: {path.stat().st_size // 1024} KiB")
     return 0
 

@@ -26,8 +26,8 @@ in a handler's thread pool and turns them into the JSON below.
                  "logical_tokens", "stored_tokens", "bytes", "evictions"}, ...]
     }
 
-An 8k-token conversation over 30 layers x 3 KV heads is about 120 KB of bitmaps
-plus ~20 bytes per token. A spilled session reports its tokens with `held` and
+An 8k-token conversation over 30 layers x 3 KV heads is about 330 KB: 130 KB of
+bitmaps and ~25 bytes per token. A spilled session reports its tokens with `held` and
 `score` null and no heads (its caches are on disk until its next turn).
 """
 

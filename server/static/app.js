@@ -135,6 +135,10 @@ function settingsOf(id) {
 }
 
 async function refreshSessions() {
+  if (state.options && state.options.api_key_required && !state.key) {
+    renderConversations();
+    return; // the key dialog is open; nothing to list without it
+  }
   try {
     const response = await api("/v1/sessions");
     const list = (await response.json()).data;
@@ -159,7 +163,7 @@ function describe(id) {
   const s = state.server[id];
   if (!s) return "not in server memory: the next turn rebuilds its cache";
   const where = s.spilled ? " · spilled" : "";
-  return `${s.policy} · max_kv ${fmt(s.max_kv)} · ${fmt(s.logical_tokens)} tokens${where}`;
+  return `${s.policy} · max_kv ${s.max_kv} · ${fmt(s.logical_tokens)} tokens${where}`;
 }
 
 function renderConversations() {
@@ -264,10 +268,30 @@ async function deleteChat() {
 
 // ------------------------------------------------------------------ chat
 
+// A small, safe subset of Markdown for replies: ``` fences, `code` and **bold**.
+// Nodes are built with textContent only, so no reply can inject markup.
+function renderMarkdown(node, text) {
+  // Odd parts lie inside ``` fences; empty parts add nothing (an empty reply stays :empty).
+  const nodes = text.split(/```[^\n]*\n?/).map((part, i) => {
+    if (i % 2 === 1) return el("pre", {}, el("code", { text: part.replace(/\n$/, "") }));
+    if (!part) return null;
+    const span = el("span");
+    for (const piece of part.split(/(\*\*[^*\n]+\*\*|`[^`\n]+`)/)) {
+      if (/^\*\*.+\*\*$/.test(piece)) span.append(el("strong", { text: piece.slice(2, -2) }));
+      else if (/^`.+`$/.test(piece)) span.append(el("code", { text: piece.slice(1, -1) }));
+      else if (piece) span.append(piece);
+    }
+    return span;
+  });
+  node.replaceChildren(...nodes.filter(Boolean));
+}
+
 function messageNode(message) {
+  const content = el("div", { class: "content" });
+  if (message.role === "assistant") renderMarkdown(content, message.content);
+  else content.textContent = message.content;
   const node = el("div", { class: `message ${message.role}` },
-    el("div", { class: "role", text: message.role === "user" ? "You" : "Assistant" }),
-    el("div", { class: "content", text: message.content }));
+    el("div", { class: "role", text: message.role === "user" ? "You" : "Assistant" }), content);
   if (message.meta) node.append(el("div", { class: "meta", text: message.meta }));
   return node;
 }
@@ -364,7 +388,7 @@ async function send(event) {
       if (choice && choice.delta && choice.delta.content) {
         if (firstToken === null) firstToken = performance.now();
         reply.content += choice.delta.content;
-        node.querySelector(".content").textContent = reply.content;
+        renderMarkdown(node.querySelector(".content"), reply.content);
         if (state.current === conv.id) $("messages").scrollTop = $("messages").scrollHeight;
       }
       if (choice && choice.finish_reason) finish = choice.finish_reason;
@@ -659,7 +683,12 @@ function wire() {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) send(e);
   });
   document.addEventListener("keydown", (e) => {
-    if (e.key === "Escape" && state.streaming) { e.preventDefault(); stop(); }
+    if (e.key !== "Escape") return;
+    if (state.streaming) { e.preventDefault(); stop(); }
+    else if (document.body.classList.contains("sidebar-open")) {
+      toggleSidebar(false);
+      $("toggle-sidebar").focus();
+    }
   });
   $("stop").addEventListener("click", stop);
   $("new-chat").addEventListener("click", newChat);
