@@ -2,11 +2,12 @@
 
 For the cache view (`GET /v1/sessions/{id}/cache`): which tokens of a conversation
 the model can still attend to. Reads MLX arrays, so only the thread that owns MLX
-may call it.
+may call it (the worker, between rounds: a batched round wraps each session's own
+caches and leaves them consistent with `session.tokens` once it is over).
 
-- H2O caches (dense and quantized) record each slot's token position and
-  accumulated score per KV head; heads evict independently.
-- mlx-lm's `KVCache` holds every token it has seen.
+- Scored caches (`h2o`, `h2o-q8`/`h2o-q4`, `h2o-mixed`, `h2o-kvarn`) record each
+  slot's token position and accumulated score per KV head; heads evict independently.
+- mlx-lm's `KVCache` and `KVarNCache` (packed, never evicts) hold every token seen.
 - mlx-lm's `RotatingKVCache` holds its `keep` sink tokens and the newest rest of
   its buffer (after a multi-token chunk the buffer briefly holds more than
   max_size; after a decode step exactly max_size).
@@ -21,13 +22,17 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from cache.h2o import H2OKVCache
+from cache.h2o_kvarn import H2OKVarNCache
+from cache.kvarn import KVarNCache
+
+SCORED = (H2OKVCache, H2OKVarNCache)  # per-slot `positions` and `scores` [B, H, slots]
 
 
 @dataclass(frozen=True)
 class LayerContents:
     """One layer's cache: `positions[h]` are the token positions KV head h holds."""
 
-    kind: str  # "h2o" (scored eviction), "full" or "rotating"
+    kind: str  # "h2o" (scored eviction), "full", "kvarn" (both keep all) or "rotating"
     offset: int  # tokens the layer has seen
     positions: np.ndarray  # int32 [kv_heads, held], sorted per head
     scores: np.ndarray | None  # float32 [kv_heads, held], aligned with positions (H2O only)
@@ -37,18 +42,24 @@ class LayerContents:
 
 def layer_contents(cache) -> LayerContents | None:
     """What `cache` holds, or None for caches that hold no token positions (recurrent state)."""
-    if isinstance(cache, H2OKVCache):
-        return _h2o_contents(cache)
+    if isinstance(cache, SCORED):
+        return _scored_contents(cache)
     if isinstance(cache, RotatingKVCache):
         return _rotating_contents(cache)
+    if isinstance(cache, KVarNCache):
+        heads = 0 if cache.front is None else cache.front[0].shape[1]
+        return _every_token("kvarn", cache.offset, heads)
     if type(cache) is KVCache:
-        heads = 0 if cache.keys is None else cache.keys.shape[1]
-        positions = np.broadcast_to(np.arange(cache.offset, dtype=np.int32), (heads, cache.offset))
-        return LayerContents("full", cache.offset, positions, None, 0, 0)
+        return _every_token("full", cache.offset, 0 if cache.keys is None else cache.keys.shape[1])
     return None
 
 
-def _h2o_contents(cache: H2OKVCache) -> LayerContents:
+def _every_token(kind: str, offset: int, heads: int) -> LayerContents:
+    positions = np.broadcast_to(np.arange(offset, dtype=np.int32), (heads, offset))
+    return LayerContents(kind, offset, positions, None, 0, 0)
+
+
+def _scored_contents(cache: H2OKVCache | H2OKVarNCache) -> LayerContents:
     n = cache.size()
     if cache.positions is None or n == 0:
         positions, scores = np.zeros((0, 0), np.int32), np.zeros((0, 0), np.float32)

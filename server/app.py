@@ -16,13 +16,14 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 from config.blas import preload_openblas
 from config.settings import ServerSettings
 from server.errors import error_response, install_error_handlers
-from server.routes import router
-from server.ui import install_ui, ui_enabled
+from server.routes import page_router, router
+from server.ui import STATIC, ui_enabled
 
 
 def create_app(settings: ServerSettings | None = None, load_engine=None) -> FastAPI:
@@ -63,6 +64,7 @@ def create_app(settings: ServerSettings | None = None, load_engine=None) -> Fast
         return await call_next(request)
 
     app.include_router(router)
-    if ui_enabled(settings):
-        install_ui(app)
+    if ui_enabled(settings):  # the chat page: its files and the choices it offers
+        app.mount("/static", StaticFiles(directory=STATIC), name="static")
+        app.include_router(page_router)
     return app

@@ -11,7 +11,8 @@ in a handler's thread pool and turns them into the JSON below.
       "layers": 30, "kv_heads": 3,   # layers that hold tokens; KV heads per layer
       "segments": {"kind": "h2o", "sink": 4, "recent": 28},
                  # positions < sink are sink tokens, >= logical_tokens - recent the
-                 # recent window; kind: h2o (scored eviction), rotating or full
+                 # recent window; kind: h2o (scored eviction), rotating, or full / kvarn
+                 # (nothing evicted)
       "tokens": {
         "ids":   [...],              # the conversation, one entry per position
         "text":  [...],              # each token's text; joined, the decoded conversation
@@ -28,7 +29,10 @@ in a handler's thread pool and turns them into the JSON below.
 
 An 8k-token conversation over 30 layers x 3 KV heads is about 330 KB: 130 KB of
 bitmaps and ~25 bytes per token. A spilled session reports its tokens with `held` and
-`score` null and no heads (its caches are on disk until its next turn).
+`score` null and no heads (its caches are on disk until its next turn). A session
+answering a request is read between two of the worker's rounds, when its caches and
+tokens agree (server/generation.py), so the report is a consistent snapshot of it.
+The types are server/protocol.py's `SessionCache`.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from server.protocol import SessionCache
 
 if TYPE_CHECKING:  # both import MLX; read_contents imports it on the worker thread
     from cache.contents import LayerContents
@@ -90,15 +96,20 @@ def _bitmap(positions: np.ndarray, length: int) -> str:
     return base64.b64encode(np.packbits(bits, bitorder="little").tobytes()).decode()
 
 
-def _segments(layers: list[LayerContents], policy: str) -> dict:
-    kind = "h2o" if policy.startswith("h2o") else policy
-    layer = next((c for c in layers if c.kind == kind), layers[0] if layers else None)
+# The segments shown are the policy's layers': the model's own bounded layers
+# (sliding windows) rank last.
+SEGMENT_KINDS = ("h2o", "kvarn", "full", "rotating")
+
+
+def _segments(layers: list[LayerContents]) -> dict:
+    kinds = {c.kind: c for c in reversed(layers)}
+    layer = next((kinds[k] for k in SEGMENT_KINDS if k in kinds), None)
     if layer is None:
-        return {"kind": kind, "sink": 0, "recent": 0}
+        return {"kind": "full", "sink": 0, "recent": 0}
     return {"kind": layer.kind, "sink": layer.sink, "recent": layer.recent}
 
 
-def cache_report(contents: SessionContents, tokenizer) -> dict:
+def cache_report(contents: SessionContents, tokenizer) -> SessionCache:
     """The endpoint's JSON (see the module docstring); plain numpy, no MLX."""
     ids, layers = contents.tokens, contents.layers
     length = max([len(ids), *(c.offset for c in layers)])
@@ -125,12 +136,11 @@ def cache_report(contents: SessionContents, tokenizer) -> dict:
     if any(c.scores is not None for c in layers):
         mean = score_sum / np.maximum(scored, 1)
         scores = [float(f"{m:.4g}") if n else None for m, n in zip(mean, scored, strict=True)]
-    return {
-        "object": "session.cache",
+    report = {
         **contents.stats,
         "layers": len(layers),
         "kv_heads": max((len(c.positions) for c in layers), default=0),
-        "segments": _segments(layers, contents.stats["policy"]),
+        "segments": _segments(layers),
         "tokens": {
             "ids": ids,
             "text": token_texts(tokenizer, ids),
@@ -140,3 +150,4 @@ def cache_report(contents: SessionContents, tokenizer) -> dict:
         "heads": heads,
         "turns": contents.turns,
     }
+    return SessionCache.model_validate(report)

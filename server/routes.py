@@ -11,7 +11,7 @@ import re
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Header, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import FileResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from server.cache_view import cache_report, read_contents
@@ -21,10 +21,13 @@ from server.protocol import (
     SESSION_ID_PATTERN,
     ChatCompletionRequest,
     CompletionRequest,
+    PageOptions,
     SamplingRequest,
+    SessionCache,
 )
 from server.responses import ReplyBuilder
 from server.streaming import respond
+from server.ui import PAGE_HEADERS, STATIC, page_options
 
 if TYPE_CHECKING:  # both import MLX
     from server.engine import Engine
@@ -33,6 +36,7 @@ if TYPE_CHECKING:  # both import MLX
 DEFAULT_REPLY_TOKENS = 4096  # max_tokens when a request leaves it out (bounded caches)
 
 router = APIRouter()
+page_router = APIRouter(include_in_schema=False)  # the chat page (server/ui.py), when on
 
 
 def _worker(request: Request) -> Worker:
@@ -69,7 +73,7 @@ async def list_sessions(request: Request):
     return {"object": "list", "data": sessions}
 
 
-@router.get("/v1/sessions/{session_id}/cache")
+@router.get("/v1/sessions/{session_id}/cache", response_model=SessionCache)
 async def session_cache(session_id: str, request: Request):
     """What the session's cache holds, per layer and KV head (server/cache_view.py)."""
     _check_session_id(session_id)
@@ -78,7 +82,11 @@ async def session_cache(session_id: str, request: Request):
     contents = await asyncio.wrap_future(worker.call(lambda: read_contents(store, session_id)))
     if contents is None:
         raise APIError(404, f"no session {session_id!r}", "session_not_found")
-    return await run_in_threadpool(cache_report, contents, worker.engine.tokenizer)
+    # Built and serialized in the thread pool: a long conversation's report is large.
+    report = await run_in_threadpool(
+        lambda: cache_report(contents, worker.engine.tokenizer).model_dump_json()
+    )
+    return Response(report, media_type="application/json")
 
 
 @router.delete("/v1/sessions/{session_id}")
@@ -94,6 +102,17 @@ async def delete_session(session_id: str, request: Request):
     if not found:
         raise APIError(404, f"no session {session_id!r}", "session_not_found")
     return {"id": session_id, "object": "session.deleted", "deleted": True}
+
+
+@page_router.get("/")
+async def page():
+    return FileResponse(STATIC / "index.html", headers=PAGE_HEADERS)
+
+
+@page_router.get("/ui/options", response_model=PageOptions)
+async def ui_options(request: Request):
+    worker = _worker(request)
+    return page_options(worker.engine, worker.settings)
 
 
 @router.post("/v1/chat/completions")

@@ -11,12 +11,9 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 
-from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import FileResponse
-from fastapi.staticfiles import StaticFiles
-
 from config.cache_spec import POLICIES, PRESETS, SCORE_RULES
 from config.settings import ServerSettings
+from server.protocol import PageOptions
 
 STATIC = Path(__file__).parent / "static"
 # The page loads only its own files and talks only to this server.
@@ -42,35 +39,19 @@ def ui_enabled(settings: ServerSettings) -> bool:
         return False
 
 
-router = APIRouter(include_in_schema=False)
-
-
-@router.get("/")
-async def index():
-    return FileResponse(STATIC / "index.html", headers=PAGE_HEADERS)
-
-
-@router.get("/ui/options")
-async def options(request: Request):
+def page_options(engine, settings: ServerSettings) -> PageOptions:
     """What the page offers: the model, whether a key is needed, the cache choices."""
-    worker = request.app.state.worker
-    spec = worker.engine.spec
-    return {
-        "model": worker.engine.model_id,
-        "api_key_required": bool(worker.settings.api_key),
-        "policies": list(POLICIES),
-        "presets": list(PRESETS),
-        "scores": list(SCORE_RULES),
-        "default": {
+    spec = engine.spec
+    return PageOptions(
+        model=engine.model_id,
+        api_key_required=bool(settings.api_key),
+        policies=list(POLICIES),
+        presets=list(PRESETS),
+        scores=list(SCORE_RULES),
+        default={
             "policy": spec.policy,
             "max_kv": spec.max_kv,
             "preset": spec.preset,
             "score": spec.score,
         },
-    }
-
-
-def install_ui(app: FastAPI) -> None:
-    """Serve the page at `/`, its files under `/static`, and the cache choices it offers."""
-    app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    app.include_router(router)
+    )

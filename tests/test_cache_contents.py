@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from cache import H2OKVCache, QuantizedH2OKVCache
+from cache import H2OKVarNCache, H2OKVCache, KVarNCache, QuantizedH2OKVCache
 from cache.contents import LayerContents, layer_contents
 from cache.mixed import MIXED_LAYOUTS
 from server.cache_view import SessionContents, cache_report, token_texts
@@ -116,6 +116,38 @@ def test_quantized_h2o_reports_its_slots(make):
     assert cache.evicted > 0
 
 
+def test_kvarn_holds_every_token():
+    """Packed tiles, dense front and tail: nothing is evicted, whatever the chunking."""
+    cache = KVarNCache(4, 2, tile=32, sink=8)
+    for c in feed(cache):
+        contents = layer_contents(c)
+        assert contents.kind == "kvarn" and contents.scores is None
+        assert contents.positions.shape == (N_KV, c.offset) == (N_KV, c.size())
+        assert np.array_equal(contents.positions[0], np.arange(c.offset))
+    assert cache.n_tiles() > 0
+
+
+@pytest.mark.parametrize("strategy", ["requantize", "tile"])
+def test_h2o_kvarn_reports_its_slots_and_scores(strategy):
+    """Slots move when damaged tiles are re-packed or whole tiles leave; positions follow."""
+    cache = H2OKVarNCache(96, tile=32, sink=4, heavy=40, recent=52, strategy=strategy)
+    for c in feed(cache, FEED * 3):
+        contents = layer_contents(c)
+        assert contents.kind == "h2o"
+        assert_sorted_unique(contents)
+        n = c.size()
+        assert contents.positions.shape == (N_KV, n)
+        slots, scores = np.array(c.positions[0]), np.array(c.scores[0])
+        for h in range(N_KV):
+            by_position = dict(zip(slots[h], scores[h], strict=True))
+            assert set(contents.positions[h]) == set(by_position)
+            assert np.allclose(contents.scores[h], [by_position[p] for p in contents.positions[h]])
+        if c.evicted:
+            protected = {*range(4), *range(c.offset - 52, c.offset)}
+            assert all(protected <= set(row) for row in contents.positions)
+    assert cache.evicted > 0 and (contents.sink, contents.recent) == (4, 52)
+
+
 def test_state_caches_hold_no_positions():
     assert layer_contents(ArraysCache(2)) is None
 
@@ -146,6 +178,13 @@ def bits(bitmap: str, n: int) -> np.ndarray:
     return np.unpackbits(raw, bitorder="little")[:n].astype(bool)
 
 
+def figures(**given) -> dict:
+    """A session's figures as Session.refresh_stats publishes them."""
+    names = ("logical_tokens", "stored_tokens", "bytes", "evictions", "last_used")
+    base = {"id": "s", "policy": "h2o", "max_kv": 28, "preset": "heavy", "score": "attn"}
+    return {**base, **dict.fromkeys(names, 0), "spilled": False, "busy": False, **given}
+
+
 def contents_of(caches: list, stats: dict) -> SessionContents:
     n = max(c.offset for c in caches)
     layers = [layer_contents(c) for c in caches]
@@ -157,8 +196,8 @@ def test_report_counts_holders_per_token():
     rotating = RotatingKVCache(max_size=24, keep=2)
     for _ in zip(feed(h2o), feed(rotating), strict=True):
         pass
-    stats = {"id": "s", "policy": "h2o", "logical_tokens": h2o.offset}
-    report = cache_report(contents_of([h2o, rotating], stats), CharTokenizer())
+    stats = figures(logical_tokens=h2o.offset)
+    report = cache_report(contents_of([h2o, rotating], stats), CharTokenizer()).model_dump()
     n = h2o.offset
     assert report["id"] == "s" and report["layers"] == 2 and report["kv_heads"] == N_KV
     assert report["segments"] == {"kind": "h2o", "sink": 2, "recent": 14}
@@ -179,8 +218,8 @@ def test_report_counts_holders_per_token():
 
 
 def test_report_of_a_spilled_session_has_tokens_only():
-    stats = {"id": "s", "policy": "h2o", "spilled": True}
-    report = cache_report(SessionContents(stats, [1, 2, 3], [], []), CharTokenizer())
+    stats = figures(spilled=True)
+    report = cache_report(SessionContents(stats, [1, 2, 3], [], []), CharTokenizer()).model_dump()
     assert report["tokens"]["held"] is None and report["tokens"]["score"] is None
     assert report["heads"] == [] and report["tokens"]["text"] == ["b", "c", "d"]
 
@@ -193,8 +232,8 @@ def test_report_of_a_long_session_stays_small():
         rows = np.sort([rng.choice(n, held, replace=False) for _ in range(3)], axis=1)
         scores = rng.random(rows.shape).astype(np.float32)
         layers.append(LayerContents("h2o", n, rows.astype(np.int32), scores, 4, 700))
-    contents = SessionContents({"id": "s", "policy": "h2o"}, list(range(n)), layers, [])
-    report = cache_report(contents, CharTokenizer())
+    contents = SessionContents(figures(), list(range(n)), layers, [])
+    report = cache_report(contents, CharTokenizer()).model_dump()
     size = len(json.dumps(report))
     assert size < 400_000, size
     assert sum(report["tokens"]["held"]) == 30 * 3 * held

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -20,7 +21,10 @@ POLICIES = {  # policy -> max_kv (full must fit the whole conversation)
     "h2o-q8": 64,
     "h2o-q4": 64,
     "h2o-mixed": 64,
+    "kvarn": 512,  # keeps every token, like full
+    "h2o-kvarn": 64,
 }
+KEEP_ALL = ("full", "kvarn")
 
 
 def chat(api, key: str, policy: str, max_kv: int, content: str = LONG, max_tokens: int = 8):
@@ -31,6 +35,12 @@ def chat(api, key: str, policy: str, max_kv: int, content: str = LONG, max_token
         max_tokens=max_tokens,
         extra_body={"prompt_cache_key": key, "kv_cache": {"policy": policy, "max_kv": max_kv}},
     )
+
+
+def assert_reply_is_last(report: dict, reply) -> None:
+    """The conversation's last tokens are the reply's (an end-of-turn token included)."""
+    reply_text = "".join(report["tokens"]["text"][-reply.usage.completion_tokens :])
+    assert reply_text.startswith(reply.choices[0].message.content)
 
 
 def held_bits(head: dict, n: int) -> np.ndarray:
@@ -53,6 +63,7 @@ def test_report_agrees_with_sessions(api, policy):
     assert (report["layers"], report["kv_heads"], len(report["heads"])) == (LAYERS, KV_HEADS, pairs)
     assert len(tokens["ids"]) == len(tokens["text"]) == len(tokens["held"]) == n
     assert "Item 3 of the list is a blue box." in "".join(tokens["text"])
+    assert_reply_is_last(report, reply)
 
     maps = np.array([held_bits(h, n) for h in report["heads"]])
     assert not maps[:, n:].any()  # padding bits past the last token stay clear
@@ -64,7 +75,7 @@ def test_report_agrees_with_sessions(api, policy):
     seg = report["segments"]
     assert seg["kind"] == ("h2o" if policy.startswith("h2o") else policy)
     held = np.array(tokens["held"])
-    if policy == "full":
+    if policy in KEEP_ALL:
         assert stored == n and (held == pairs).all() and seg["recent"] == 0
     else:
         assert stored <= 64 < n and (held < pairs).any()  # evicted
@@ -79,6 +90,44 @@ def test_report_agrees_with_sessions(api, policy):
     assert turn["usage"]["prompt_tokens"] == reply.usage.prompt_tokens
     assert turn["usage"]["completion_tokens"] == reply.usage.completion_tokens
     assert (turn["logical_tokens"], turn["stored_tokens"]) == (n, stored)
+
+
+def check_consistent(report: dict) -> None:
+    """Tokens, holder counts, bitmaps and figures describe one and the same moment."""
+    n, tokens = report["logical_tokens"], report["tokens"]
+    assert len(tokens["ids"]) == len(tokens["text"]) == len(tokens["held"]) == n
+    maps = np.array([held_bits(h, n) for h in report["heads"]])
+    assert not maps[:, n:].any()
+    assert maps.sum(axis=0)[:n].tolist() == tokens["held"]
+    assert max(h["held"] for h in report["heads"]) == report["stored_tokens"]
+    assert report["evictions"] == n - report["stored_tokens"]
+
+
+@pytest.mark.parametrize("policy", ["h2o", "full"])  # full: prompts are prefilled batched too
+def test_report_while_sessions_decode_together(api, policy):
+    """Sessions answering in one batched decode pass are read between two rounds."""
+    keys = [f"cv-batch-{policy}-{i}-{uuid.uuid4().hex[:6]}" for i in range(2)]
+    both_busy, reads = False, 0
+    with ThreadPoolExecutor(2) as pool:
+        replies = [pool.submit(chat, api, k, policy, POLICIES[policy], LONG, 64) for k in keys]
+        while not all(r.done() for r in replies):
+            busy = []
+            for key in keys:
+                r = api.get(f"/v1/sessions/{key}/cache")
+                if r.status_code == 404:  # not admitted yet
+                    continue
+                report = r.json()
+                check_consistent(report)
+                busy.append(report["busy"])
+                reads += 1
+            both_busy |= busy == [True, True]
+        finished = [r.result() for r in replies]
+    assert reads and both_busy
+    for key, reply in zip(keys, finished, strict=True):
+        report = api.get(f"/v1/sessions/{key}/cache").json()
+        check_consistent(report)
+        assert not report["busy"]
+        assert_reply_is_last(report, reply)
 
 
 def test_turns_accumulate_with_reused_tokens(api):
