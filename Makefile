@@ -18,6 +18,12 @@ $(STAMP): pyproject.toml
 	         || ! command -v c++ >/dev/null || ! command -v nginx >/dev/null; }; then \
 	    apt-get update -qq && RUNLEVEL=1 apt-get install -y -qq libopenblas0-pthread g++ \
 	        nginx-light; fi
+	# Chromium for the chat page's browser test (Playwright drives it and downloads
+	# none). Not fatal: where apt has no `chromium` (Ubuntu ships a snap) it is skipped.
+	@if [ "$$(uname -s)" = Linux ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	    && ! command -v chromium >/dev/null; then \
+	    { apt-get update -qq && apt-get install -y -qq chromium; } \
+	    || echo "chromium not installed: the browser test will be skipped"; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev]"

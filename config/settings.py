@@ -88,4 +88,7 @@ class ServerSettings(BaseSettings):
         "others cannot list, reuse or delete it",
     )
     allowed_origins: list[str] = Field(default_factory=list, description="CORS origins")
+    ui: bool | None = Field(
+        None, description="serve the chat page at / (default: on when --host is loopback)"
+    )
     log_level: str = "info"

@@ -15,13 +15,15 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 from config.blas import preload_openblas
 from config.settings import ServerSettings
 from server.auth import APIKeyMiddleware, parse_keys
 from server.errors import install_error_handlers
-from server.routes import router
+from server.routes import page_router, router
+from server.ui import STATIC, ui_enabled
 
 
 def create_app(settings: ServerSettings | None = None, load_engine=None) -> FastAPI:
@@ -57,4 +59,7 @@ def create_app(settings: ServerSettings | None = None, load_engine=None) -> Fast
             expose_headers=["X-Session-ID", "Retry-After"],
         )
     app.include_router(router)
+    if ui_enabled(settings):  # the chat page: its files and the choices it offers
+        app.mount("/static", StaticFiles(directory=STATIC), name="static")
+        app.include_router(page_router)
     return app

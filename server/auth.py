@@ -4,8 +4,9 @@
 the receive channel the disconnect watcher listens on). It sits inside the CORS
 middleware, so a browser's preflight (which never carries credentials) is
 answered by CORS and a 401 still carries the CORS headers the browser needs to
-show it. Every path but /health needs the key when one is set (the API, the
-metrics, /docs and /openapi.json alike).
+show it. Every path but /health and the chat page's own files needs the key when
+one is set (the API, the metrics, /docs and /openapi.json alike): the page holds
+no data, it asks the user for the key and sends it with every API call.
 
 `session_owner` names who a session belongs to when `--session-scope caller`:
 a digest of the caller's API key and the request's `user`, so one caller can
@@ -22,7 +23,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.protocol import error_body
 
-OPEN_PATHS = frozenset({"/health"})  # liveness probes carry no credentials
+OPEN_PATHS = frozenset({"/health", "/", "/ui/options"})  # probes; the page and its choices
+OPEN_PREFIXES = ("/static/",)  # the page's scripts and styles
 
 
 def parse_keys(setting: str | None) -> list[str]:
@@ -52,12 +54,17 @@ def matching_key(token: str | None, keys: list[str]) -> str | None:
     return found
 
 
+def is_open(path: str) -> bool:
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+
+
 class APIKeyMiddleware:
     def __init__(self, app: ASGIApp, keys: list[str]):
         self.app, self.keys = app, keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys or scope["path"] in OPEN_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not self.keys or is_open(path):
             return await self.app(scope, receive, send)
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         authorization = headers.get(b"authorization", b"").decode("latin-1")

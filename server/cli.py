@@ -148,6 +148,9 @@ def _add_serve_parser(sub) -> None:
         else:
             kind = field.annotation if field.annotation in (int, float) else str
             serve.add_argument(flag, type=kind, default=None, help=field.description)
+    serve.add_argument(
+        "--no-ui", dest="ui", action="store_const", const="false", help="same as --ui false"
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

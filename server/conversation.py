@@ -31,6 +31,7 @@ class Session:
     claim: Claim | None = None  # held while the caches are in memory (shared spill folder)
     borrowed: bool = False  # a throwaway for one turn: another replica owns the session
     stats: dict = field(default_factory=dict)
+    turns: list[dict] = field(default_factory=list)  # per answered request: usage and figures
 
     def refresh_stats(self) -> None:
         """Publish plain numbers for handlers (called by the worker).

@@ -11,20 +11,24 @@ import re
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Header, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from server.auth import session_owner
+from server.cache_view import cache_report, read_contents
 from server.errors import APIError
 from server.jobs import Job, QueueFull, SessionBusy, ShuttingDown
 from server.protocol import (
     SESSION_ID_PATTERN,
     ChatCompletionRequest,
     CompletionRequest,
+    PageOptions,
     SamplingRequest,
+    SessionCache,
 )
 from server.responses import ReplyBuilder
 from server.streaming import respond
+from server.ui import PAGE_HEADERS, STATIC, page_options
 
 if TYPE_CHECKING:  # both import MLX
     from server.engine import Engine
@@ -33,6 +37,7 @@ if TYPE_CHECKING:  # both import MLX
 DEFAULT_REPLY_TOKENS = 4096  # max_tokens when a request leaves it out (bounded caches)
 
 router = APIRouter()
+page_router = APIRouter(include_in_schema=False)  # the chat page (server/ui.py), when on
 
 
 def _worker(request: Request) -> Worker:
@@ -81,6 +86,24 @@ async def list_sessions(request: Request, user: str | None = None):
     return {"object": "list", "data": mine}
 
 
+@router.get("/v1/sessions/{session_id}/cache", response_model=SessionCache)
+async def session_cache(session_id: str, request: Request, user: str | None = None):
+    """What the session's cache holds, per layer and KV head (server/cache_view.py)."""
+    _check_session_id(session_id)
+    worker = _worker(request)
+    store, owner = worker.engine.store, _owner(request, user)
+    contents = await asyncio.wrap_future(
+        worker.call(lambda: read_contents(store, session_id, owner))
+    )
+    if contents is None:
+        raise APIError(404, f"no session {session_id!r}", "session_not_found")
+    # Built and serialized in the thread pool: a long conversation's report is large.
+    report = await run_in_threadpool(
+        lambda: cache_report(contents, worker.engine.tokenizer).model_dump_json()
+    )
+    return Response(report, media_type="application/json")
+
+
 @router.delete("/v1/sessions/{session_id}")
 async def delete_session(session_id: str, request: Request, user: str | None = None):
     _check_session_id(session_id)
@@ -95,6 +118,17 @@ async def delete_session(session_id: str, request: Request, user: str | None = N
     if not found:
         raise APIError(404, f"no session {session_id!r}", "session_not_found")
     return {"id": session_id, "object": "session.deleted", "deleted": True}
+
+
+@page_router.get("/")
+async def page():
+    return FileResponse(STATIC / "index.html", headers=PAGE_HEADERS)
+
+
+@page_router.get("/ui/options", response_model=PageOptions)
+async def ui_options(request: Request):
+    worker = _worker(request)
+    return page_options(worker.engine, worker.settings)
 
 
 @router.post("/v1/chat/completions")

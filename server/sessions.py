@@ -48,11 +48,14 @@ from pathlib import Path
 
 from config.cache_spec import CacheSpec
 from server.conversation import Session, common_prefix, rewind, spilled_session
-from server.jobs import SessionBusy, SessionClaimed
+from server.jobs import Finished, SessionBusy, SessionClaimed
+from server.protocol import Usage
 from server.spill import SpillError, SpillFolder
 
 log = logging.getLogger("h2o_server.sessions")
 SPILLED_PER_RESIDENT = 16  # spilled sessions kept on disk per in-memory slot
+TURNS_KEPT = 256  # per-turn figures kept per session (the cache view's history)
+TURN_FIGURES = ("logical_tokens", "stored_tokens", "bytes", "evictions")
 
 
 class SessionStore:
@@ -150,8 +153,11 @@ class SessionStore:
                 best, best_len = s, n
         return best
 
-    def release(self, session: Session, broken: bool = False) -> None:
-        """The request is over. One that failed midway leaves no session behind."""
+    def release(self, session: Session, broken: bool = False, turn: Finished | None = None) -> None:
+        """The request is over. One that failed midway leaves no session behind.
+
+        `turn` (what the request used) is recorded with the cache's figures after it.
+        """
         session.busy = False
         session.last_used = time.time()
         if session.borrowed:
@@ -161,6 +167,11 @@ class SessionStore:
             self._forget(session)
         else:
             session.refresh_stats()
+            if turn is not None:
+                usage = Usage.of(turn.prompt_tokens, turn.completion_tokens, turn.cached_tokens)
+                figures = {name: session.stats[name] for name in TURN_FIGURES}
+                record = {"usage": usage.model_dump(), **figures}
+                session.turns = [*session.turns[-(TURNS_KEPT - 1) :], record]
         self._publish()
 
     def delete(self, session_id: str, owner: str = "") -> bool:

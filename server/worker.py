@@ -271,7 +271,8 @@ class Worker:
 
     def _finish(self, job: Job, gen: Generation, broken: bool = False) -> None:
         self._active.remove((job, gen))
-        self.engine.store.release(gen.session, broken=broken)
+        turn = None if broken else gen.finished()  # a stopped turn counts too: its tokens stay
+        self.engine.store.release(gen.session, broken=broken, turn=turn)
 
     def _fail(self, job: Job, status: int, message: str, code: str | None = None) -> None:
         self.metrics.add("requests_failed_total")

@@ -34,3 +34,14 @@ def api(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server")
     with running_server(tmp, "--kv-budget", "512MiB", "--max-sessions", "8") as s:
         yield s
+
+
+@pytest.fixture(scope="session")
+def keyed_api(tmp_path_factory):
+    """A real server that needs an API key and allows one CORS origin (the chat page's setup)."""
+    from server_harness import API_KEY, running_server
+
+    tmp = tmp_path_factory.mktemp("keyed-server")
+    flags = ["--api-key", API_KEY, "--allowed-origins", "http://127.0.0.1:9"]
+    with running_server(tmp, *flags, "--kv-budget", "256MiB", "--max-sessions", "4") as s:
+        yield s

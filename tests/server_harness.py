@@ -15,6 +15,7 @@ import openai
 from bench.local_server import start_server, stop_server
 
 MODEL = "SmolLM2-135M-Instruct"
+API_KEY = "s3cret-ui"  # the keyed_api fixture's server
 
 
 class Response:
