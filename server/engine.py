@@ -10,13 +10,12 @@ from cache import configure, make_cache
 from cache.budget import Budget, ModelShape, bytes_per_token, fit_spec, parse_bytes
 from config.cache_spec import CacheSpec
 from config.settings import ServerSettings
-from server.models import DEFAULT_MODEL, kv_shape, load_model
+from server.models import DEFAULT_MODEL, kv_shape, load_model, served_model_id
 from server.protocol import CacheOptions
 from server.sessions import SessionStore
 
 log = logging.getLogger("h2o_server.engine")
 
-DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 AUTO_BUDGET_FRACTION = 0.25  # of physical memory, for --kv-budget auto
 AUTO_BUDGET_CAP = 8 * 2**30
 
@@ -57,7 +56,7 @@ class Engine:
         store = SessionStore(
             lambda s: make_cache(model, s), settings.max_sessions, settings.spill_dir
         )
-        model_id = DEFAULT_MODEL_ID if settings.model == DEFAULT_MODEL else settings.model
+        model_id = served_model_id(settings.model)
         log.info(
             "model %s; KV budget %.1f MiB over %d sessions: policy %s, max_kv %d "
             "(%.0f bytes/token)",
