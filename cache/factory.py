@@ -14,6 +14,7 @@ from cache.kvarn import KVarNCache
 from cache.kvarn import check_head_dim as check_kvarn_head_dim
 from cache.mixed import MIXED_LAYOUTS
 from cache.quantized import QuantizedH2OKVCache
+from cache.rotating import SinkRotatingKVCache
 from cache.router import install_router, verify_routing
 from config.cache_spec import DEFAULT_POLICY, KVARN_PRESETS, CacheSpec
 from kernels.hadamard import hadamard_block
@@ -51,7 +52,7 @@ def _h2o_kvarn(spec: CacheSpec) -> H2OKVarNCache:
 # PolicyInfo.cache -> a builder of one layer's cache.
 BUILDERS = {
     "full": lambda spec: KVCache(),
-    "rotating": lambda spec: RotatingKVCache(max_size=spec.max_kv, keep=spec.segments().sink),
+    "rotating": lambda spec: SinkRotatingKVCache(max_size=spec.max_kv, keep=spec.segments().sink),
     "h2o": lambda spec: H2OKVCache(spec.max_kv, **_h2o_knobs(spec)),
     "adaptive": lambda spec: AdaptiveH2OKVCache(spec.max_kv, **_h2o_knobs(spec)),
     "quantized": _quantized,
