@@ -15,10 +15,11 @@ from cache.mixed import MixedH2OKVCache
 from cache.quantized import QuantizedH2OKVCache
 from cache.rotating import SinkRotatingKVCache
 from cache.router import UnroutedAttention, install_router, uninstall_router, verify_routing
+from cache.windowed import WINDOWED, WindowedH2OKVCache
 
 # mlx-lm's load_prompt_cache looks cache classes up by name in its own module.
 _OWN_CACHES = (H2OKVCache, QuantizedH2OKVCache, MixedH2OKVCache, KVarNCache, H2OKVarNCache)
-for _cls in (*_OWN_CACHES, SinkRotatingKVCache):
+for _cls in (*_OWN_CACHES, SinkRotatingKVCache, *WINDOWED.values()):
     setattr(_mlx_lm_cache, _cls.__name__, _cls)
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "ScoresMissing",
     "SinkRotatingKVCache",
     "UnroutedAttention",
+    "WindowedH2OKVCache",
     "cache_usage",
     "configure",
     "install_router",

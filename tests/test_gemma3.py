@@ -11,6 +11,7 @@ import importlib
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from ggml_reference import dequantize
 from mlx_lm.models.cache import KVCache
 
@@ -105,21 +106,30 @@ def test_h2o_without_eviction_equals_full(gemma_model, essay_text):
     assert all(c.offset == 316 for c in h2o)
 
 
-def test_offsets_equal_tokens_seen_under_eviction(gemma_model, essay_text):
-    """Chunked prefill and decode past max_kv: every layer's offset counts every token."""
+@pytest.mark.parametrize("policy", ["h2o", "rotating"])
+def test_every_layer_bounded_and_offsets_count_every_token(gemma_model, essay_text, policy):
+    """Chunked prefill past the 512-token window, then decode, at max_kv 64: after every
+    chunk and step each of the 18 layers (15 sliding, 3 global) stores <= 64 tokens
+    and its offset equals the tokens seen."""
     model, tokenizer = gemma_model
     ids = tokenizer.encode(essay_text)[:630]
-    caches = make_cache(model, "h2o", max_kv=64)
+    caches = make_cache(model, policy, max_kv=64)
+    assert len(caches) == 18
     seen = 0
     for start in range(0, 600, 200):
         mx.eval(model(mx.array(ids[start : start + 200])[None], cache=caches))
         seen += 200
-        assert [c.offset for c in caches] == [seen] * len(caches)
+        assert [c.offset for c in caches] == [seen] * 18
+        assert max(c.size() for c in caches) <= 64
     for t in ids[600:]:
-        mx.eval(model(mx.array([[t]]), cache=caches))
+        logits = model(mx.array([[t]]), cache=caches)
+        mx.eval(logits)
         seen += 1
-    assert [c.offset for c in caches] == [seen] * len(caches)
-    assert any(getattr(c, "evicted", 0) > 0 for c in caches)
+        assert [c.offset for c in caches] == [seen] * 18
+        assert max(c.size() for c in caches) <= 64
+    assert bool(mx.isfinite(logits).all())
+    if policy == "h2o":
+        assert all(isinstance(c, H2OKVCache) and c.evicted > 0 for c in caches)
 
 
 # --------------------------------------------------------------------------- tokenizer
