@@ -178,9 +178,19 @@ def nll_autoregressive(
     tick: Callable | None = None,
 ) -> mx.array:
     """Per-token NLL [B, T-1]: `prefill` tokens in one pass, then one token per step."""
+    return nll_stepped(model, tokens, make_cache(model, **cache_kwargs), prefill, tick)
+
+
+def nll_stepped(
+    model,
+    tokens: mx.array,
+    caches: list,
+    prefill: int = DEFAULT_PREFILL,
+    tick: Callable | None = None,
+) -> mx.array:
+    """nll_autoregressive through given per-layer caches (bench/sliding_layers.py mixes kinds)."""
     B, T = tokens.shape
     prefill = max(1, min(prefill, T - 1))
-    caches = make_cache(model, **cache_kwargs)
     logits = model(tokens[:, :prefill], cache=caches)
     parts = [token_nll(logits, tokens[:, 1 : prefill + 1])]
     mx.eval(parts[0])

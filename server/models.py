@@ -23,6 +23,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from cache.budget import ModelShape
+from cache.factory import layer_windows
 from config.blas import slow_blas_warning
 from server.gguf_model import load_gguf
 
@@ -75,8 +76,10 @@ def on_cpu() -> bool:
 
 
 def kv_shape(model: nn.Module) -> ModelShape:
-    """What the budget math needs of a loaded model: K/V are float32 on CPU, half elsewhere."""
-    return ModelShape.of(model, element_bytes=4 if on_cpu() else 2)
+    """What the budget math needs of a loaded model: K/V are float32 on CPU, half elsewhere;
+    the sliding-window layers' windows."""
+    windows = tuple(w for w in layer_windows(model) if w is not None)
+    return ModelShape.of(model, element_bytes=4 if on_cpu() else 2, windows=windows)
 
 
 def embedded_gguf_path(name: str) -> Path:

@@ -365,3 +365,31 @@ def test_windowed_cache_save_and_load(tmp_path):
         assert mx.abs(a - b).max().item() <= 1e-5
     finally:
         uninstall_router(model)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "h2o-q8", "rotating", "full"])
+@pytest.mark.parametrize("max_kv", [8, 20])
+def test_budget_formula_is_what_every_layer_allocates(policy, max_kv):
+    """cache.budget.session_bytes == the bytes the caches hold once full, per layer kind:
+    max_kv 8 < window 16 (sliding layers under the policy), 20 > 16 (their own window)."""
+    from cache.budget import ModelShape, max_kv_within, session_bytes
+    from cache.factory import layer_windows
+
+    model = _gemma(32)
+    try:
+        windows = tuple(w for w in layer_windows(model) if w)
+        assert windows == (WINDOW, WINDOW)
+        shape = ModelShape.of(model, element_bytes=4, windows=windows)
+        caches = make_cache(model, policy, max_kv=max_kv, group_size=32, evict_batch=1)
+        tokens = prompt_tokens(60, seed=8)
+        mx.eval(model(tokens[None, :40], cache=caches))
+        for t in range(40, 60):
+            mx.eval(model(tokens[None, t : t + 1], cache=caches))
+        held = sum(c.nbytes for c in caches)
+        if policy == "full":  # global layers grow with the conversation: 60 tokens, one step
+            assert held == session_bytes(shape, policy, 60)
+        else:
+            assert held == session_bytes(shape, policy, max_kv, group_size=32)
+            assert max_kv_within(held, shape, policy, group_size=32) == max_kv
+    finally:
+        uninstall_router(model)
