@@ -242,3 +242,29 @@ def test_fallback_chat_template_and_end_of_turn(gemma_model):
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     assert ids[:2] == [2, 105] and ids.count(2) == 1  # one <bos>, turns are single tokens
     assert {1, 106} <= set(tokenizer.eos_token_ids)  # <eos>, <end_of_turn>
+
+
+# --------------------------------------------------------------------------- server
+
+
+def test_server_serves_gemma_within_the_budget(gemma_model, essay_text, tmp_path):
+    """`h2o-server serve --model gemma3-270m`: chat through the fallback template, a long
+    prompt past the 512-token window, every layer within the session's max_kv."""
+    from server_harness import running_server
+
+    budget = ["--kv-budget", "8MiB", "--max-sessions", "2", "--policy", "h2o"]
+    with running_server(tmp_path, "--model", "gemma3-270m", *budget, timeout=300) as api:
+        assert [m.id for m in api.client.models.list().data] == ["gemma-3-270m"]
+        reply = api.client.chat.completions.create(
+            model="gemma-3-270m",
+            messages=[{"role": "user", "content": essay_text[:4000] + "\n\nSummarize."}],
+            max_tokens=8,
+            temperature=0,
+            extra_body={"prompt_cache_key": "long"},
+        )
+        assert reply.model == "gemma-3-270m" and reply.usage.prompt_tokens > 700
+        session = api.sessions()["long"]
+        # 4 MiB per session: max_kv from the per-layer sum, below the 512-token window
+        assert 16 <= session["max_kv"] < 512
+        assert session["logical_tokens"] > session["max_kv"] >= session["stored_tokens"]
+        assert session["bytes"] <= 4 * 2**20
