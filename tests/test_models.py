@@ -127,13 +127,20 @@ def _toy_vocab() -> tuple[list[str], list[float], list[int]]:
     return pieces, scores, types
 
 
-def test_llama_gguf_with_sentencepiece_vocab(tmp_path):
-    """llama + SentencePiece vocabulary (TinyLlama-like): weights, RoPE rows, tokenizer."""
+@pytest.fixture(scope="module")
+def tiny_llama_gguf(tmp_path_factory):
+    """(original model, loaded model, tokenizer, pieces) of a tiny llama GGUF written here."""
     pieces, scores, types = _toy_vocab()
     model, cfg = _tiny("llama", len(pieces), tie_word_embeddings=False)
-    path = tmp_path / "tiny-llama.gguf"
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
     _write_llama_gguf(path, model, cfg, pieces, scores, types)
     loaded, tokenizer = load_model(str(path))
+    return model, loaded, tokenizer, pieces
+
+
+def test_llama_gguf_with_sentencepiece_vocab(tiny_llama_gguf):
+    """llama + SentencePiece vocabulary (TinyLlama-like): weights, tokenizer, template."""
+    model, loaded, tokenizer, pieces = tiny_llama_gguf
 
     ids = tokenizer.encode("the cat sat")
     # BOS, then the prefix space joins the first word; merges by score.
@@ -154,13 +161,9 @@ def test_llama_gguf_with_sentencepiece_vocab(tmp_path):
     assert text == "<s>User: hi\n\nAssistant:"
 
 
-def test_llama_gguf_rope_rows_are_unpermuted(tmp_path):
+def test_llama_gguf_rope_rows_are_unpermuted(tiny_llama_gguf):
     """Without undoing llama.cpp's q/k permutation the logits would differ."""
-    pieces, scores, types = _toy_vocab()
-    model, cfg = _tiny("llama", len(pieces), tie_word_embeddings=False)
-    path = tmp_path / "tiny-llama.gguf"
-    _write_llama_gguf(path, model, cfg, pieces, scores, types)
-    loaded, _ = load_model(str(path))
+    model, loaded, _, _ = tiny_llama_gguf
     q_file = np.array(loaded.model.layers[0].self_attn.q_proj.weight)
     q_orig = np.array(model.model.layers[0].self_attn.q_proj.weight)
     np.testing.assert_allclose(q_file, q_orig, atol=1e-3)  # fp16 storage
