@@ -227,7 +227,7 @@ def max_kv_within(
     def fits(k: int) -> bool:
         return session_bytes(shape, policy, k * step, group_size, kvarn) <= nbytes
 
-    starts = sorted({1, *shape.windows})
+    starts = sorted({2, *shape.windows})  # max_kv 1 cannot be split into segments
     best = 0
     for i, start in enumerate(starts):
         lo = -(-start // step)
