@@ -53,7 +53,7 @@ def _mixed(spec: CacheSpec, window: int | None = None) -> H2OKVCache:
 def _h2o_kvarn(spec: CacheSpec, window: int | None = None):
     if window is not None:
         # No KVarN twin inside a window yet: such a layer gets a max_kv window, dense
-        # (the budget prices it so: cache/budget.py SLIDING_DENSE).
+        # (cache/budget.py session_bytes prices it so).
         return _rotating(spec, window)
     return H2OKVarNCache(
         spec.max_kv, *KVARN_PRESETS[spec.kvarn], **_h2o_knobs(spec),

@@ -367,27 +367,42 @@ def test_windowed_cache_save_and_load(tmp_path):
         uninstall_router(model)
 
 
-@pytest.mark.parametrize("policy", ["h2o", "h2o-q8", "rotating", "full"])
+@pytest.mark.parametrize("policy", ["h2o", "h2o-q8", "rotating", "full", "kvarn", "h2o-kvarn"])
 @pytest.mark.parametrize("max_kv", [8, 20])
 def test_budget_formula_is_what_every_layer_allocates(policy, max_kv):
     """cache.budget.session_bytes == the bytes the caches hold once full, per layer kind:
-    max_kv 8 < window 16 (sliding layers under the policy), 20 > 16 (their own window)."""
-    from cache.budget import ModelShape, max_kv_within, session_bytes
+    max_kv 8 < window 16 (sliding layers under the policy), 20 > 16 (their own window).
+    kvarn keeps every token: its global layers pack 300 tokens into tiles while the
+    sliding layers keep their dense window; h2o-kvarn's sliding layers hold a dense
+    max_kv window (no KVarN inside a window)."""
+    from cache.budget import H2O_BOOKKEEPING, ModelShape, max_kv_within, session_bytes
     from cache.factory import layer_windows
 
-    model = _gemma(32)
+    model = _gemma(64 if "kvarn" in policy else 32)  # KVarN packs values in groups of 32+
     try:
         windows = tuple(w for w in layer_windows(model) if w)
         assert windows == (WINDOW, WINDOW)
         shape = ModelShape.of(model, element_bytes=4, windows=windows)
         caches = make_cache(model, policy, max_kv=max_kv, group_size=32, evict_batch=1)
-        tokens = prompt_tokens(60, seed=8)
-        mx.eval(model(tokens[None, :40], cache=caches))
-        for t in range(40, 60):
+        n = 300 if policy == "kvarn" else 60
+        tokens = prompt_tokens(n, seed=8)
+        for start in range(0, n - 20, 128):
+            mx.eval(model(tokens[None, start : min(start + 128, n - 20)], cache=caches))
+        held = 0  # at the largest: h2o-kvarn shrinks a little when a tile is repacked
+        for t in range(n - 20, n):
             mx.eval(model(tokens[None, t : t + 1], cache=caches))
-        held = sum(c.nbytes for c in caches)
-        if policy == "full":  # global layers grow with the conversation: 60 tokens, one step
-            assert held == session_bytes(shape, policy, 60)
+            held = max(held, sum(c.nbytes for c in caches))
+        if policy in ("full", "kvarn"):  # global layers grow with the conversation
+            assert held == session_bytes(shape, policy, n)
+            if policy == "kvarn":
+                assert all(c.n_tiles() >= 1 for c in caches if hasattr(c, "n_tiles"))
+        elif policy == "h2o-kvarn":
+            # Priced at its peak: the newest token's score and position (spare slot) live
+            # only inside the forward pass that evicts, in each global layer and KV head.
+            priced = session_bytes(shape, policy, max_kv)
+            spare = H2O_BOOKKEEPING * shape.global_layers * shape.kv_heads
+            assert priced - spare == held
+            assert max_kv_within(priced, shape, policy) == max_kv
         else:
             assert held == session_bytes(shape, policy, max_kv, group_size=32)
             assert max_kv_within(held, shape, policy, group_size=32) == max_kv
