@@ -149,3 +149,13 @@ def test_gemma_results_section_from_records():
     assert "| 64 | 30.000 | 25.000 | +50.0% | +25.0% |" in text
     assert "H2O loses to the rotating window at max_kv 128" in text
     assert f"`h2o-server {argv}`" in text
+
+
+def test_gemma_section_spliced_into_an_existing_report():
+    """bench.results_gemma alone: its section goes before (d), and replaces itself later."""
+    from bench.results_gemma import splice
+
+    report = "# R\n\n## (c) x\n\nc\n\n## (d) Throughput\n\nd\n"
+    once = splice(report, ["## Gemma 3 270M: one", "", "a", ""])
+    assert once == "# R\n\n## (c) x\n\nc\n\n## Gemma 3 270M: one\n\na\n\n## (d) Throughput\n\nd\n"
+    assert splice(once, ["## Gemma 3 270M: two", ""]) == once.replace("one\n\na\n", "two\n")
