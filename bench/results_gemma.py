@@ -1,7 +1,7 @@
 """The Gemma 3 section of docs/RESULTS.md: full vs rotating vs h2o on a mixed-attention model.
 
 bench/results.py runs `step` with the other steps and calls `gemma_section`. This step
-alone (~15 minutes on a 2-core CPU box) rewrites just that section of an existing report:
+alone (~20 minutes on a 2-core CPU box) rewrites just that section of an existing report:
 
     python -m bench.results_gemma --out docs/RESULTS.md
 """
