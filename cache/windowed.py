@@ -2,11 +2,13 @@
 
 A sliding-window layer (Gemma 3: 5 of every 6) attends to the last `window`
 tokens only. When max_kv is smaller than the window, its cache must drop
-tokens inside the window too; measured on Gemma 3 270M (docs/sliding_layers.md),
-H2O restricted to the window is the best of the options, while anything that
-lets such a layer see tokens older than its window (the rotating policy's
-sinks, or plain H2O keeping old heavy hitters) breaks the model (perplexity
-x3 past the window).
+tokens inside the window too. On Gemma 3 270M H2O restricted to the window
+was the best of the options in the previous helper's unrecorded runs, and
+anything that lets such a layer see tokens older than its window (the
+rotating policy's sinks, or plain H2O keeping old heavy hitters) broke the
+model (perplexity x3 past the window); bench/sliding_layers.py reproduces that
+comparison (docs/sliding_layers.md, not generated yet). docs/RESULTS.md has
+the h2o policy built on this against rotating and full.
 
 So these caches (dense, packed, mixed: the policy's H2O class with this mixin)
 - mask every key older than the window, per layer and head, from the stored
