@@ -3,7 +3,7 @@
 A sliding-window layer (Gemma 3: 5 of every 6) attends to the last `window`
 tokens only. When max_kv is smaller than the window, its cache must drop
 tokens inside the window too. On Gemma 3 270M H2O restricted to the window
-was the best of the options in the previous helper's unrecorded runs, and
+was the best of the options in earlier runs not recorded in docs/, and
 anything that lets such a layer see tokens older than its window (the
 rotating policy's sinks, or plain H2O keeping old heavy hitters) broke the
 model (perplexity x3 past the window); bench/sliding_layers.py reproduces that
