@@ -89,9 +89,6 @@ class ScoredAttention:
         one block's logits (block x keys per head) exist at a time.
         """
         L = queries.shape[2]
-        own_mask = getattr(cache, "attention_mask", None)  # a sliding-window layer's (windowed.py)
-        if own_mask is not None:
-            mask = own_mask(mask, L, queries.shape[1])
         if L <= self.block:
             out, logits, probs = self.attend(queries, keys, values, cache, scale, mask)
             cache.update_scores(logits, probs)

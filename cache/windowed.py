@@ -12,7 +12,7 @@ the h2o policy built on this against rotating and full.
 
 So these caches (dense, packed, mixed: the policy's H2O class with this mixin)
 - mask every key older than the window, per layer and head, from the stored
-  tokens' positions (`attention_mask`, which cache/attention.py uses in place
+  tokens' positions (`attention_mask`, which cache/router.py passes in place
   of the model's mask when a cache has one; mlx-lm's one sliding mask shared across layers cannot
   follow per-layer eviction, so the mask the model passes is ignored);
 - evict expired tokens (sinks included) before any other.
@@ -38,7 +38,7 @@ class SlidingWindowMixin:
         super().__init__(max_size, **kwargs)
         self.window = window
 
-    def attention_mask(self, mask, n_queries: int, n_q_heads: int) -> mx.array:
+    def attention_mask(self, n_q_heads: int, n_queries: int) -> mx.array:
         """[B, n_q_heads or 1, N, C] bool: key slot visible to each of the N newest queries.
 
         Replaces the model's shared sliding mask, which cannot follow this layer's evictions.
