@@ -203,6 +203,8 @@ def session_bytes(
             total += window * dense  # the layer keeps its own window
         elif policy == "h2o-kvarn":
             total += max_kv * dense  # a max_kv window (no KVarN twin inside a window)
+        elif info.cache == "adaptive":
+            total += _layer_bytes(shape, "h2o", max_kv, group_size, kvarn)  # per-head H2O
         else:
             total += per_layer
     return total

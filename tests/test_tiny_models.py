@@ -367,7 +367,9 @@ def test_windowed_cache_save_and_load(tmp_path):
         uninstall_router(model)
 
 
-@pytest.mark.parametrize("policy", ["h2o", "h2o-q8", "rotating", "full", "kvarn", "h2o-kvarn"])
+@pytest.mark.parametrize(
+    "policy", ["h2o", "h2o-q8", "rotating", "full", "kvarn", "h2o-kvarn", "h2o-ada"]
+)
 @pytest.mark.parametrize("max_kv", [8, 20])
 def test_budget_formula_is_what_every_layer_allocates(policy, max_kv):
     """cache.budget.session_bytes == the bytes the caches hold once full, per layer kind:
