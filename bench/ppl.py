@@ -108,10 +108,17 @@ def sample_windows(
     tokenizer, n: int, length: int, text_file: Path | None = None, stride: int | None = None
 ) -> mx.array:
     """n windows of `length` tokens [n, length] starting every `stride` (default `length`)
-    tokens, from a file or the essays; a stride >= length keeps them non-overlapping."""
+    tokens, from a file or the essays; a stride >= length keeps them non-overlapping.
+
+    A tokenizer that starts every text with BOS (Gemma, Llama 2) gets BOS as each
+    window's first token, as the model saw in training; the text fills the rest.
+    """
     stride = stride or length
     if stride < length:
         raise ValueError(f"stride {stride} < sample length {length}: samples would overlap")
+    bos = leading_bos(tokenizer)
+    length -= len(bos)
+    stride -= len(bos)
     needed = (n - 1) * stride + length
     if text_file is None:
         ids = essay_token_ids(tokenizer, needed)
@@ -121,7 +128,16 @@ def sample_windows(
             raise ValueError(
                 f"{text_file} has {len(ids)} tokens; {n} samples of {length} need {needed}"
             )
-    return mx.array([ids[i * stride : i * stride + length] for i in range(n)], dtype=mx.int32)
+    windows = [bos + ids[i * stride : i * stride + length] for i in range(n)]
+    return mx.array(windows, dtype=mx.int32)
+
+
+def leading_bos(tokenizer) -> list[int]:
+    """[BOS] when the tokenizer puts it in front of every encoded text, else []."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None or tokenizer.encode("a")[:1] != [bos]:
+        return []
+    return [bos]
 
 
 def token_nll(logits: mx.array, targets: mx.array) -> mx.array:
@@ -162,9 +178,19 @@ def nll_autoregressive(
     tick: Callable | None = None,
 ) -> mx.array:
     """Per-token NLL [B, T-1]: `prefill` tokens in one pass, then one token per step."""
+    return nll_stepped(model, tokens, make_cache(model, **cache_kwargs), prefill, tick)
+
+
+def nll_stepped(
+    model,
+    tokens: mx.array,
+    caches: list,
+    prefill: int = DEFAULT_PREFILL,
+    tick: Callable | None = None,
+) -> mx.array:
+    """nll_autoregressive through given per-layer caches (bench/sliding_layers.py mixes kinds)."""
     B, T = tokens.shape
     prefill = max(1, min(prefill, T - 1))
-    caches = make_cache(model, **cache_kwargs)
     logits = model(tokens[:, :prefill], cache=caches)
     parts = [token_nll(logits, tokens[:, 1 : prefill + 1])]
     mx.eval(parts[0])

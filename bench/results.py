@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import plots
+from bench import plots, results_gemma
 from bench.eval_cli import eval_records
 from bench.report import machine
 from config.cache_spec import POLICIES, CacheSpec
@@ -116,6 +116,7 @@ def plan(long_chunked: bool, g: dict = SCALE) -> list[tuple[str, list[str]]]:
             f"--samples {g['recall_samples']} --filler-tokens {g['filler_tokens']}",
         )
     )
+    steps.append(results_gemma.step(smoke=g is SMOKE))
     if long_chunked:
         steps.append(
             (
@@ -487,6 +488,8 @@ def write_report(done: dict[str, dict], out: Path, minutes: float, g: dict = SCA
         )
     if "recall" in steps:
         section("recall", lambda: recall_section(steps["recall"], cmds["recall"]))
+    if "gemma" in steps:
+        section("gemma", lambda: results_gemma.gemma_section(steps["gemma"], cmds["gemma"]))
     if "throughput" in steps:
         tps = plots.plot_tps_vs_context(steps["throughput"], out / "tps_vs_context.png")
         mem = plots.plot_memory_vs_context(steps["throughput"], out / "memory_vs_context.png")

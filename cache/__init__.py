@@ -13,10 +13,13 @@ from cache.h2o_kvarn import H2OKVarNCache
 from cache.kvarn import KVarNCache
 from cache.mixed import MixedH2OKVCache
 from cache.quantized import QuantizedH2OKVCache
+from cache.rotating import SinkRotatingKVCache
 from cache.router import UnroutedAttention, install_router, uninstall_router, verify_routing
+from cache.windowed import WINDOWED, WindowedH2OKVCache
 
 # mlx-lm's load_prompt_cache looks cache classes up by name in its own module.
-for _cls in (H2OKVCache, QuantizedH2OKVCache, MixedH2OKVCache, KVarNCache, H2OKVarNCache):
+_OWN_CACHES = (H2OKVCache, QuantizedH2OKVCache, MixedH2OKVCache, KVarNCache, H2OKVarNCache)
+for _cls in (*_OWN_CACHES, SinkRotatingKVCache, *WINDOWED.values()):
     setattr(_mlx_lm_cache, _cls.__name__, _cls)
 
 __all__ = [
@@ -28,7 +31,9 @@ __all__ = [
     "QuantizedH2OKVCache",
     "ScoredAttention",
     "ScoresMissing",
+    "SinkRotatingKVCache",
     "UnroutedAttention",
+    "WindowedH2OKVCache",
     "cache_usage",
     "configure",
     "install_router",

@@ -13,6 +13,12 @@ H2O's sinks) and the dense tail pool (one tile of slots) whole, plus every packe
 (`tile_nbytes`: words, float16 scales, biases and Sinkhorn factors); h2o-kvarn adds
 H2O's score and position for max_kv + 1 slots. Their bytes per token are that total
 amortized over max_kv tokens, so they depend on max_kv.
+
+A session's bytes are summed per layer (`session_bytes`), since layers hold different
+counts: a global layer holds max_kv tokens as above, a sliding-window layer its window
+when that fits in max_kv (or the policy is unbounded; a dense sliding cache), else
+max_kv tokens of the policy's cache (h2o-kvarn: a dense max_kv window), exactly what
+cache/factory.py builds.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ FULL_CACHE_STEP = 256  # mlx-lm KVCache.step
 AUTO_FLOOR = 256  # `auto` switches to 8-bit below this many dense tokens
 AUTO_QUANTIZED = "h2o-q8"  # what `auto` picks below AUTO_FLOOR
 MIN_MAX_KV = 16
+MAX_TOKENS = 2**24  # where max_kv_within stops looking (sliding layers alone never fill up)
 _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 
 
@@ -58,20 +65,28 @@ def parse_bytes(text: str | int) -> int:
 
 @dataclass(frozen=True)
 class ModelShape:
-    layers: int  # layers holding a KV cache that grows with the conversation
+    layers: int  # attention layers holding a KV cache
     kv_heads: int
     head_dim: int
     element_bytes: int  # K/V dtype: 4 for float32 (CPU), 2 for float16/bfloat16
     context: int  # the model's trained context length
+    # Sliding-window sizes of the layers that have one (Gemma 3: 15 of 18 at 512);
+    # the other layers attend globally.
+    windows: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, model, element_bytes: int) -> ModelShape:
+    def of(cls, model, element_bytes: int, windows: tuple[int, ...] = ()) -> ModelShape:
+        """`windows`: what cache.factory.layer_windows reports for this model."""
         args = model.args
         heads = args.num_attention_heads
         kv_heads = getattr(args, "num_key_value_heads", None) or heads
         head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
         context = getattr(args, "max_position_embeddings", None) or 4096
-        return cls(len(model.layers), kv_heads, head_dim, element_bytes, context)
+        return cls(len(model.layers), kv_heads, head_dim, element_bytes, context, windows)
+
+    @property
+    def global_layers(self) -> int:
+        return self.layers - len(self.windows)
 
 
 @dataclass(frozen=True)
@@ -135,7 +150,8 @@ def bytes_per_token(
     max_kv: int | None = None,
     kvarn: str = DEFAULT_KVARN,
 ) -> float:
-    """Bytes one cached token costs across all layers under `policy`.
+    """Bytes one cached token costs across all layers under `policy` (every layer's cache
+    of the policy's kind; `session_bytes` counts what each layer really holds).
 
     kvarn / h2o-kvarn (preset `kvarn`): `cache_bytes` over max_kv (default
     KVARN_REFERENCE_TOKENS).
@@ -158,39 +174,89 @@ def bytes_per_token(
     return shape.layers * shape.kv_heads * per_head
 
 
-def max_kv_within(nbytes: int, shape: ModelShape, policy: str, kvarn: str = DEFAULT_KVARN) -> int:
-    """The largest max_kv whose cache, as allocated, fits in `nbytes`.
-
-    Scored caches hold one spare slot (the newest token before eviction); mlx-lm's
-    KVCache grows 256 tokens at a time, so a full cache gets whole steps. The kvarn
-    policies: the largest max_kv whose `cache_bytes` fits (they grow monotonically).
-    """
-    if policy in KVARN_POLICIES:
-        if cache_bytes(shape, policy, 2, kvarn) > nbytes:
-            return 0
-        lo, hi = 2, 4
-        while cache_bytes(shape, policy, hi, kvarn) <= nbytes:
-            lo, hi = hi, hi * 2
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if cache_bytes(shape, policy, mid, kvarn) <= nbytes else (lo, mid)
-        return lo
-    slots = int(nbytes // bytes_per_token(shape, policy))
+def _layer_bytes(shape: ModelShape, policy: str, max_kv: int, group_size: int, kvarn: str) -> float:
+    """One layer's cache of `policy`'s kind at max_kv, as allocated (spare slot, steps)."""
     info = POLICIES[policy]
+    if policy in KVARN_POLICIES:
+        return cache_bytes(shape, policy, max_kv, kvarn) / shape.layers
     if not info.bounded:
-        return slots // FULL_CACHE_STEP * FULL_CACHE_STEP
-    return slots - 1 if info.scored else slots
+        slots = -(-max_kv // FULL_CACHE_STEP) * FULL_CACHE_STEP
+    else:
+        slots = max_kv + 1 if info.scored else max_kv
+    return slots * bytes_per_token(shape, policy, group_size) / shape.layers
+
+
+def session_bytes(
+    shape: ModelShape,
+    policy: str,
+    max_kv: int,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    kvarn: str = DEFAULT_KVARN,
+) -> float:
+    """Bytes of one session's caches at `max_kv`, as allocated, summed over the layers."""
+    info = POLICIES[choose("policy", policy, POLICIES)]
+    per_layer = _layer_bytes(shape, policy, max_kv, group_size, kvarn)
+    dense = bytes_per_token(shape, "rotating") / shape.layers  # one token, one layer
+    total = shape.global_layers * per_layer
+    for window in shape.windows:
+        if not info.bounded or window <= max_kv:
+            total += window * dense  # the layer keeps its own window
+        elif policy == "h2o-kvarn":
+            total += max_kv * dense  # a max_kv window (no KVarN twin inside a window)
+        elif info.cache == "adaptive":
+            total += _layer_bytes(shape, "h2o", max_kv, group_size, kvarn)  # per-head H2O
+        else:
+            total += per_layer
+    return total
+
+
+def max_kv_within(
+    nbytes: int,
+    shape: ModelShape,
+    policy: str,
+    kvarn: str = DEFAULT_KVARN,
+    group_size: int = DEFAULT_GROUP_SIZE,
+) -> int:
+    """The largest max_kv whose caches, as allocated, fit in `nbytes` (0 if none).
+
+    A full cache gets whole steps of 256 tokens. The cost is not monotone at a
+    window: at max_kv = window a sliding layer swaps the policy's cache for its own
+    dense window, which may cost less, so each stretch between windows is searched
+    on its own (the cost grows with max_kv inside one).
+    """
+    step = FULL_CACHE_STEP if POLICIES[choose("policy", policy, POLICIES)].cache == "full" else 1
+
+    def fits(k: int) -> bool:
+        return session_bytes(shape, policy, k * step, group_size, kvarn) <= nbytes
+
+    starts = sorted({2, *shape.windows})  # max_kv 1 cannot be split into segments
+    best = 0
+    for i, start in enumerate(starts):
+        lo = -(-start // step)
+        if not fits(lo):
+            continue
+        if i + 1 < len(starts):
+            hi = (starts[i + 1] - 1) // step
+        else:  # the open last stretch: double until it no longer fits
+            hi = lo
+            while fits(hi) and hi < MAX_TOKENS:
+                lo, hi = hi, hi * 2
+        while lo < hi:  # largest k in [lo, hi] that fits; fits(lo) holds
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        best = max(best, lo * step)
+    return best
 
 
 def auto_policy(shape: ModelShape, budget: Budget) -> str:
     """full when the model's whole context fits, else kvarn when it fits packed (nothing
     forgotten, within ~0.5% of full), else h2o, else 8-bit H2O below AUTO_FLOOR."""
     share = budget.per_session
-    if share >= shape.context * bytes_per_token(shape, "full"):
+    if share >= session_bytes(shape, "full", shape.context):
         return "full"
-    if share >= cache_bytes(shape, "kvarn", shape.context):
+    if share >= session_bytes(shape, "kvarn", shape.context):
         return "kvarn"
-    if share >= AUTO_FLOOR * bytes_per_token(shape, "h2o"):
+    if share >= session_bytes(shape, "h2o", AUTO_FLOOR):
         return "h2o"
     return AUTO_QUANTIZED
 
@@ -216,7 +282,9 @@ def fit_spec(
     choose("policy", policy, POLICIES)
     if budget is not None:
         kvarn = fields.get("kvarn", DEFAULT_KVARN)
-        limit = min(max_kv_within(budget.per_session, shape, policy, kvarn), shape.context)
+        group_size = fields.get("group_size", DEFAULT_GROUP_SIZE)
+        limit = max_kv_within(budget.per_session, shape, policy, kvarn, group_size)
+        limit = min(limit, shape.context)
         if limit < MIN_MAX_KV:
             raise ValueError(
                 f"--kv-budget {budget.total} B over {budget.sessions} sessions leaves {limit} "

@@ -14,7 +14,9 @@ from cache.kvarn import KVarNCache
 from cache.kvarn import check_head_dim as check_kvarn_head_dim
 from cache.mixed import MIXED_LAYOUTS
 from cache.quantized import QuantizedH2OKVCache
+from cache.rotating import SinkRotatingKVCache
 from cache.router import install_router, verify_routing
+from cache.windowed import WINDOWED
 from config.cache_spec import DEFAULT_POLICY, KVARN_PRESETS, CacheSpec
 from kernels.hadamard import hadamard_block
 
@@ -27,36 +29,59 @@ def _h2o_knobs(spec: CacheSpec) -> dict:
     )  # fmt: skip
 
 
-def _quantized(spec: CacheSpec) -> QuantizedH2OKVCache:
+def _scored(cls: type, spec: CacheSpec, window: int | None, **extra) -> H2OKVCache:
+    """An H2O cache of `cls`; inside a sliding window (cache/windowed.py) when one is given."""
+    if window is None:
+        return cls(spec.max_kv, **_h2o_knobs(spec), **extra)
+    return WINDOWED[cls](spec.max_kv, window=window, **_h2o_knobs(spec), **extra)
+
+
+def _quantized(spec: CacheSpec, window: int | None = None) -> QuantizedH2OKVCache:
     info = spec.info
-    return QuantizedH2OKVCache(
-        spec.max_kv, **_h2o_knobs(spec), group_size=spec.group_size, bits=info.key_bits,
+    return _scored(
+        QuantizedH2OKVCache, spec, window, group_size=spec.group_size, bits=info.key_bits,
         value_bits=info.value_bits, rotate=spec.rotate,
     )  # fmt: skip
 
 
-def _mixed(spec: CacheSpec) -> H2OKVCache:
+def _mixed(spec: CacheSpec, window: int | None = None) -> H2OKVCache:
     cls, widths = MIXED_LAYOUTS[spec.mixed]
     rotate = {"rotate": spec.rotate} if cls is QuantizedH2OKVCache else {}  # k8v4 only
-    return cls(spec.max_kv, **_h2o_knobs(spec), group_size=spec.group_size, **widths, **rotate)
+    return _scored(cls, spec, window, group_size=spec.group_size, **widths, **rotate)
 
 
-def _h2o_kvarn(spec: CacheSpec) -> H2OKVarNCache:
+def _h2o_kvarn(spec: CacheSpec, window: int | None = None):
+    if window is not None:
+        # No KVarN twin inside a window yet: such a layer gets a max_kv window, dense
+        # (cache/budget.py session_bytes prices it so).
+        return _rotating(spec, window)
     return H2OKVarNCache(
         spec.max_kv, *KVARN_PRESETS[spec.kvarn], **_h2o_knobs(spec),
         strategy=spec.kvarn_strategy,
     )  # fmt: skip
 
 
-# PolicyInfo.cache -> a builder of one layer's cache.
+def _rotating(spec: CacheSpec, window: int | None = None) -> SinkRotatingKVCache:
+    # Sinks only in global layers: in a sliding-window layer, tokens older than its
+    # window (sinks included) triple Gemma 3's perplexity (cache/windowed.py).
+    return SinkRotatingKVCache(max_size=spec.max_kv, keep=0 if window else spec.segments().sink)
+
+
+# PolicyInfo.cache -> a builder of one layer's cache; `window`: the layer's sliding
+# window when it is larger than max_kv (bounded policies only).
 BUILDERS = {
-    "full": lambda spec: KVCache(),
-    "rotating": lambda spec: RotatingKVCache(max_size=spec.max_kv, keep=spec.segments().sink),
-    "h2o": lambda spec: H2OKVCache(spec.max_kv, **_h2o_knobs(spec)),
-    "adaptive": lambda spec: AdaptiveH2OKVCache(spec.max_kv, **_h2o_knobs(spec)),
+    "full": lambda spec, window=None: KVCache(),
+    "rotating": _rotating,
+    "h2o": lambda spec, window=None: _scored(H2OKVCache, spec, window),
+    # No pooled twin inside a window: such a layer gets per-head H2O inside its window.
+    "adaptive": lambda spec, window=None: (
+        AdaptiveH2OKVCache(spec.max_kv, **_h2o_knobs(spec))
+        if window is None
+        else _scored(H2OKVCache, spec, window)
+    ),
     "quantized": _quantized,
     "mixed": _mixed,
-    "kvarn": lambda spec: KVarNCache(*KVARN_PRESETS[spec.kvarn]),
+    "kvarn": lambda spec, window=None: KVarNCache(*KVARN_PRESETS[spec.kvarn]),
     "h2o-kvarn": _h2o_kvarn,
 }
 
@@ -87,12 +112,34 @@ def _is_sliding_layer(layer: nn.Module) -> bool:
     )
 
 
+def layer_windows(model: nn.Module) -> list[int | None]:
+    """Each layer's sliding attention window; None for global attention (and other state).
+
+    mlx-lm gives sliding-window layers a RotatingKVCache of the window's size (no
+    kept tokens), or marks them with a flag next to `args.sliding_window`.
+    """
+    base = make_prompt_cache(model)
+    layers = getattr(model, "layers", None) or [None] * len(base)
+    model_window = getattr(getattr(model, "args", None), "sliding_window", None)
+    windows = []
+    for layer, provided in zip(layers, base, strict=True):
+        if type(provided) is RotatingKVCache and provided.keep == 0:
+            windows.append(provided.max_size)
+        elif layer is not None and model_window and _is_sliding_layer(layer):
+            windows.append(model_window)
+        else:
+            windows.append(None)
+    return windows
+
+
 def make_cache(model: nn.Module, policy: str | CacheSpec = DEFAULT_POLICY, **fields) -> list[Any]:
     """One cache per layer for a CacheSpec, or for a policy name and CacheSpec fields.
 
-    e.g. `make_cache(model, "h2o", max_kv=256, score="attn")`. Layers whose
-    model-provided cache is already bounded (sliding windows, recurrent state) keep
-    it. For scored policies the attention router is installed into the model and
+    e.g. `make_cache(model, "h2o", max_kv=256, score="attn")`. A sliding-window
+    layer keeps its window when that fits in max_kv (or the policy is unbounded),
+    else gets the policy's cache inside its window: every layer then holds at most
+    max_kv tokens. Other model-provided bounded caches (recurrent state) are kept.
+    For scored policies the attention router is installed into the model and
     verified: a model whose attention would bypass it raises here, since its H2O
     caches would never evict.
     """
@@ -105,15 +152,14 @@ def make_cache(model: nn.Module, policy: str | CacheSpec = DEFAULT_POLICY, **fie
     hidden = getattr(args, "hidden_size", None)
     check_head_dim(spec, getattr(args, "head_dim", None) or (hidden // heads if heads else None))
     base = make_prompt_cache(model)
-    layers = getattr(model, "layers", None) or [None] * len(base)
-    window = getattr(getattr(model, "args", None), "sliding_window", None)
-
     caches = []
-    for layer, provided in zip(layers, base, strict=True):
-        if type(provided) is not KVCache:
+    for window, provided in zip(layer_windows(model), base, strict=True):
+        if window is not None and (not spec.info.bounded or window <= spec.max_kv):
+            caches.append(SinkRotatingKVCache(max_size=window, keep=0))  # exact, bounded
+        elif window is not None:
+            caches.append(build(spec, window))
+        elif type(provided) is not KVCache:
             caches.append(provided)  # bounded or non-attention state: keep it
-        elif layer is not None and window and _is_sliding_layer(layer):
-            caches.append(RotatingKVCache(max_size=window))
         else:
             caches.append(build(spec))
     if spec.info.scored:

@@ -348,14 +348,16 @@ class H2OKVCache:
     def _evict(self) -> None:
         """Keep sinks, the recent window and the best middle tokens: max_size + 1 - batch."""
         keep = self.max_size + 1 - self.evict_batch
-        pos = self.positions[..., : self._len]
-        middle = (pos >= self.sink) & (pos < self.offset - self.recent)
-        value = self.score_rule.rank(self.scores[..., : self._len], pos, self.offset)
-        # Protected slots rank +inf so they always win.
-        ranked = mx.where(middle, value, mx.inf)
+        ranked = self._eviction_ranks(self.positions[..., : self._len])
         top = mx.argpartition(-ranked, kth=keep - 1, axis=-1)[..., :keep]
         self.evicted += self._len - keep
         self._gather(top, capacity=self.max_size + 1)
+
+    def _eviction_ranks(self, pos: mx.array) -> mx.array:
+        """What eviction keeps the top of: middle tokens by score, sinks and recent at +inf."""
+        middle = (pos >= self.sink) & (pos < self.offset - self.recent)
+        value = self.score_rule.rank(self.scores[..., : self._len], pos, self.offset)
+        return mx.where(middle, value, mx.inf)
 
 
 def gather_slots(buf: mx.array, idx: mx.array, capacity: int) -> mx.array:

@@ -28,7 +28,9 @@ class ServerSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="H2O_", extra="ignore")
 
-    model: str = Field("default", description="'default', a .gguf, a model folder or a repo id")
+    model: str = Field(
+        "default", description="'default', 'gemma3-270m', a .gguf, a model folder or a repo id"
+    )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     policy: ServePolicyName = Field(AUTO, description="KV cache policy of each conversation")

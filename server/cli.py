@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--model",
         default="default",
-        help="'default', a .gguf file, a local model folder or a HF repo id",
+        help="'default', 'gemma3-270m', a .gguf file, a local model folder or a HF repo id",
     )
     gen.add_argument("--prompt", required=True, help="the user message ('-' reads stdin)")
     gen.add_argument("--raw", action="store_true", help="send the prompt without the chat template")

@@ -7,17 +7,16 @@ import os
 from dataclasses import dataclass
 
 from cache import configure, make_cache
-from cache.budget import Budget, ModelShape, bytes_per_token, fit_spec, parse_bytes
+from cache.budget import Budget, ModelShape, fit_spec, parse_bytes, session_bytes
 from config.cache_spec import CacheSpec
 from config.settings import ServerSettings
-from server.models import DEFAULT_MODEL, kv_shape, load_model
+from server.models import DEFAULT_MODEL, kv_shape, load_model, served_model_id
 from server.protocol import CacheOptions
 from server.sessions import SessionStore
 from server.spill import model_identity
 
 log = logging.getLogger("h2o_server.engine")
 
-DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 AUTO_BUDGET_FRACTION = 0.25  # of physical memory, for --kv-budget auto
 AUTO_BUDGET_CAP = 8 * 2**30
 
@@ -65,16 +64,18 @@ class Engine:
             model_identity=model_identity(model) if settings.spill_dir else "",
             spill_budget=spill_budget,
         )
-        model_id = DEFAULT_MODEL_ID if settings.model == DEFAULT_MODEL else settings.model
+        model_id = served_model_id(settings.model)
         log.info(
             "model %s; KV budget %.1f MiB over %d sessions: policy %s, max_kv %d "
-            "(%.0f bytes/token)",
+            "(%.1f MiB per session, %d of %d layers sliding-window)",
             model_id,
             total / 2**20,
             settings.max_sessions,
             spec.policy,
             spec.max_kv,
-            bytes_per_token(shape, spec.policy),
+            session_bytes(shape, spec.policy, spec.max_kv) / 2**20,
+            len(shape.windows),
+            shape.layers,
         )
         return cls(model, tokenizer, model_id, shape, budget, settings, spec, store)
 

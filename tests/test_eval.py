@@ -133,3 +133,29 @@ def test_recall_goes_through_the_server_sessions(capsys):
 def test_unknown_policy_is_a_usage_error(capsys):
     assert main(["eval", "ppl", "--policy", "nope", "--seq-len", "8"]) == 2
     assert "unknown policy" in capsys.readouterr().err
+
+
+def test_gemma_results_section_from_records():
+    """bench.results' Gemma 3 section: its command and a table per length from eval records."""
+    from bench import results_gemma
+
+    name, argv = results_gemma.step(smoke=False)
+    assert name == "gemma" and "--model gemma3-270m" in argv and "--max-kv 64 128 256" in argv
+    rows = [{"policy": "full", "max_kv": None, "seq_len": 1024, "ppl": 20.0, "samples": 4}]
+    for kv, rot, h2o in ((64, 30.0, 25.0), (128, 24.0, 24.5)):
+        rows.append({"policy": "rotating", "max_kv": kv, "seq_len": 1024, "ppl": rot})
+        rows.append({"policy": "h2o", "max_kv": kv, "seq_len": 1024, "ppl": h2o})
+    text = "\n".join(results_gemma.gemma_section(rows, "h2o-server " + argv))
+    assert "| 64 | 30.000 | 25.000 | +50.0% | +25.0% |" in text
+    assert "H2O loses to the rotating window at max_kv 128" in text
+    assert f"`h2o-server {argv}`" in text
+
+
+def test_gemma_section_spliced_into_an_existing_report():
+    """bench.results_gemma alone: its section goes before (d), and replaces itself later."""
+    from bench.results_gemma import splice
+
+    report = "# R\n\n## (c) x\n\nc\n\n## (d) Throughput\n\nd\n"
+    once = splice(report, ["## Gemma 3 270M: one", "", "a", ""])
+    assert once == "# R\n\n## (c) x\n\nc\n\n## Gemma 3 270M: one\n\na\n\n## (d) Throughput\n\nd\n"
+    assert splice(once, ["## Gemma 3 270M: two", ""]) == once.replace("one\n\na\n", "two\n")

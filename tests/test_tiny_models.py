@@ -15,6 +15,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from cache.factory import make_cache
 from cache.h2o import H2OKVCache
 from cache.router import uninstall_router
+from cache.windowed import WindowedH2OKVCache
 
 VOCAB = 256
 WINDOW = 16  # gemma3 sliding window
@@ -109,9 +110,9 @@ def test_cache_types_per_layer(model):
         assert not any(sliding)
     for i, c in enumerate(caches):
         if sliding[i]:
-            # Model-provided bounded cache kept, window as the model asks.
-            assert type(c) is RotatingKVCache and not isinstance(c, H2OKVCache)
-            assert c.max_size == WINDOW
+            # The window fits in max_kv: the layer keeps it, exactly (no sinks).
+            assert isinstance(c, RotatingKVCache) and not isinstance(c, H2OKVCache)
+            assert (c.max_size, c.keep) == (WINDOW, 0)
         else:
             assert isinstance(c, H2OKVCache)
             assert c.max_size == 16
@@ -119,6 +120,14 @@ def test_cache_types_per_layer(model):
     base = make_prompt_cache(model)
     for i, (b, c) in enumerate(zip(base, caches, strict=True)):
         assert (type(b) is KVCache) == isinstance(c, H2OKVCache), i
+    # A window larger than max_kv: H2O inside the window, never a wider cache.
+    small = make_cache(model, "h2o", max_kv=WINDOW // 2)
+    for i, c in enumerate(small):
+        if sliding[i]:
+            assert isinstance(c, WindowedH2OKVCache) and (c.max_size, c.window) == (8, WINDOW)
+    rotating = make_cache(model, "rotating", max_kv=WINDOW // 2)
+    for i, c in enumerate(rotating):
+        assert c.max_size == WINDOW // 2 and c.keep == (0 if sliding[i] else 2)
 
 
 # --------------------------------------------------------------------------- exactness
@@ -193,7 +202,7 @@ def test_eviction_bounded(model, score):
         assert c.size() == max_kv
     for i, c in enumerate(caches):
         if is_sliding(model, i):
-            assert type(c) is RotatingKVCache and c.offset == total
+            assert isinstance(c, RotatingKVCache) and c.offset == total
 
 
 # --------------------------------------------------------------------------- mlx-lm generation
@@ -262,3 +271,142 @@ def test_stream_generate(model, tokenizer):
     assert text.split() == [f"t{r.token}" for r in responses]
     for c in h2o_layers(caches):
         assert c.size() <= max_kv and c.evicted > 0
+
+
+# --------------------------------------------------------------------------- sliding windows
+
+
+def _gemma(head_dim: int = 16):
+    """The tiny gemma3_text; head_dim 32 for the packed policies (mx.quantize groups >= 32)."""
+    if head_dim == CONFIGS["gemma3_text"]["head_dim"]:
+        return tiny_model("gemma3_text")
+    from mlx_lm.models import gemma3_text
+
+    mx.random.seed(0)
+    cfg = {**CONFIGS["gemma3_text"], "head_dim": head_dim, "query_pre_attn_scalar": head_dim}
+    model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(cfg))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+def _run(model, caches, tokens, chunk: int, n_decode: int) -> list[mx.array]:
+    """Logits of a chunked prefill and greedy-free decode of the same tokens."""
+    out = []
+    for start in range(0, tokens.shape[0] - n_decode, chunk):
+        stop = min(start + chunk, tokens.shape[0] - n_decode)
+        out.append(model(tokens[None, start:stop], cache=caches))
+    for t in range(tokens.shape[0] - n_decode, tokens.shape[0]):
+        out.append(model(tokens[None, t : t + 1], cache=caches))
+    mx.eval(out)
+    return out
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 24])
+def test_windowed_h2o_masks_exactly_the_window(chunk):
+    """Nothing evicted (max_kv 256): H2O inside the window == mlx-lm's own sliding cache,
+    for chunks smaller and larger than the window (the window mask is per position)."""
+    model = _gemma()
+    try:
+        tokens = prompt_tokens(60, seed=5)
+        ref = _run(model, make_prompt_cache(model), tokens, chunk, 10)
+        caches = make_cache(model, "h2o", max_kv=256)
+        for i in range(len(caches)):
+            if is_sliding(model, i):
+                caches[i] = WindowedH2OKVCache(256, window=WINDOW)
+        got = _run(model, caches, tokens, chunk, 10)
+        worst = max(mx.abs(a - b).max().item() for a, b in zip(ref, got, strict=True))
+        assert worst <= 1e-4
+    finally:
+        uninstall_router(model)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "h2o-q8", "h2o-mixed", "rotating"])
+@pytest.mark.parametrize("score", ["attn", "ema"])
+def test_every_layer_bounded_with_a_window_above_max_kv(policy, score):
+    """max_kv 8 < window 16: every layer stores <= 8 tokens after every chunk and step."""
+    packed = policy in ("h2o-q8", "h2o-mixed")
+    model = _gemma(32 if packed else 16)
+    try:
+        caches = make_cache(model, policy, max_kv=8, score=score, group_size=32)
+        tokens = prompt_tokens(50, seed=6)
+        for start in range(0, 30, 10):
+            logits = model(tokens[None, start : start + 10], cache=caches)
+            mx.eval(logits)
+            assert max(c.size() for c in caches) <= 8
+        for t in range(30, 50):
+            logits = model(tokens[None, t : t + 1], cache=caches)
+            mx.eval(logits)
+            assert bool(mx.isfinite(logits).all())
+            assert max(c.size() for c in caches) <= 8
+            assert [c.offset for c in caches] == [t + 1] * len(caches)
+        for i, c in enumerate(caches):
+            if is_sliding(model, i) and policy != "rotating":
+                # nothing older than the window survives the evictions
+                assert bool((c.positions[..., : c.size()] > c.offset - 1 - WINDOW).all())
+    finally:
+        uninstall_router(model)
+
+
+def test_windowed_cache_save_and_load(tmp_path):
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    model = _gemma()
+    try:
+        caches = make_cache(model, "h2o", max_kv=8)
+        mx.eval(model(prompt_tokens(30, seed=7)[None], cache=caches))
+        save_prompt_cache(str(tmp_path / "c.safetensors"), caches)
+        loaded = load_prompt_cache(str(tmp_path / "c.safetensors"))
+        assert [type(c) for c in loaded] == [type(c) for c in caches]
+        windowed = [c for c in loaded if isinstance(c, WindowedH2OKVCache)]
+        assert windowed and all(c.window == WINDOW and c.offset == 30 for c in windowed)
+        token = mx.array([[3]])
+        a, b = model(token, cache=caches), model(token, cache=loaded)
+        assert mx.abs(a - b).max().item() <= 1e-5
+    finally:
+        uninstall_router(model)
+
+
+@pytest.mark.parametrize(
+    "policy", ["h2o", "h2o-q8", "rotating", "full", "kvarn", "h2o-kvarn", "h2o-ada"]
+)
+@pytest.mark.parametrize("max_kv", [8, 20])
+def test_budget_formula_is_what_every_layer_allocates(policy, max_kv):
+    """cache.budget.session_bytes == the bytes the caches hold once full, per layer kind:
+    max_kv 8 < window 16 (sliding layers under the policy), 20 > 16 (their own window).
+    kvarn keeps every token: its global layers pack 300 tokens into tiles while the
+    sliding layers keep their dense window; h2o-kvarn's sliding layers hold a dense
+    max_kv window (no KVarN inside a window)."""
+    from cache.budget import H2O_BOOKKEEPING, ModelShape, max_kv_within, session_bytes
+    from cache.factory import layer_windows
+
+    model = _gemma(64 if "kvarn" in policy else 32)  # KVarN packs values in groups of 32+
+    try:
+        windows = tuple(w for w in layer_windows(model) if w)
+        assert windows == (WINDOW, WINDOW)
+        shape = ModelShape.of(model, element_bytes=4, windows=windows)
+        caches = make_cache(model, policy, max_kv=max_kv, group_size=32, evict_batch=1)
+        n = 300 if policy == "kvarn" else 60
+        tokens = prompt_tokens(n, seed=8)
+        for start in range(0, n - 20, 128):
+            mx.eval(model(tokens[None, start : min(start + 128, n - 20)], cache=caches))
+        held = 0  # at the largest: h2o-kvarn shrinks a little when a tile is repacked
+        for t in range(n - 20, n):
+            mx.eval(model(tokens[None, t : t + 1], cache=caches))
+            held = max(held, sum(c.nbytes for c in caches))
+        if policy in ("full", "kvarn"):  # global layers grow with the conversation
+            assert held == session_bytes(shape, policy, n)
+            if policy == "kvarn":
+                assert all(c.n_tiles() >= 1 for c in caches if hasattr(c, "n_tiles"))
+        elif policy == "h2o-kvarn":
+            # Priced at its peak: the newest token's score and position (spare slot) live
+            # only inside the forward pass that evicts, in each global layer and KV head.
+            priced = session_bytes(shape, policy, max_kv)
+            spare = H2O_BOOKKEEPING * shape.global_layers * shape.kv_heads
+            assert priced - spare == held
+            assert max_kv_within(priced, shape, policy) == max_kv
+        else:
+            assert held == session_bytes(shape, policy, max_kv, group_size=32)
+            assert max_kv_within(held, shape, policy, group_size=32) == max_kv
+    finally:
+        uninstall_router(model)

@@ -2,8 +2,9 @@
 
 One step per query row, so a chunk of L rows equals L single steps: row i of L
 is weighted (1-a) * a^(L-1-i) and the held importance decays by a^L. Masked
-logits (-inf, causal rows of a chunk) count as 0. |logit| also rewards keys a
-query strongly avoids, which is why `attn` is the default (docs/RESULTS.md).
+logits (-inf: causal rows of a chunk, keys outside a sliding window) count as 0.
+|logit| also rewards keys a query strongly avoids, which is why `attn` is the
+default (docs/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ class EmaScore(ScoreRule):
         self, held: mx.array, logits: mx.array, n_kv_heads: int, probs: mx.array | None = None
     ) -> mx.array:
         a, L = self.alpha, logits.shape[2]
-        magnitude = mx.where(mx.isinf(logits), 0.0, mx.abs(logits))  # masked keys count 0
+        # -inf: causal rows of a chunk, and keys outside a sliding window (cache/windowed.py)
+        magnitude = mx.where(mx.isinf(logits), 0.0, mx.abs(logits))
         if L == 1:
             weighted = magnitude * (1.0 - a)
         else:

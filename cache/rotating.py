@@ -1,0 +1,53 @@
+"""Sliding-window caches: mlx-lm's RotatingKVCache, exact for multi-token chunks and bounded.
+
+mlx-lm's `RotatingKVCache(keep=k)` stores the k first (sink) tokens and a ring
+of the most recent ones. A multi-token chunk after the ring has wrapped gets
+keys laid out as [sinks, the last max_size - 1 - k tokens, the chunk], but its
+mask is a plain sliding window over that layout: query i of the chunk loses
+the first i keys, i.e. the sinks first, so chunked prefill (the server's) and
+chunked evaluation through it were wrong (DESIGN.md). Its window is also the
+model's `window_size` when one is passed, not the cache's own size, so a cache
+smaller than a model's window let later queries of a chunk see more than
+max_size tokens. And it keeps max_size - 1 + N tokens after a chunk of N until
+the next single-token step.
+
+This subclass fixes all three and nothing else: every query of a chunk sees
+the sinks plus the last (window - k) tokens up to itself, where window is the
+smaller of the cache's size and the model's window, exactly what one token at
+a time (mlx-lm's decode path, unchanged) sees; after any update it stores at
+most max_size tokens.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import RotatingKVCache
+
+
+class SinkRotatingKVCache(RotatingKVCache):
+    """RotatingKVCache whose chunk masks keep the sinks visible and that stores <= max_size."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        out = super().update_and_fetch(keys, values)
+        excess = self.keys.shape[2] - self.max_size
+        if keys.shape[2] > 1 and excess > 0:
+            # The chunk attended over everything; store only what the next query may see.
+            # The concatenated layout is in temporal order, so _trim drops the oldest.
+            self.keys = self._trim(excess, self.keys)
+            self.values = self._trim(excess, self.values)
+            self._idx = self.max_size
+        return out
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        if N == 1:
+            return super().make_mask(N, window_size=window_size, return_array=return_array)
+        window = min(window_size or self.max_size, self.max_size)
+        # Keys of this chunk's attention: `stored` kept tokens (as _update_concat
+        # leaves them: at most max_size - 1, sinks first, in temporal order), then N new.
+        stored = min(self.max_size - 1, self.offset)
+        if stored + N <= window and not return_array:
+            return "causal"  # no query has anything outside its window
+        query = mx.arange(stored, stored + N)[:, None]
+        key = mx.arange(stored + N)[None]
+        recent = query - key < window - self.keep
+        return (query >= key) & ((key < self.keep) | recent)

@@ -1,0 +1,88 @@
+"""H2O inside a sliding window: the cache of a sliding-window layer under a bounded policy.
+
+A sliding-window layer (Gemma 3: 5 of every 6) attends to the last `window`
+tokens only. When max_kv is smaller than the window, its cache must drop
+tokens inside the window too. On Gemma 3 270M H2O restricted to the window
+was the best of the options in earlier runs not recorded in docs/, and
+anything that lets such a layer see tokens older than its window (the
+rotating policy's sinks, or plain H2O keeping old heavy hitters) broke the
+model (perplexity x3 past the window); bench/sliding_layers.py reproduces that
+comparison (docs/sliding_layers.md, not generated yet). docs/RESULTS.md has
+the h2o policy built on this against rotating and full.
+
+So these caches (dense, packed, mixed: the policy's H2O class with this mixin)
+- mask every key older than the window, per layer and head, from the stored
+  tokens' positions (`attention_mask`, which cache/router.py passes in place
+  of the model's mask when a cache has one; mlx-lm's one sliding mask shared across layers cannot
+  follow per-layer eviction, so the mask the model passes is ignored);
+- evict expired tokens (sinks included) before any other.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+
+from cache.h2o import H2OKVCache
+from cache.mixed import MixedH2OKVCache
+from cache.quantized import QuantizedH2OKVCache
+
+
+class SlidingWindowMixin:
+    """For an H2O cache class: keys older than `window` are invisible and evicted first."""
+
+    def __init__(self, max_size: int, *, window: int, **kwargs):
+        if window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
+        super().__init__(max_size, **kwargs)
+        self.window = window
+
+    def attention_mask(self, n_q_heads: int, n_queries: int) -> mx.array:
+        """[B, n_q_heads or 1, N, C] bool: key slot visible to each of the N newest queries.
+
+        Replaces the model's shared sliding mask, which cannot follow this layer's evictions.
+        """
+        pos = self.positions[..., : self._len][:, :, None, :]  # [B, H_kv, 1, C]
+        query = mx.arange(self.offset - n_queries, self.offset)[:, None]
+        visible = (pos <= query) & (pos > query - self.window)
+        n_kv = visible.shape[1]
+        return visible if n_kv in (1, n_q_heads) else mx.repeat(visible, n_q_heads // n_kv, 1)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """The model's shared mask; unused here (attention_mask builds this layer's own)."""
+        return super().make_mask(N, return_array=return_array)
+
+    def _eviction_ranks(self, pos: mx.array) -> mx.array:
+        expired = pos <= self.offset - self.window  # outside the next query's window
+        return mx.where(expired, -mx.inf, super()._eviction_ranks(pos))
+
+    @property
+    def meta_state(self) -> tuple[str]:
+        meta = json.loads(super().meta_state[0])
+        meta["window"] = self.window
+        return (json.dumps(meta),)
+
+    @meta_state.setter
+    def meta_state(self, v) -> None:
+        super(SlidingWindowMixin, type(self)).meta_state.fset(self, v)
+        self.window = json.loads(v[0])["window"]
+
+
+class WindowedH2OKVCache(SlidingWindowMixin, H2OKVCache):
+    """Dense H2O inside a sliding window."""
+
+
+class WindowedQuantizedH2OKVCache(SlidingWindowMixin, QuantizedH2OKVCache):
+    """Packed (h2o-q8, h2o-q4, h2o-mixed k8v4) H2O inside a sliding window."""
+
+
+class WindowedMixedH2OKVCache(SlidingWindowMixin, MixedH2OKVCache):
+    """The paper's mixed-precision H2O inside a sliding window."""
+
+
+WINDOWED = {
+    H2OKVCache: WindowedH2OKVCache,
+    QuantizedH2OKVCache: WindowedQuantizedH2OKVCache,
+    MixedH2OKVCache: WindowedMixedH2OKVCache,
+}
