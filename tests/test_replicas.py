@@ -139,7 +139,8 @@ def test_conversations_stick_and_survive_a_replica_stopping(tmp_path, uninterrup
             assert all(n == 0 for n in turn3), turn3  # nothing was spilled: rebuilt
         assert all(conv[-1]["cached"] > 0 for conv in results)  # and cached again after
         if stop == signal.SIGTERM:
-            assert victim.process.returncode == 0
+            # a clean drain: uvicorn re-raises the SIGTERM it caught once it has shut down
+            assert victim.process.returncode in (0, -signal.SIGTERM)
             assert f"drained; {len(moved)} session(s) spilled" in victim.log_text()
     finally:
         nginx.stop()
