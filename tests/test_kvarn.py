@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+from test_quantized_cache import feed_scores  # scores by position, the same in every cache
 
 import cache  # noqa: F401  (registers the cache classes with mlx-lm)
-import config  # noqa: F401  (loads OpenBLAS before the first mlx import)
 from cache import ATTENTION, H2OKVarNCache, H2OKVCache, KVarNCache, QuantizedH2OKVCache, make_cache
 from cache.budget import ModelShape, cache_bytes, max_kv_within
 from cache.kvarn_tiles import imbalance, sinkhorn
@@ -153,18 +153,6 @@ def test_h2o_kvarn_bytes_peak_at_the_budget_formula():
 # --- eviction ------------------------------------------------------------------------
 
 SEGMENTS = {"sink": 4, "heavy": 72, "recent": 20}  # max_size 96
-
-
-def feed_scores(c, table: np.ndarray, n_new: int) -> None:
-    """Scores looked up by the position each slot holds: the same per token in every cache."""
-    pos = np.array(c.positions[0, :, : c.size()])
-    group = N_Q // N_KV
-    scores = np.empty((B, N_Q, n_new, pos.shape[1]), np.float32)
-    for q in range(N_Q):
-        p = pos[q // group]
-        for r in range(n_new):
-            scores[0, q, r] = np.where(p <= c.offset - n_new + r, table[q, r, p], -np.inf)
-    c.update_scores(mx.array(scores))
 
 
 @pytest.mark.parametrize("evict_batch", [1, 8])
