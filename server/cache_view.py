@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from server.protocol import SessionCache
+from server.session_protocol import SessionCache
 
 if TYPE_CHECKING:  # both import MLX; read_contents imports it on the worker thread
     from cache.contents import LayerContents

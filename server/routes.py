@@ -22,11 +22,10 @@ from server.protocol import (
     SESSION_ID_PATTERN,
     ChatCompletionRequest,
     CompletionRequest,
-    PageOptions,
     SamplingRequest,
-    SessionCache,
 )
 from server.responses import ReplyBuilder
+from server.session_protocol import PageOptions, SessionCache
 from server.streaming import respond
 from server.ui import PAGE_HEADERS, STATIC, page_options
 

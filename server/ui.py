@@ -13,7 +13,7 @@ from pathlib import Path
 
 from config.cache_spec import POLICIES, PRESETS, SCORE_RULES
 from config.settings import ServerSettings
-from server.protocol import PageOptions
+from server.session_protocol import PageOptions
 
 STATIC = Path(__file__).parent / "static"
 # The page loads only its own files and talks only to this server.

@@ -1,0 +1,81 @@
+"""Types of the session endpoints and the chat page: figures, cache contents, page options.
+
+Apart from server/protocol.py (the OpenAI types) so each module stays small.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel
+
+from server.protocol import Usage
+
+
+class SessionFigures(BaseModel):
+    """One conversation as `GET /v1/sessions` lists it (Session.refresh_stats)."""
+
+    id: str
+    policy: str
+    max_kv: int
+    preset: str
+    score: str
+    logical_tokens: int  # tokens the conversation has seen
+    stored_tokens: int  # tokens its cache holds per layer (fewer after eviction)
+    bytes: int
+    evictions: int
+    spilled: bool
+    busy: bool
+    last_used: int
+
+
+class CacheSegments(BaseModel):
+    kind: Literal["h2o", "full", "kvarn", "rotating"]
+    sink: int  # positions < sink are sink tokens
+    recent: int  # positions >= logical_tokens - recent are the recent window
+
+
+class CachedTokens(BaseModel):
+    ids: list[int]  # the conversation, one entry per position
+    text: list[str]  # each token's text; joined, the decoded conversation
+    held: list[int] | None  # (layer, KV head) pairs holding the token; None while spilled
+    score: list[float | None] | None  # mean H2O score over its holders; None: unscored policy
+
+
+class HeadContents(BaseModel):
+    layer: int
+    head: int
+    kind: str
+    held: int
+    bitmap: str  # base64; position p is bit p % 8 of byte p // 8
+
+
+class TurnFigures(BaseModel):
+    usage: Usage
+    logical_tokens: int
+    stored_tokens: int
+    bytes: int
+    evictions: int
+
+
+class SessionCache(SessionFigures):
+    """`GET /v1/sessions/{id}/cache` (server/cache_view.py documents every field)."""
+
+    object: Literal["session.cache"] = "session.cache"
+    layers: int
+    kv_heads: int
+    segments: CacheSegments
+    tokens: CachedTokens
+    heads: list[HeadContents]
+    turns: list[TurnFigures]
+
+
+class PageOptions(BaseModel):
+    """`GET /ui/options`: what the chat page offers (served without the key, like the page)."""
+
+    model: str
+    api_key_required: bool
+    policies: list[str]
+    presets: list[str]
+    scores: list[str]
+    default: dict[str, str | int]  # policy, max_kv, preset, score of the server's spec
