@@ -57,7 +57,8 @@ bench: setup
 	$(PY) -m bench.quantized --out docs/quantized.md
 	$(PY) -m bench.edit_reuse --out docs/edit_reuse.md
 	$(PY) -m bench.rules_grid --out docs/rules.md
-	$(PY) -m bench.sliding_layers --max-kv 128 --out docs/sliding_layers.md
+	$(PY) -m bench.sliding_layers --out docs/sliding_layers.md
+	$(PY) -m bench.soak --requests 200 --clients 16 --out docs/soak.md
 	$(PY) -m bench.results
 
 clean:
