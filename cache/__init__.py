@@ -7,7 +7,7 @@ config/cache_spec.py; this package implements it.
 import mlx_lm.models.cache as _mlx_lm_cache
 
 from cache.attention import ATTENTION, ScoredAttention, configure
-from cache.factory import cache_usage, make_cache
+from cache.factory import cache_usage, make_cache, tokens_seen
 from cache.h2o import H2OKVCache, ScoresMissing
 from cache.h2o_kvarn import H2OKVarNCache
 from cache.kvarn import KVarNCache
@@ -38,6 +38,7 @@ __all__ = [
     "configure",
     "install_router",
     "make_cache",
+    "tokens_seen",
     "uninstall_router",
     "verify_routing",
 ]

@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from cache.factory import tokens_seen
 from cache.h2o import H2OKVCache
 from cache.h2o_kvarn import H2OKVarNCache
 from cache.kvarn import KVarNCache
@@ -70,7 +71,7 @@ def _scored_contents(cache: H2OKVCache | H2OKVarNCache) -> LayerContents:
         pos, score = mx.take_along_axis(pos, order, -1), mx.take_along_axis(score, order, -1)
         mx.eval(pos, score)
         positions, scores = np.array(pos, np.int32), np.array(score, np.float32)
-    return LayerContents("h2o", cache.offset, positions, scores, cache.sink, cache.recent)
+    return LayerContents("h2o", tokens_seen(cache), positions, scores, cache.sink, cache.recent)
 
 
 def _rotating_contents(cache: RotatingKVCache) -> LayerContents:

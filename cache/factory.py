@@ -132,7 +132,13 @@ def layer_windows(model: nn.Module) -> list[int | None]:
     return windows
 
 
-def make_cache(model: nn.Module, policy: str | CacheSpec = DEFAULT_POLICY, **fields) -> list[Any]:
+def make_cache(
+    model: nn.Module,
+    policy: str | CacheSpec = DEFAULT_POLICY,
+    *,
+    context: int | None = None,
+    **fields,
+) -> list[Any]:
     """One cache per layer for a CacheSpec, or for a policy name and CacheSpec fields.
 
     e.g. `make_cache(model, "h2o", max_kv=256, score="attn")`. A sliding-window
@@ -141,7 +147,9 @@ def make_cache(model: nn.Module, policy: str | CacheSpec = DEFAULT_POLICY, **fie
     max_kv tokens. Other model-provided bounded caches (recurrent state) are kept.
     For scored policies the attention router is installed into the model and
     verified: a model whose attention would bypass it raises here, since its H2O
-    caches would never evict.
+    caches would never evict. H2O caches of global-attention layers re-index their
+    RoPE positions before they reach `context` (default: the model's), so a
+    conversation may outgrow the context (cache/h2o.py).
     """
     spec = (
         policy.replace(**fields) if isinstance(policy, CacheSpec) else CacheSpec(policy, **fields)
@@ -165,7 +173,20 @@ def make_cache(model: nn.Module, policy: str | CacheSpec = DEFAULT_POLICY, **fie
     if spec.info.scored:
         install_router(model)
         verify_routing(model, caches)
+    wall = context or getattr(args, "max_position_embeddings", None)
+    if spec.info.reindexes and wall and len(model.layers) == len(caches):
+        for layer, cache in zip(model.layers, caches, strict=True):
+            rope = getattr(getattr(layer, "self_attn", None), "rope", None)
+            global_h2o = isinstance(cache, H2OKVCache) and not hasattr(cache, "window")
+            if rope is not None and global_h2o:  # sliding layers never see far keys
+                cache.wall, cache.rope = wall, rope
     return caches
+
+
+def tokens_seen(cache: Any) -> int:
+    """Tokens a layer's cache has taken in: its offset, unless RoPE positions were
+    re-indexed (H2O's `seen` counts on past its context)."""
+    return getattr(cache, "seen", cache.offset)
 
 
 def cache_usage(caches: list[Any]) -> tuple[int, int, int]:
@@ -177,6 +198,6 @@ def cache_usage(caches: list[Any]) -> tuple[int, int, int]:
     attention = [c for c in caches if hasattr(c, "offset")]
     if not attention:
         return 0, 0, 0
-    seen = max(c.offset for c in attention)
+    seen = max(tokens_seen(c) for c in attention)
     stored = max(c.size() for c in attention)
     return seen, stored, sum(c.nbytes for c in caches)

@@ -7,8 +7,12 @@ which the attention router calls with each attention call's logits.
 Layout: slots [0, size) of preallocated buffers hold one token each, per KV
 head (heads keep different tokens). `positions` records each slot's token
 index, which is all eviction needs; attention itself is order-free because
-keys carry RoPE already. `offset` counts every token ever seen (RoPE uses it)
-and never drops; the physical length `size()` does.
+keys carry RoPE already. `seen` counts every token ever seen and never drops;
+the physical length `size()` does. `offset` (what the model gives RoPE) equals
+`seen` until the conversation nears the model's context (`wall`): then the held
+keys are re-rotated to positions 0..n-1 in token order (StreamingLLM's
+re-indexing, llama.cpp's context shift), so no query is ever further from a key
+than the model was trained on; `offset` then runs `shift` behind `seen`.
 
 Eviction runs after scoring, when the cache holds more than max_size tokens.
 It drops the lowest-scored middle tokens (neither sink nor recent) per head,
@@ -73,9 +77,24 @@ class H2OKVCache:
         self.keys = self.values = None  # [B, H, capacity, D] (or a list of such buffers)
         self.scores = None  # float32 [B, H, capacity]: accumulated importance
         self.positions = None  # int32 [B, H, capacity]: token index held by each slot
-        self.offset = 0
+        self.lags = None  # int32 [B, H, capacity]: token index - RoPE position (once re-indexed)
+        self.seen = self.shift = 0
         self.evicted = 0  # tokens evicted (per head; every head evicts as many)
         self._len = 0  # slots in use
+
+    # Context shift: make_cache sets both for policies whose storage can re-rotate keys
+    # (PolicyInfo.reindexes: dense and packed H2O).
+    wall: int | None = None  # RoPE positions stay below this (the model's context)
+    rope = None  # the layer's RoPE module: rope(x, offset=...)
+
+    @property
+    def offset(self) -> int:
+        """The next token's RoPE position (mlx-lm's models read it): `seen` - `shift`."""
+        return self.seen - self.shift
+
+    @offset.setter
+    def offset(self, value: int) -> None:
+        self.seen = value + self.shift
 
     # ------------------------------------------------------------------ protocol
 
@@ -125,8 +144,30 @@ class H2OKVCache:
             self.scores[..., :n] = updated
 
     def evict_if_full(self) -> None:
+        """Evict down to max_kv; then re-index if RoPE positions near the wall."""
         if self._len > self._slot_budget:
             self._evict()
+        # A quarter of the context is left for the next chunk (the server's is 512 tokens);
+        # re-indexing must win back at least an eighth of it to be worth its work.
+        near = self.wall is not None and self.offset >= self.wall - self.wall // 4
+        if near and self.offset - self.size() >= self.wall // 8:
+            self.reindex()
+
+    def reindex(self) -> None:
+        """Re-rotate the held keys to RoPE positions 0..n-1 in token order (every head holds
+        n); the next token gets position n. Attention between held tokens keeps their order
+        but not their distances: what StreamingLLM does past the window, measured better
+        than the original positions beyond the context (docs/context_wall.md)."""
+        n = self._len
+        pos = self.positions[..., :n]
+        rank = mx.argsort(mx.argsort(pos, axis=-1), axis=-1).astype(mx.int32)
+        rope_pos = pos if self.lags is None else pos - self.lags[..., :n]
+        self._rerope_keys(rank - rope_pos)
+        if self.lags is None:
+            self.lags = mx.zeros(self.positions.shape, dtype=mx.int32)
+        self.lags[..., :n] = pos - rank
+        self.shift = self.seen - n
+        self._reset_free_slots()
 
     def kv_segments(self, keys, values) -> list[tuple[object, object, KVFormat]]:
         """What update_and_fetch returned, as (keys, values, format) parts for attention."""
@@ -178,8 +219,8 @@ class H2OKVCache:
             return 0
         n = self._len
         held = mx.sort(self.positions[..., :n], axis=-1)
-        # Sorted positions end at offset - 1; they are contiguous over a suffix only.
-        in_order = held == mx.arange(self.offset - n, self.offset, dtype=held.dtype)
+        # Sorted positions end at seen - 1; they are contiguous over a suffix only.
+        in_order = held == mx.arange(self.seen - n, self.seen, dtype=held.dtype)
         return int(in_order.sum(axis=-1).min().item())
 
     def trim(self, n: int) -> int:
@@ -187,7 +228,7 @@ class H2OKVCache:
         n = max(0, min(n, self.trimmable_tokens()))
         if n == 0:
             return 0
-        keep = self.positions[..., : self._len] < self.offset - n
+        keep = self.positions[..., : self._len] < self.seen - n
         slots = mx.arange(self._len)
         # Kept slots first, in slot order: every head keeps the same count.
         order = mx.sort(mx.where(keep, slots, self._len + slots), axis=-1)
@@ -201,16 +242,17 @@ class H2OKVCache:
         if self.positions is None:
             return None, None, None, None, self.meta_state[0]
         n = self._len
-        return (
-            *self._kv_state(),
-            self.scores[..., :n],
-            self.positions[..., :n],
-            self.meta_state[0],
-        )
+        positions = self.positions[..., :n]
+        if self.lags is not None:  # re-indexed: the lags travel with the positions
+            positions = mx.stack([positions, self.lags[..., :n]])
+        return (*self._kv_state(), self.scores[..., :n], positions, self.meta_state[0])
 
     @state.setter
     def state(self, v) -> None:
         self.keys, self.values, self.scores, self.positions, meta = v
+        self.lags = None
+        if self.positions is not None and self.positions.ndim == 4:
+            self.positions, self.lags = self.positions[0], self.positions[1]
         self.meta_state = (meta,)
         self._len = 0 if self.positions is None else self.positions.shape[-1]
 
@@ -224,7 +266,9 @@ class H2OKVCache:
             "score": self.score_rule.name,
             "score_knobs": self.score_rule.knobs(),
             "evict_batch": self.evict_batch,
-            "offset": self.offset,
+            "offset": self.seen,  # tokens seen; RoPE's offset is seen - shift
+            "shift": self.shift,
+            "wall": self.wall,
             "evicted": self.evicted,
         }
         return (json.dumps(meta),)
@@ -240,7 +284,8 @@ class H2OKVCache:
         )
         self.score_rule = make_score_rule(meta["score"], **meta.get("score_knobs", {}))
         self.evict_batch = meta.get("evict_batch", 1)
-        self.offset, self.evicted = meta["offset"], meta["evicted"]
+        self.seen, self.evicted = meta["offset"], meta["evicted"]
+        self.shift, self.wall = meta.get("shift", 0), meta.get("wall")
 
     @classmethod
     def from_state(cls, state) -> H2OKVCache:
@@ -272,6 +317,11 @@ class H2OKVCache:
 
         self.keys = tree_map(grown, keys, self.keys)
         self.values = tree_map(grown, values, self.values)
+
+    def _rerope_keys(self, delta: mx.array) -> None:
+        """Rotate each held key [B, H, n] by `delta` positions (RoPE composes by adding)."""
+        n = self._len
+        self.keys[:, :, :n] = turn_keys(self.rope, self.keys[:, :, :n], delta)
 
     def _gather_kv(self, idx: mx.array, capacity: int) -> None:
         """K/V of slots `idx` [B, H, K] into `capacity` slots."""
@@ -325,16 +375,21 @@ class H2OKVCache:
         lead = tree_flatten(keys)[0][1].shape[:2]  # [B, H]
         self.scores = self._grown(self.scores, lead, (), mx.float32, capacity)
         self.positions = self._grown(self.positions, lead, (), mx.int32, capacity)
+        if self.lags is not None:
+            self.lags = self._grown(self.lags, lead, (), mx.int32, capacity)
         self._reset_free_slots()
 
     def _reset_free_slots(self) -> None:
-        """Free slots get score 0 and the positions the next appended tokens will have."""
+        """Free slots get score 0 and the positions (and lag) the next appended tokens will
+        have."""
         free = self.positions.shape[-1] - self._len
         if free:
             self.positions[..., self._len :] = mx.arange(
-                self.offset, self.offset + free, dtype=mx.int32
+                self.seen, self.seen + free, dtype=mx.int32
             )
             self.scores[..., self._len :] = 0.0
+            if self.lags is not None:
+                self.lags[..., self._len :] = self.shift
 
     def _gather(self, idx: mx.array, capacity: int) -> None:
         """Rebuild the buffers from slots `idx` [B, H, K] into `capacity` slots."""
@@ -342,6 +397,8 @@ class H2OKVCache:
         self._gather_kv(idx, capacity)
         self.scores = gather_slots(self.scores[:, :, :n], idx, capacity)
         self.positions = gather_slots(self.positions[:, :, :n], idx, capacity)
+        if self.lags is not None:
+            self.lags = gather_slots(self.lags[:, :, :n], idx, capacity)
         self._len = idx.shape[-1]
         self._reset_free_slots()
 
@@ -355,8 +412,8 @@ class H2OKVCache:
 
     def _eviction_ranks(self, pos: mx.array) -> mx.array:
         """What eviction keeps the top of: middle tokens by score, sinks and recent at +inf."""
-        middle = (pos >= self.sink) & (pos < self.offset - self.recent)
-        value = self.score_rule.rank(self.scores[..., : self._len], pos, self.offset)
+        middle = (pos >= self.sink) & (pos < self.seen - self.recent)
+        value = self.score_rule.rank(self.scores[..., : self._len], pos, self.seen)
         return mx.where(middle, value, mx.inf)
 
 
@@ -368,3 +425,10 @@ def gather_slots(buf: mx.array, idx: mx.array, capacity: int) -> mx.array:
     fresh = mx.zeros((*buf.shape[:2], capacity, *buf.shape[3:]), dtype=buf.dtype)
     fresh[:, :, : picked.shape[2]] = picked
     return fresh
+
+
+def turn_keys(rope, keys: mx.array, delta: mx.array) -> mx.array:
+    """keys [B, H, n, D] each rotated by its own `delta` [B, H, n] positions through `rope`."""
+    B, H, n, D = keys.shape
+    flat = keys.reshape(B * H * n, 1, 1, D)  # one row per key: RoPE takes one offset per row
+    return rope(flat, offset=delta.reshape(-1)).reshape(B, H, n, D).astype(keys.dtype)

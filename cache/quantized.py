@@ -40,7 +40,7 @@ import json
 import mlx.core as mx
 
 from cache.attention import KVFormat
-from cache.h2o import H2OKVCache
+from cache.h2o import H2OKVCache, turn_keys
 from config.cache_spec import DEFAULT_GROUP_SIZE
 from kernels.hadamard import hadamard_block, rotate
 
@@ -98,6 +98,18 @@ class QuantizedH2OKVCache(H2OKVCache):
         if self.rotate:
             keys, values = rotate(keys), rotate(values)
         return quantize(keys, gs, self.bits), quantize(values, gs, self.value_bits)
+
+    def _rerope_keys(self, delta: mx.array) -> None:
+        """Unpack the held keys, rotate them by `delta` positions, pack them again."""
+        n, gs = self._len, self.group_size
+        dense = mx.dequantize(*(a[:, :, :n] for a in self.keys), group_size=gs, bits=self.bits)
+        if self.rotate:  # the Hadamard rotation is its own inverse
+            dense = rotate(dense)
+        dense = turn_keys(self.rope, dense, delta)
+        if self.rotate:
+            dense = rotate(dense)
+        for buf, packed in zip(self.keys, quantize(dense, gs, self.bits), strict=True):
+            buf[:, :, :n] = packed
 
     @property
     def meta_state(self) -> tuple[str]:

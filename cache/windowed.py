@@ -44,7 +44,7 @@ class SlidingWindowMixin:
         Replaces the model's shared sliding mask, which cannot follow this layer's evictions.
         """
         pos = self.positions[..., : self._len][:, :, None, :]  # [B, H_kv, 1, C]
-        query = mx.arange(self.offset - n_queries, self.offset)[:, None]
+        query = mx.arange(self.seen - n_queries, self.seen)[:, None]
         visible = (pos <= query) & (pos > query - self.window)
         n_kv = visible.shape[1]
         return visible if n_kv in (1, n_q_heads) else mx.repeat(visible, n_q_heads // n_kv, 1)
@@ -54,7 +54,7 @@ class SlidingWindowMixin:
         return super().make_mask(N, return_array=return_array)
 
     def _eviction_ranks(self, pos: mx.array) -> mx.array:
-        expired = pos <= self.offset - self.window  # outside the next query's window
+        expired = pos <= self.seen - self.window  # outside the next query's window
         return mx.where(expired, -mx.inf, super()._eviction_ranks(pos))
 
     @property

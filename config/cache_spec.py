@@ -24,6 +24,9 @@ class PolicyInfo:
     scored: bool  # evicts by attention score: needs the attention router
     key_bits: int | None = None  # packed K/V widths; None: dense, in the model's dtype
     value_bits: int | None = None
+    # Re-indexes RoPE positions near the context (cache/h2o.py): a conversation may
+    # outgrow the model's context, one prompt at a time.
+    reindexes: bool = False
 
     @property
     def quantized(self) -> bool:
@@ -39,13 +42,29 @@ POLICIES: dict[str, PolicyInfo] = {
         scored=False,
     ),
     "h2o": PolicyInfo(
-        "H2O: sinks + heavy hitters + recent window", "h2o", bounded=True, scored=True
+        "H2O: sinks + heavy hitters + recent window",
+        "h2o",
+        bounded=True,
+        scored=True,
+        reindexes=True,
     ),
     "h2o-q8": PolicyInfo(
-        "H2O over 8-bit K/V", "quantized", bounded=True, scored=True, key_bits=8, value_bits=8
+        "H2O over 8-bit K/V",
+        "quantized",
+        bounded=True,
+        scored=True,
+        key_bits=8,
+        value_bits=8,
+        reindexes=True,
     ),
     "h2o-q4": PolicyInfo(
-        "H2O over 4-bit K/V", "quantized", bounded=True, scored=True, key_bits=4, value_bits=4
+        "H2O over 4-bit K/V",
+        "quantized",
+        bounded=True,
+        scored=True,
+        key_bits=4,
+        value_bits=4,
+        reindexes=True,
     ),
     # Widths of its default layout (MIXED_SCHEMES below: k8v4); `mixed` picks another.
     "h2o-mixed": PolicyInfo(

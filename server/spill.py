@@ -28,6 +28,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
 
+from cache.factory import tokens_seen
 from config.cache_spec import CacheSpec
 from server.claims import Claim, Claims, private_partial
 
@@ -142,7 +143,7 @@ class SpillFolder:
             raise SpillError(f"unreadable ({type(e).__name__}: {e})") from None
         if json.loads(meta.get("model", "null")) != self.identity:
             raise SpillError("made by another model")
-        offsets = {c.offset for c in caches}
+        offsets = {tokens_seen(c) for c in caches}
         if offsets != {tokens}:
             raise SpillError(f"layers hold {sorted(offsets)} tokens, the index says {tokens}")
         return caches
