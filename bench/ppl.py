@@ -148,11 +148,17 @@ def token_nll(logits: mx.array, targets: mx.array) -> mx.array:
 
 
 def nll_chunked(
-    model, tokens: mx.array, cache_kwargs: dict[str, Any], chunk: int, tick: Callable | None = None
+    model,
+    tokens: mx.array,
+    cache_kwargs: dict[str, Any],
+    chunk: int,
+    tick: Callable | None = None,
+    caches: list | None = None,
 ) -> mx.array:
-    """Per-token NLL [B, T-1], `chunk` tokens per forward pass through the policy's cache."""
+    """Per-token NLL [B, T-1], `chunk` tokens per forward pass through the policy's cache
+    (or through `caches`, when given, which the caller can then inspect)."""
     B, T = tokens.shape
-    caches = make_cache(model, **cache_kwargs)
+    caches = make_cache(model, **cache_kwargs) if caches is None else caches
     parts = []
     for start in range(0, T - 1, chunk):
         end = min(start + chunk, T - 1)

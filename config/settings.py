@@ -66,11 +66,19 @@ class ServerSettings(BaseSettings):
     spill_budget: str = Field(
         "auto", description="disk for every file in --spill-dir (auto: 2x --kv-budget)"
     )
+    context: int | None = Field(
+        None,
+        ge=64,
+        description="the context window in tokens (default: the model's own): the longest "
+        "conversation under policy full; under h2o, h2o-q8 and h2o-q4 a conversation outgrows "
+        "it, its RoPE positions re-indexed within the cache before they reach it",
+    )
     max_prompt_tokens: int | None = Field(
         None,
         ge=1,
-        description="longest prompt accepted (default: the model's context); may exceed the "
-        "context only for policies that evict",
+        description="most prompt tokens one request may bring that its conversation's cache "
+        "does not hold yet (default: the context); above the context only for policies that "
+        "evict",
     )
     shutdown_timeout: float = Field(
         5.0,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cache import configure, make_cache
 from cache.budget import Budget, ModelShape, fit_spec, parse_bytes, session_bytes
@@ -50,15 +50,18 @@ class Engine:
         configure(backend=settings.kernel)  # raises on a backend this machine lacks
         model, tokenizer = load_model(settings.model)
         shape = kv_shape(model)
+        if settings.context:
+            shape = replace(shape, context=settings.context)
         spec = fit_spec(
             shape, budget, settings.policy, preset=settings.preset, score=settings.score
         )
+        context = shape.context
         make_cache(model, spec)  # fails now, not on the first request, if the policy cannot run
         spill_budget = (
             2 * total if settings.spill_budget == "auto" else parse_bytes(settings.spill_budget)
         )
         store = SessionStore(
-            lambda s: make_cache(model, s),
+            lambda s: make_cache(model, s, context=context),
             settings.max_sessions,
             settings.spill_dir,
             model_identity=model_identity(model) if settings.spill_dir else "",
@@ -101,15 +104,24 @@ class Engine:
             score=options.score or self.spec.score,
         )
 
-    def prompt_limit(self, spec: CacheSpec) -> int:
-        """Longest prompt a request may send: the model's context, or --max-prompt-tokens.
+    def prompt_limit(self, spec: CacheSpec) -> int | None:
+        """Longest prompt a request may send: the context, or --max-prompt-tokens.
 
         Only a cache that evicts can hold a conversation past the context, so the flag
-        raises the limit for those policies alone.
+        raises the limit for those policies alone. None (any length) for policies whose
+        conversations outgrow the context: the worker limits the part of the prompt
+        their session does not hold yet instead (new_token_limit).
         """
+        if spec.info.reindexes:
+            return None
         context = self.shape.context
         wanted = self.settings.max_prompt_tokens or context
         return wanted if spec.info.bounded else min(wanted, context)
+
+    def new_token_limit(self) -> int:
+        """Most prompt tokens one request may prefill: a conversation past the context
+        grows by a turn at a time, never by a document that would hold a slot for hours."""
+        return self.settings.max_prompt_tokens or self.shape.context
 
     def context_limit(self, spec: CacheSpec) -> int | None:
         """Most tokens (prompt + reply) a conversation may reach; None when the cache is bounded."""

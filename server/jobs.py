@@ -61,6 +61,7 @@ class Failed:
     status: int
     message: str
     code: str | None = None
+    param: str | None = None
 
 
 Event = Started | Delta | Finished | Failed
@@ -90,6 +91,7 @@ class Job:
     session_key: str | None
     loop: asyncio.AbstractEventLoop
     owner: str = ""  # whose sessions it may use (server/auth.py)
+    prompt_field: str = "messages"  # the request field holding the prompt (for errors)
     claim_deadline: float | None = None  # waiting for another replica's session until then
     id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex[:12]}")  # for the logs
     events: asyncio.Queue = field(default_factory=asyncio.Queue)

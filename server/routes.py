@@ -243,14 +243,15 @@ def _make_job(
             param="max_tokens",
         )
     accepted = engine.prompt_limit(spec)
-    if len(prompt) > accepted:
+    field = "prompt" if isinstance(body, CompletionRequest) else "messages"
+    if accepted is not None and len(prompt) > accepted:
         raise APIError(
             400,
             f"the prompt has {len(prompt)} tokens, more than the {accepted} this server "
             f"accepts (the model's context is {context}; --max-prompt-tokens raises the "
             "limit for policies that evict)",
             "context_length_exceeded",
-            "prompt" if isinstance(body, CompletionRequest) else "messages",
+            field,
         )
     limit = engine.context_limit(spec)
     if limit is not None:  # policy full: prompt and reply must fit in the cache
@@ -265,7 +266,9 @@ def _make_job(
             )
         max_tokens = max_tokens or room
     params = body.sampling_params(max_tokens or DEFAULT_REPLY_TOKENS)
-    job = Job(prompt, params, spec, key, asyncio.get_running_loop(), owner=owner)
+    job = Job(
+        prompt, params, spec, key, asyncio.get_running_loop(), owner=owner, prompt_field=field
+    )
     try:
         worker.submit(job)
     except QueueFull:

@@ -54,7 +54,7 @@ async def job_events(job: Job, request: Request) -> AsyncIterator:
 def _failure(event: Failed) -> Response:
     if event.status == CLIENT_GONE:  # nobody is listening any more
         return Response(status_code=CLIENT_GONE)
-    return error_response(event.status, event.message, event.code)
+    return error_response(event.status, event.message, event.code, event.param)
 
 
 async def respond(

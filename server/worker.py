@@ -213,6 +213,12 @@ class Worker:
                 session, reused = self.engine.store.acquire(
                     job.session_key, job.prompt, job.spec, job.owner, self._may_borrow(job)
                 )
+                too_long = self._too_long(job, reused)
+                if too_long:
+                    self.engine.store.release(session, broken=not session.tokens)
+                    self._started(job)
+                    self._fail(job, 400, too_long, "context_length_exceeded", job.prompt_field)
+                    continue
                 gen = Generation(self.engine.tokenizer, session, job.prompt, reused, job.params)
             except (SessionBusy, SessionClaimed):
                 still_waiting.append(job)  # one turn at a time; or another replica hands it over
@@ -228,6 +234,18 @@ class Worker:
             job.emit(Started(session.id, reused))
             self._active.append((job, gen))
         self._waiting = still_waiting
+
+    def _too_long(self, job: Job, reused: int) -> str | None:
+        """Why the prompt is refused, when the part its session lacks is over the limit
+        (policies whose conversations outgrow the context; routes check the others)."""
+        limit, new = self.engine.new_token_limit(), len(job.prompt) - reused
+        if not job.spec.info.reindexes or new <= limit:
+            return None
+        return (
+            f"the prompt has {len(job.prompt)} tokens, {new} of them not in this "
+            f"conversation's cache: more than the {limit} this server prefills in one request "
+            f"(the context is {self.engine.shape.context}; --max-prompt-tokens raises the limit)"
+        )
 
     def _may_borrow(self, job: Job) -> bool:
         """Whether the job has waited long enough for a session another replica holds."""
@@ -274,6 +292,8 @@ class Worker:
         turn = None if broken else gen.finished()  # a stopped turn counts too: its tokens stay
         self.engine.store.release(gen.session, broken=broken, turn=turn)
 
-    def _fail(self, job: Job, status: int, message: str, code: str | None = None) -> None:
+    def _fail(
+        self, job: Job, status: int, message: str, code: str | None = None, param: str | None = None
+    ) -> None:
         self.metrics.add("requests_failed_total")
-        job.emit(Failed(status, message, code))
+        job.emit(Failed(status, message, code, param))
