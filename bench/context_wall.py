@@ -2,10 +2,10 @@
 
 A conversation under `h2o` may outgrow the model's context (8192 tokens for the
 default model). Two ways to place its tokens' RoPE positions, compared here:
-- `original`: every token keeps its index as its position, so the distance between
+- `h2o-original`: every token keeps its index as its position, so the distance between
   the newest query and the sinks and old heavy hitters grows past anything the
   model was trained on;
-- `re-indexed` (the server's behaviour, cache/h2o.py): before positions reach the
+- `h2o-reindexed` (the server's behaviour, cache/h2o.py): before positions reach the
   context, the held keys are re-rotated to positions 0..n-1 in token order
   (StreamingLLM's choice; llama.cpp's context shift re-rotates keys too).
 `rotating` (a sliding window with sinks, original positions) is the baseline.
@@ -35,9 +35,9 @@ NEVER = 2**30  # a context no conversation reaches: positions are never re-index
 
 VARIANTS = {
     "rotating": {"policy": "rotating"},
-    "h2o, original positions": {"policy": "h2o", "context": NEVER},
-    "h2o, re-indexed": {"policy": "h2o"},
-    "h2o-q8, re-indexed": {"policy": "h2o-q8"},
+    "h2o-original": {"policy": "h2o", "context": NEVER},
+    "h2o-reindexed": {"policy": "h2o"},
+    "h2o-q8-reindexed": {"policy": "h2o-q8"},
 }
 
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=2)
     p.add_argument("--times-context", type=float, default=2.0, help="text length / context")
     p.add_argument("--chunk", type=int, default=16)
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS)[:3], choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     preload_openblas()
