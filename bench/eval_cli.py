@@ -146,6 +146,12 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         default=4.0,
         help="default filler turns make the conversation this many times the largest max_kv",
     )
+    rc.add_argument(
+        "--document",
+        action="store_true",
+        help="grow one plain-text document through /v1/completions instead of a chat "
+        "(recall of the cache, not of SmolLM2's chat skills; see bench/recall.py)",
+    )
     ev.set_defaults(run_eval=run_eval)
 
 

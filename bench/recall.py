@@ -9,6 +9,14 @@ passages until the conversation is many times max_kv long, and the last turn
 asks for the number. A trial scores 1 when the reply contains it (exact match
 of the digits). Every policy sees the same facts and passages (seeded per
 trial); replies are greedy.
+
+`document` trials measure the cache rather than the model: SmolLM2-135M loses
+the fact in chats even with a full cache (0-2 of 8 in a probe, scripted replies
+or its own). Each turn appends a note or a passage to one plain-text document
+sent to `/v1/completions` under the same `prompt_cache_key` (one token
+generated per turn, so every turn runs through the session and evicts as a chat
+does), and the last turn ends in "Answer: <name>'s secret number is": copying
+it, the model scores 10 of 10 with a full cache at 220-400 tokens.
 """
 
 from __future__ import annotations
@@ -61,16 +69,22 @@ class LocalServer:
         self.thread.join(timeout=60)
 
     def chat(self, messages: list[dict], key: str, max_tokens: int, kv_cache: dict) -> dict:
+        return self.post("chat/completions", {"messages": messages}, key, max_tokens, kv_cache)
+
+    def complete(self, prompt: str, key: str, max_tokens: int, kv_cache: dict) -> dict:
+        return self.post("completions", {"prompt": prompt}, key, max_tokens, kv_cache)
+
+    def post(self, route: str, body: dict, key: str, max_tokens: int, kv_cache: dict) -> dict:
         body = {
             "model": "default",
-            "messages": messages,
+            **body,
             "max_tokens": max_tokens,
             "temperature": 0,
             "prompt_cache_key": key,
             "kv_cache": kv_cache,
         }
         request = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/v1/chat/completions",
+            f"http://127.0.0.1:{self.port}/v1/{route}",
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )
@@ -78,8 +92,11 @@ class LocalServer:
             return json.loads(response.read())
 
 
-def trial_script(tokenizer, trial: int, turns: int, filler_tokens: int) -> tuple[list[str], str]:
-    """(user messages, the number to recall) of one trial; passages differ per trial."""
+def trial_script(
+    tokenizer, trial: int, turns: int, filler_tokens: int, document: bool = False
+) -> tuple[list[str], str]:
+    """(user messages, or a document's turns, and the number to recall) of one trial;
+    passages differ per trial."""
     from bench.text import essay_token_ids
 
     rng = random.Random(trial)
@@ -91,12 +108,38 @@ def trial_script(tokenizer, trial: int, turns: int, filler_tokens: int) -> tuple
         tokenizer.decode(ids[start + i * filler_tokens : start + (i + 1) * filler_tokens])
         for i in range(turns)
     ]
+    if document:
+        parts = [f"Note: {name}'s secret number is {number}.\n\n"]
+        parts += [p.strip() + "\n\n" for p in passages]
+        question = f"Question: what is {name}'s secret number?\n"
+        parts.append(f"{question}Answer: {name}'s secret number is")
+        return parts, number
     # Plain passages as user turns and a short question: the phrasing SmolLM2-135M
     # answered best with a full cache in a small probe (it often fails anyway).
     users = [f"My name is {name}. My secret number is {number}. Please remember it."]
     users += [p.strip() for p in passages]
     users.append("What is my secret number?")
     return users, number
+
+
+def run_document_trial(server: LocalServer, parts: list[str], number: str, kv_cache: dict):
+    """One document grown a part per request; the last request's completion is the answer."""
+    key = f"recall-{uuid.uuid4().hex[:12]}"
+    text, cached, prompt = "", 0, 0
+    for i, part in enumerate(parts):
+        text += part
+        last = i == len(parts) - 1
+        reply = server.complete(text, key, ANSWER_TOKENS if last else 1, kv_cache)
+        usage = reply["usage"]
+        prompt += usage["prompt_tokens"]
+        cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    answer = reply["choices"][0]["text"] or ""
+    return {
+        "hit": number in answer,
+        "answer": answer,
+        "tokens": usage["prompt_tokens"] + usage["completion_tokens"],
+        "cached_share": cached / max(1, prompt),
+    }
 
 
 def run_trial(server: LocalServer, users: list[str], number: str, kv_cache: dict) -> dict:
@@ -129,7 +172,9 @@ def run_recall(args, cases: list, progress=None) -> list[dict[str, Any]]:
     filler = args.filler_tokens
     turns = args.turns or math.ceil(args.conversation_factor * longest_kv / filler)
     _, tokenizer = load_model(args.model)  # the client's copy, for the essay passages only
-    scripts = [trial_script(tokenizer, t, turns, filler) for t in range(args.samples)]
+    document = getattr(args, "document", False)
+    scripts = [trial_script(tokenizer, t, turns, filler, document) for t in range(args.samples)]
+    trial = run_document_trial if document else run_trial
     if progress:
         progress(len(cases) * args.samples, None)
 
@@ -139,7 +184,7 @@ def run_recall(args, cases: list, progress=None) -> list[dict[str, Any]]:
             kv_cache = {k: v for k, v in case.cache_kwargs().items() if k != "evict_batch"}
             results = []
             for users, number in scripts:
-                results.append(run_trial(server, users, number, kv_cache))
+                results.append(trial(server, users, number, kv_cache))
                 if progress:
                     progress(1, " ".join(str(v) for v in case.fields().values() if v is not None))
             records.append(
@@ -148,6 +193,7 @@ def run_recall(args, cases: list, progress=None) -> list[dict[str, Any]]:
                     "samples": args.samples,
                     "turns": turns + 2,
                     "conversation_tokens": round(sum(r["tokens"] for r in results) / len(results)),
+                    "hits": sum(r["hit"] for r in results),
                     "recall": sum(r["hit"] for r in results) / len(results),
                     "cached_share": sum(r["cached_share"] for r in results) / len(results),
                     "answers": " | ".join(r["answer"].strip() for r in results),
