@@ -47,7 +47,7 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
-# Regenerates every report in docs/ (about 1.5 hours on 2 CPU cores).
+# Regenerates every report in docs/ (about 3.5 hours on 2 CPU cores).
 bench: setup
 	$(PY) -m bench.decode_speed --context 2048 --rounds 5 --steps 32 --out docs/decode_speed.md
 	$(PY) -m bench.memory --out docs/memory.md
@@ -59,6 +59,8 @@ bench: setup
 	$(PY) -m bench.rules_grid --out docs/rules.md
 	$(PY) -m bench.sliding_layers --out docs/sliding_layers.md
 	$(PY) -m bench.soak --requests 200 --clients 16 --out docs/soak.md
+	$(PY) -m bench.recall_grid --out docs/recall.md
+	$(PY) -m bench.context_wall --out docs/context_wall.md
 	$(PY) -m bench.results
 
 clean:

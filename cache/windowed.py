@@ -3,12 +3,11 @@
 A sliding-window layer (Gemma 3: 5 of every 6) attends to the last `window`
 tokens only. When max_kv is smaller than the window, its cache must drop
 tokens inside the window too. On Gemma 3 270M H2O restricted to the window
-was the best of the options in earlier runs not recorded in docs/, and
-anything that lets such a layer see tokens older than its window (the
-rotating policy's sinks, or plain H2O keeping old heavy hitters) broke the
-model (perplexity x3 past the window); bench/sliding_layers.py reproduces that
-comparison (docs/sliding_layers.md, not generated yet). docs/RESULTS.md has
-the h2o policy built on this against rotating and full.
+is the best bounded option at max_kv 64/128/256, and anything that lets such a
+layer see tokens older than its window (the rotating policy's sinks, or plain
+H2O keeping old heavy hitters) breaks the model (perplexity x3);
+docs/sliding_layers.md (bench/sliding_layers.py). docs/RESULTS.md has the h2o
+policy built on this against rotating and full.
 
 So these caches (dense, packed, mixed: the policy's H2O class with this mixin)
 - mask every key older than the window, per layer and head, from the stored
