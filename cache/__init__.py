@@ -7,7 +7,7 @@ config/cache_spec.py; this package implements it.
 import mlx_lm.models.cache as _mlx_lm_cache
 
 from cache.attention import ATTENTION, ScoredAttention, configure
-from cache.factory import cache_usage, make_cache, tokens_seen
+from cache.factory import adopt_rope, cache_usage, make_cache, tokens_seen
 from cache.h2o import H2OKVCache, ScoresMissing
 from cache.h2o_kvarn import H2OKVarNCache
 from cache.kvarn import KVarNCache
@@ -23,6 +23,7 @@ for _cls in (*_OWN_CACHES, SinkRotatingKVCache, *WINDOWED.values()):
     setattr(_mlx_lm_cache, _cls.__name__, _cls)
 
 __all__ = [
+    "adopt_rope",
     "ATTENTION",
     "H2OKVCache",
     "H2OKVarNCache",

@@ -183,6 +183,14 @@ def make_cache(
     return caches
 
 
+def adopt_rope(caches: list[Any], fresh: list[Any]) -> None:
+    """Give caches loaded from a file what make_cache attaches and a file cannot hold:
+    each H2O layer's RoPE and wall, taken from `fresh` caches of the same spec."""
+    for cache, new in zip(caches, fresh, strict=True):
+        if isinstance(cache, H2OKVCache):
+            cache.wall, cache.rope = new.wall, new.rope
+
+
 def tokens_seen(cache: Any) -> int:
     """Tokens a layer's cache has taken in: its offset, unless RoPE positions were
     re-indexed (H2O's `seen` counts on past its context)."""

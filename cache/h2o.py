@@ -149,7 +149,7 @@ class H2OKVCache:
             self._evict()
         # A quarter of the context is left for the next chunk (the server's is 512 tokens);
         # re-indexing must win back at least an eighth of it to be worth its work.
-        near = self.wall is not None and self.offset >= self.wall - self.wall // 4
+        near = self.rope is not None and self.offset >= self.wall - self.wall // 4
         if near and self.offset - self.size() >= self.wall // 8:
             self.reindex()
 
@@ -285,7 +285,8 @@ class H2OKVCache:
         self.score_rule = make_score_rule(meta["score"], **meta.get("score_knobs", {}))
         self.evict_batch = meta.get("evict_batch", 1)
         self.seen, self.evicted = meta["offset"], meta["evicted"]
-        self.shift, self.wall = meta.get("shift", 0), meta.get("wall")
+        # `wall` is left to make_cache/adopt_rope: the file cannot hold the layer's RoPE.
+        self.shift = meta.get("shift", 0)
 
     @classmethod
     def from_state(cls, state) -> H2OKVCache:

@@ -46,6 +46,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from cache import adopt_rope
 from config.cache_spec import CacheSpec
 from server.conversation import Session, common_prefix, rewind, spilled_session
 from server.jobs import Finished, SessionBusy, SessionClaimed
@@ -298,6 +299,7 @@ class SessionStore:
             session.tokens, session.prompt_len = header.tokens, header.prompt_len
             session.spec, session.evictions = header.spec, header.evictions
             session.caches = self.spill.read(path, len(session.tokens))
+            adopt_rope(session.caches, self.make_caches(session.spec))
             log.info("session %s restored", session.id)
             self.counts["restored"] += 1
         except SpillError as e:
