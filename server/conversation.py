@@ -76,13 +76,16 @@ def can_trim(cache, n: int) -> bool:
     return cache.is_trimmable() and cache.offset >= n
 
 
-def rewind(caches: list, n: int) -> bool:
-    """Drop the n newest tokens from every layer; False (nothing dropped) when some cannot."""
-    if n == 0:
-        return True
-    if not all(can_trim(c, n) for c in caches):
-        return False
-    return all(c.trim(n) == n for c in caches)
+def rewindable(caches: list, n: int) -> bool:
+    """Whether every layer can drop its n newest tokens."""
+    return n == 0 or all(can_trim(c, n) for c in caches)
+
+
+def rewind(caches: list, n: int) -> None:
+    """Drop the n newest tokens from every layer (rewindable said they can)."""
+    if n:
+        for c in caches:
+            c.trim(n)
 
 
 def spilled_session(f: SpilledSession) -> Session:

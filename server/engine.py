@@ -62,13 +62,12 @@ class Engine:
         spec = fit_spec(
             shape, budget, settings.policy, preset=settings.preset, score=settings.score
         )
-        context = shape.context
         make_cache(model, spec)  # fails now, not on the first request, if the policy cannot run
         spill_budget = (
             2 * total if settings.spill_budget == "auto" else parse_bytes(settings.spill_budget)
         )
         store = SessionStore(
-            lambda s: make_cache(model, s, context=context),
+            lambda s: make_cache(model, s, context=shape.context),
             settings.max_sessions,
             settings.spill_dir,
             model_identity=model_identity(model) if settings.spill_dir else "",

@@ -83,6 +83,14 @@ class SessionClaimed(Exception):
     """Another replica holds the session (server/claims.py); the job waits for the handover."""
 
 
+class PromptTooLong(Exception):
+    """More of the prompt than a request may prefill is missing from its session's cache."""
+
+    def __init__(self, new_tokens: int):
+        super().__init__(f"{new_tokens} prompt tokens to prefill")
+        self.new_tokens = new_tokens
+
+
 @dataclass(eq=False)
 class Job:
     prompt: list[int]

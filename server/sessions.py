@@ -48,8 +48,8 @@ from pathlib import Path
 
 from cache import adopt_rope
 from config.cache_spec import CacheSpec
-from server.conversation import Session, common_prefix, rewind, spilled_session
-from server.jobs import Finished, SessionBusy, SessionClaimed
+from server.conversation import Session, common_prefix, rewind, rewindable, spilled_session
+from server.jobs import Finished, PromptTooLong, SessionBusy, SessionClaimed
 from server.protocol import Usage
 from server.spill import SpillError, SpillFolder
 
@@ -91,13 +91,15 @@ class SessionStore:
         spec: CacheSpec,
         owner: str = "",
         borrow: bool = False,
+        max_new: int | None = None,
     ) -> tuple[Session, int]:
         """The session for this prompt, rewound so it holds a prefix of it; marks it busy.
 
         Returns (session, reused tokens). At least the prompt's last token is left
         to prefill, since its logits start the reply. If this fails, the session is
         forgotten: no half-prepared session stays behind. Raises SessionClaimed while
-        another replica owns the session, unless `borrow`.
+        another replica owns the session, unless `borrow`; PromptTooLong, before the
+        session is touched, when more than `max_new` tokens would need prefilling.
         """
         self._sync()
         session = self._find(owner, key, prompt)
@@ -121,14 +123,22 @@ class SessionStore:
             self._make_room(keep=session)
             if session.caches is None and session.spill_path is not None:
                 self._restore(session)
-            if session.spec != spec or session.caches is None:
+            match, crosses = self._reuse(session, spec, prompt)
+            if max_new is not None and len(prompt) - match > max_new:
+                raise PromptTooLong(len(prompt) - match)
+            if match:
+                rewind(session.caches, len(session.tokens) - match)
+            else:
+                if crosses:
+                    self.counts["rebuilt"] += 1
                 self._reset(session, spec)
-            match = min(common_prefix(session.tokens, prompt), len(prompt) - 1)
-            if not rewind(session.caches, len(session.tokens) - match):
-                self.counts["rebuilt"] += 1
-                self._reset(session, spec)
-                match = 0
             del session.tokens[match:]
+        except PromptTooLong:
+            session.busy = False
+            if not session.tokens:  # it held nothing: no phantom session stays
+                self._forget(session)
+            self._publish()
+            raise
         except BaseException:
             self._forget(session)
             self._publish()
@@ -138,6 +148,17 @@ class SessionStore:
         session.refresh_stats()
         self._publish()
         return session, match
+
+    @staticmethod
+    def _reuse(session: Session, spec: CacheSpec, prompt: list[int]) -> tuple[int, bool]:
+        """(prompt tokens the session's cache can keep, whether none because a rewind would
+        cross an eviction); (0, False) when its cache is missing or of another spec."""
+        if session.spec != spec or session.caches is None:
+            return 0, False
+        match = min(common_prefix(session.tokens, prompt), len(prompt) - 1)
+        if rewindable(session.caches, len(session.tokens) - match):
+            return match, False
+        return 0, True
 
     def _find(self, owner: str, key: str | None, prompt: list[int]) -> Session | None:
         if key:

@@ -33,6 +33,7 @@ from server.generation import Generation
 from server.jobs import (
     Failed,
     Job,
+    PromptTooLong,
     QueueFull,
     SessionBusy,
     SessionClaimed,
@@ -211,17 +212,22 @@ class Worker:
             session = None
             try:
                 session, reused = self.engine.store.acquire(
-                    job.session_key, job.prompt, job.spec, job.owner, self._may_borrow(job)
+                    job.session_key,
+                    job.prompt,
+                    job.spec,
+                    job.owner,
+                    self._may_borrow(job),
+                    max_new=self.engine.new_token_limit() if job.spec.info.reindexes else None,
                 )
-                too_long = self._too_long(job, reused)
-                if too_long:
-                    self.engine.store.release(session, broken=not session.tokens)
-                    self._started(job)
-                    self._fail(job, 400, too_long, "context_length_exceeded", job.prompt_field)
-                    continue
                 gen = Generation(self.engine.tokenizer, session, job.prompt, reused, job.params)
             except (SessionBusy, SessionClaimed):
                 still_waiting.append(job)  # one turn at a time; or another replica hands it over
+                continue
+            except PromptTooLong as e:  # policies whose conversations outgrow the context
+                self._started(job)
+                self._fail(
+                    job, 400, self._too_long(job, e), "context_length_exceeded", job.prompt_field
+                )
                 continue
             except Exception as e:
                 log.exception("could not start a request")
@@ -235,12 +241,9 @@ class Worker:
             self._active.append((job, gen))
         self._waiting = still_waiting
 
-    def _too_long(self, job: Job, reused: int) -> str | None:
-        """Why the prompt is refused, when the part its session lacks is over the limit
-        (policies whose conversations outgrow the context; routes check the others)."""
-        limit, new = self.engine.new_token_limit(), len(job.prompt) - reused
-        if not job.spec.info.reindexes or new <= limit:
-            return None
+    def _too_long(self, job: Job, e: PromptTooLong) -> str:
+        """The 400's message when the part of the prompt its session lacks is over the limit."""
+        limit, new = self.engine.new_token_limit(), e.new_tokens
         return (
             f"the prompt has {len(job.prompt)} tokens, {new} of them not in this "
             f"conversation's cache: more than the {limit} this server prefills in one request "

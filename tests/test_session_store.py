@@ -12,7 +12,7 @@ from tiny import tiny
 
 from cache import make_cache
 from config.cache_spec import CacheSpec
-from server.jobs import SessionBusy
+from server.jobs import PromptTooLong, SessionBusy
 from server.sessions import SessionStore, common_prefix
 
 FULL = CacheSpec("full", 512)
@@ -84,6 +84,26 @@ def test_a_rewind_across_an_eviction_rebuilds(store_for, model):
     s, reused = store.acquire("chat", [1, 2, 3], H2O)
     assert reused == 0 and s.tokens == [] and s.caches[0].offset == 0
     assert store.counts["rebuilt"] == 1
+
+
+def test_a_prompt_with_too_much_to_prefill_leaves_the_session_untouched(store_for, model):
+    store = store_for()
+    prompt = list(range(1, 30))  # 29 tokens, max_kv 16: evicted, an early edit cannot rewind
+    s, _ = turn(store, model, "chat", prompt, H2O)
+    held, seen = list(s.tokens), s.caches[0].seen
+    with pytest.raises(PromptTooLong) as e:
+        store.acquire("chat", [1, 2, *range(50, 80)], H2O, max_new=20)
+    assert e.value.new_tokens == 32
+    assert s.tokens == held and s.caches[0].seen == seen and not s.busy  # not rebuilt
+    assert store.counts["rebuilt"] == 0
+    # its next turn still reuses the cache
+    s2, reused = store.acquire("chat", [*prompt, 30, 31], H2O, max_new=20)
+    assert s2 is s and reused == len(prompt)
+    store.release(s2)
+    # a new conversation refused leaves no session behind
+    with pytest.raises(PromptTooLong):
+        store.acquire("other", list(range(1, 40)), H2O, max_new=20)
+    assert ids(store) == {"chat"}
 
 
 def test_an_edit_inside_the_held_window_after_eviction_trims(store_for, model):
