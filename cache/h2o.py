@@ -268,7 +268,6 @@ class H2OKVCache:
             "evict_batch": self.evict_batch,
             "offset": self.seen,  # tokens seen; RoPE's offset is seen - shift
             "shift": self.shift,
-            "wall": self.wall,
             "evicted": self.evicted,
         }
         return (json.dumps(meta),)
@@ -285,8 +284,7 @@ class H2OKVCache:
         self.score_rule = make_score_rule(meta["score"], **meta.get("score_knobs", {}))
         self.evict_batch = meta.get("evict_batch", 1)
         self.seen, self.evicted = meta["offset"], meta["evicted"]
-        # `wall` is left to make_cache/adopt_rope: the file cannot hold the layer's RoPE.
-        self.shift = meta.get("shift", 0)
+        self.shift = meta.get("shift", 0)  # wall and rope: make_cache or adopt_rope
 
     @classmethod
     def from_state(cls, state) -> H2OKVCache:
