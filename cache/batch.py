@@ -2,52 +2,154 @@
 
 The worker advances every decoding session in one forward pass per round, so
 the weights (most of a decode step's memory traffic) are read once for all of
-them. Each row keeps its own cache: any policy, its own length, eviction state
-and RoPE offset. `update_and_fetch` hands row i's new key/value to cache i and
-returns the rows' results as lists; the router (cache/router.py) then attends
-row by row, each row against its own cache, so a batched step computes exactly
-what the rows would alone. A decode step brings one token per row; a prefill
-pass brings a chunk per row, causal within each row (rows of unequal chunks are
-right-padded by the caller, server/batcher.py, and trimmed back after).
+them. A BatchedCache is made of parts, in row order: a part is one session's
+cache (any policy, its own length, eviction state and RoPE offset) or a
+`KVSlab` layer, mlx-lm's left-padded BatchKVCache holding several plain
+sessions at once. `update_and_fetch` hands each part its rows' new keys and
+values; the router (cache/router.py) then attends part by part: a session's
+cache against its own keys, a slab's rows in one attention call under its
+padding mask. A batched step computes what each row would alone. A decode step
+brings one token per row; a prefill pass brings a chunk per row, causal within
+each row (rows of unequal chunks are right-padded by the caller,
+server/batcher.py, and trimmed back after).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+
+def _rows(part) -> int:
+    return part.offset.shape[0] if isinstance(part, BatchKVCache) else 1
 
 
 class BatchedCache:
-    def __init__(self, caches: list):
-        self.caches = caches
+    def __init__(self, parts: list):
+        self.parts = parts
 
     @property
     def offset(self) -> mx.array:
         """Per-row positions: RoPE takes an array of offsets, one per batch row."""
-        return mx.array([c.offset for c in self.caches])
+        return mx.concatenate(
+            [p.offset if isinstance(p, BatchKVCache) else mx.array([p.offset]) for p in self.parts]
+        )
+
+    def _spans(self) -> list[tuple[object, int, int]]:
+        spans, start = [], 0
+        for part in self.parts:
+            spans.append((part, start, start + _rows(part)))
+            start += _rows(part)
+        return spans
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[list, list]:
-        rows = [
-            c.update_and_fetch(keys[i : i + 1], values[i : i + 1])
-            for i, c in enumerate(self.caches)
-        ]
-        return [k for k, _ in rows], [v for _, v in rows]
+        fetched = [p.update_and_fetch(keys[a:b], values[a:b]) for p, a, b in self._spans()]
+        return [k for k, _ in fetched], [v for _, v in fetched]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         if return_array or window_size is not None:
-            raise ValueError("batched sessions attend row by row: no shared mask array")
+            raise ValueError("batched sessions attend part by part: no shared mask array")
         # One new token sees every key its row holds; a chunk is causal within its row.
         return None if N == 1 else "causal"
 
-    def attend(self, queries: mx.array, keys: list, values: list, attend_row: Callable):
-        """attend_row(q, k, v, cache) per row, stacked back into the batch."""
-        rows = [
-            attend_row(queries[i : i + 1], keys[i], values[i], c) for i, c in enumerate(self.caches)
-        ]
-        return mx.concatenate(rows, axis=0)
+    def attend(self, queries: mx.array, keys: list, values: list, mask, attend_part: Callable):
+        """attend_part(q, k, v, part, mask) per part, stacked back into the batch."""
+        out = []
+        for (part, a, b), k, v in zip(self._spans(), keys, values, strict=True):
+            part_mask = mask
+            if isinstance(part, BatchKVCache):  # its rows' left padding is never attended
+                n = queries.shape[2]
+                part_mask = create_causal_mask(
+                    n, offset=k.shape[2] - n, left_padding=part.left_padding
+                )
+            out.append(attend_part(queries[a:b], k, v, part, part_mask))
+        return mx.concatenate(out, axis=0)
 
 
-def batch_caches(sessions: list[list]) -> list[BatchedCache]:
-    """Per-layer BatchedCaches over several sessions' per-layer cache lists."""
-    return [BatchedCache(list(layer)) for layer in zip(*sessions, strict=True)]
+def batch_caches(sessions: list[list], slab: KVSlab | None = None) -> list[BatchedCache]:
+    """Per-layer BatchedCaches: the slab's rows first (if any), then each session's caches."""
+    layers = [list(layer) for layer in zip(*sessions, strict=True)] if sessions else None
+    if slab is None or not slab.members:
+        return [BatchedCache(parts) for parts in layers]
+    if layers is None:
+        return [BatchedCache([s]) for s in slab.layers]
+    return [BatchedCache([s, *parts]) for s, parts in zip(slab.layers, layers, strict=True)]
+
+
+class KVSlab:
+    """Plain (mlx-lm KVCache) sessions decoding together, each layer's K/V in one buffer.
+
+    Row by row, every decode step costs each session a cache update and an
+    attention call per layer; in the slab, the members share one of each per
+    layer (mlx-lm's BatchKVCache: rows left-padded to the longest). While a
+    session is a member its own KVCache objects hold no arrays (a second copy
+    would double its memory, and a live view would stop the slab updating in
+    place): `leave` writes its rows back, `lend` hands out read-only views until
+    the next step.
+    """
+
+    def __init__(self):
+        self.members: list[Hashable] = []  # row order
+        self.layers: list[BatchKVCache] = []
+        self._lent: list[list[KVCache]] = []
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.members
+
+    @property
+    def rows(self) -> int:
+        return len(self.members)
+
+    def width(self) -> int:
+        """Positions per row, padding included."""
+        return self.layers[0].size() if self.layers else 0
+
+    def join(self, key: Hashable, caches: list[KVCache]) -> None:
+        """Move a session's K/V into the slab as its last row."""
+        self.reclaim()
+        merged = [BatchKVCache.merge([c]) for c in caches]
+        if not self.members:
+            self.layers = merged
+        else:
+            for layer, row in zip(self.layers, merged, strict=True):
+                layer.extend(row)
+        self.members.append(key)
+        for c in caches:
+            c.keys = c.values = None  # the offset stays: it still says what the session holds
+
+    def leave(self, key: Hashable, caches: list[KVCache] | None) -> None:
+        """Take a member's row out; write it back into `caches` (None: discard it)."""
+        self.reclaim()
+        i = self.members.index(key)
+        if caches is not None:
+            for c, layer in zip(caches, self.layers, strict=True):
+                row = layer.extract(i)
+                c.keys, c.values, c.offset = row.keys, row.values, row.offset
+        del self.members[i]
+        if not self.members:
+            self.layers = []
+            return
+        keep = list(range(len(self.members) + 1))
+        del keep[i]
+        for layer in self.layers:
+            layer.filter(keep)
+
+    def lend(self, key: Hashable, caches: list[KVCache]) -> None:
+        """Give a member's KVCache objects views of its rows, for a reader between steps."""
+        i = self.members.index(key)
+        for c, layer in zip(caches, self.layers, strict=True):
+            pad = layer.left_padding[i].item()
+            c.keys = layer.keys[i : i + 1, :, pad : layer.size()]
+            c.values = layer.values[i : i + 1, :, pad : layer.size()]
+            c.offset = layer.size() - pad
+        self._lent.append(caches)
+
+    def reclaim(self) -> None:
+        """Drop lent views, so the slab's buffers are its own again (updated in place)."""
+        for caches in self._lent:
+            for c in caches:
+                c.keys = c.values = None
+        self._lent = []

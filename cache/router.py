@@ -6,7 +6,7 @@ the modules the model's classes come from, to a wrapper: a layer whose cache
 has `update_scores` attends through cache/attention.py (which exports the
 scores) and hands the scores to its cache; every other layer goes through
 mlx-lm's original function unchanged. A BatchedCache (several sessions in one
-forward pass, cache/batch.py) is attended row by row, each row by these same
+forward pass, cache/batch.py) is attended part by part, each by these same
 rules. No mlx-lm source is modified.
 
 Loud, never silent: a scored layer whose attention passes `sinks=` or another
@@ -38,12 +38,12 @@ class UnroutedAttention(ValueError):
 
 def _route(original: Callable) -> Callable:
     def routed_sdpa(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None, **kw):
-        if isinstance(cache, BatchedCache):  # one row per session, each against its own cache
+        if isinstance(cache, BatchedCache):  # part by part, each by these same rules
 
-            def attend_row(q, k, v, row_cache):  # mask: None or "causal" (BatchedCache)
-                return routed_sdpa(q, k, v, row_cache, scale, mask, sinks, **kw)
+            def attend_part(q, k, v, part, part_mask):
+                return routed_sdpa(q, k, v, part, scale, part_mask, sinks, **kw)
 
-            return cache.attend(queries, keys, values, attend_row)
+            return cache.attend(queries, keys, values, mask, attend_part)
         if not hasattr(cache, "update_scores"):
             if sinks is not None:
                 kw["sinks"] = sinks

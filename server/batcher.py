@@ -3,7 +3,11 @@
 Each round, on the worker thread:
 1. every decoding generation feeds its next input in ONE forward pass (several
    sessions' caches as one batch, cache/batch.py: the weights are read once for
-   all rows) and draws its next token lazily, launched with `mx.async_eval`;
+   all rows) and draws its next token lazily, launched with `mx.async_eval`.
+   Decoding sessions whose caches are plain share a KVSlab: one cache update
+   and one attention call per layer for all of them. A session joins when its
+   prompt is in, if the slab's padding stays under half of it, and leaves
+   (its rows written back) when its request ends;
 2. while that computes, prompts are prefilled in passes of one chunk per waiting
    request, at most `prefill_budget` tokens this round when anyone is decoding
    (one pass, every waiting request's next chunk, when nobody is), so a
@@ -30,7 +34,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from cache import install_router
-from cache.batch import batch_caches
+from cache.batch import KVSlab, batch_caches
 from server.generation import Generation
 from server.jobs import Delta
 
@@ -52,6 +56,7 @@ class Batcher:
         self.prefill_step = prefill_step
         self.prefill_budget = prefill_budget
         self.batched = can_batch(model)  # else one forward pass per decoding row
+        self.slab = KVSlab()  # plain sessions decoding together (members: Generations)
 
     def run(self, gens: list[Generation]) -> Round:
         done = Round()
@@ -69,21 +74,62 @@ class Batcher:
                     done.outcomes.append((g, g.read()))
                 except Exception as e:  # this request's tokenizer or logprobs: it alone fails
                     done.outcomes.append((g, e))
+                    self.leave(g, broken=True)
                     continue
-            if not g.done:
+            if g.done:
+                self.leave(g)
+            else:
                 g.sampled, g.next_input = draw, draw[0]
         done.decode_seconds = (t1 - t0) + (time.perf_counter() - t2)
         return done
 
+    def leave(self, g: Generation, broken: bool = False) -> None:
+        """The generation stops decoding: its session gets its caches back from the slab
+        (a broken one's are dropped). Safe to call for any generation."""
+        if g in self.slab:
+            self.slab.leave(g, None if broken else g.session.caches)
+
+    def lend(self) -> None:
+        """Slab members' own caches show their contents until the next round (readers on
+        the worker thread between rounds: the cache view)."""
+        for g in self.slab.members:
+            self.slab.lend(g, g.session.caches)
+
+    def _regroup(self, rows: list[Generation]) -> list[Generation]:
+        """Bring the slab's membership up to this round's decoding rows; return the rows
+        that decode outside it, in order."""
+        for g in [m for m in self.slab.members if m not in rows]:
+            self.leave(g)  # e.g. a caller that dropped a finished generation itself
+        fresh = [g for g in rows if g not in self.slab and self._slabbable(g)]
+        if self.slab.rows + len(fresh) < 2:  # a slab of one would only cost copies
+            for g in list(self.slab.members):
+                self.leave(g)
+            return rows
+        lengths = [len(g.session.tokens) for g in self.slab.members]
+        for g in fresh:
+            n = len(g.session.tokens)
+            width = max([n, *lengths])
+            if (len(lengths) + 1) * width <= 2 * (sum(lengths) + n):  # padding <= the K/V held
+                self.slab.join(g, g.session.caches)
+                lengths.append(n)
+        return [g for g in rows if g not in self.slab]
+
+    def _slabbable(self, g: Generation) -> bool:
+        return self.batched and g.plain_caches and g.session.caches[0].offset > 0
+
     def _decode(self, rows: list[Generation], done: Round) -> tuple[list, list]:
         """One forward pass feeding every row's next input; (rows still going, their draws)."""
         try:
+            alone = self._regroup(rows)
+            self.slab.reclaim()
+            rows = [*self.slab.members, *alone]
             inputs = mx.concatenate([g.input_array() for g in rows])[:, None]
             for g in rows:
                 g.fed()
-            logits = self._forward(inputs, [g.session.caches for g in rows])
+            logits = self._forward(inputs, [g.session.caches for g in alone])
         except Exception as e:  # the pass itself: every row it carried
             done.outcomes += [(g, e) for g in rows]
+            self.slab = KVSlab()  # half updated, perhaps; its members' sessions are lost
             return [], []
         draws = []
         for i, g in enumerate(rows):
@@ -97,11 +143,11 @@ class Batcher:
         return [g for g, _ in kept], [d for _, d in kept]
 
     def _forward(self, inputs: mx.array, sessions: list[list]) -> mx.array:
-        """Last-position logits [rows, vocab] of one token per session."""
-        if len(sessions) == 1:
+        """Last-position logits [rows, vocab] of one token per slab row, then per session."""
+        if len(sessions) == 1 and not self.slab.members:
             return self.model(inputs, cache=sessions[0])[:, -1, :]
         if self.batched:
-            return self.model(inputs, cache=batch_caches(sessions))[:, -1, :]
+            return self.model(inputs, cache=batch_caches(sessions, self.slab))[:, -1, :]
         rows = [self.model(inputs[i : i + 1], cache=c)[:, -1, :] for i, c in enumerate(sessions)]
         return mx.concatenate(rows, axis=0)
 

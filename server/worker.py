@@ -161,6 +161,7 @@ class Worker:
                 if isinstance(item, Job):
                     self._waiting.append(item)
                 elif item is not None:
+                    self.batcher.lend()  # a reader may look into a decoding session
                     fn, future = item
                     try:
                         future.set_result(fn())
@@ -292,6 +293,7 @@ class Worker:
 
     def _finish(self, job: Job, gen: Generation, broken: bool = False) -> None:
         self._active.remove((job, gen))
+        self.batcher.leave(gen, broken)  # its session's caches are whole again
         turn = None if broken else gen.finished()  # a stopped turn counts too: its tokens stay
         self.engine.store.release(gen.session, broken=broken, turn=turn)
 

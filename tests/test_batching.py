@@ -193,3 +193,60 @@ def test_plain_sessions_prefill_in_one_pass(default_model, essay_text):
         assert_same_greedy(out[id(g)], ref, spec)
         assert all(c.offset == len(g.session.tokens) for c in g.session.caches)
         assert g.session.tokens[: len(g.prompt)] == g.prompt
+
+
+def test_plain_sessions_share_a_slab_and_get_their_caches_back(default_model, essay_text):
+    """Full-cache sessions decode in one KVSlab: outputs and the K/V each session holds
+    afterwards match a run alone; joiners, a leaver, a reader between rounds and a row
+    too long for the slab's padding bound (it decodes beside the slab) change none of that."""
+    model, tokenizer = default_model
+    ids = tokenizer.encode(essay_text)
+    full = CacheSpec("full", 4096)
+    prompts = [ids[:120], ids[300:390], ids[600:700], ids[900:1010], ids[1200:1800]]
+    alone = []
+    for prompt in prompts:
+        g = start(model, tokenizer, full, prompt)
+        alone.append((drive(Batcher(model, prefill_step=256, prefill_budget=300), [g])[id(g)], g))
+    batcher = Batcher(model, prefill_step=256, prefill_budget=300)
+    gens = [start(model, tokenizer, full, p) for p in prompts]
+    first, doomed, late, later, long = gens
+    seen = {}
+
+    def join(active, out):
+        out[id(late)], out[id(later)] = [], []
+        return [*active, late, later]
+
+    def cancel_and_read(active, out):
+        assert set(batcher.slab.members) == {first, doomed, late, later}
+        batcher.lend()  # as the worker does before a cache-view read
+        seen["offsets"] = {c.offset for c in first.session.caches}
+        seen["tokens"] = len(first.session.tokens)
+        return [g for g in active if g is not doomed]
+
+    def join_long(active, out):
+        out[id(long)] = []
+        return [*active, long]
+
+    def long_beside_the_slab(active, out):
+        assert not long.prefilling and out[id(long)]  # decoding, outside the slab
+        assert set(batcher.slab.members) == {first, late, later}
+        return active
+
+    events = {4: join, 9: cancel_and_read, 10: join_long, 15: long_beside_the_slab}
+    out = drive(batcher, [first, doomed], events)
+    # the reader saw the session whole: its caches held exactly its tokens
+    assert seen["offsets"] == {seen["tokens"]}
+    assert not batcher.slab.members  # everyone left, their caches written back
+    for g, (ref_deltas, ref) in zip(gens, alone, strict=True):
+        if g is doomed:
+            assert 0 < len(out[id(g)]) < STEPS
+            assert all(c.offset == len(g.session.tokens) for c in g.session.caches)
+            continue
+        assert_same_greedy(out[id(g)], ref_deltas, full)
+        assert all(c.offset == len(g.session.tokens) for c in g.session.caches)
+        if g.generated == ref.generated:
+            for mine, theirs in zip(g.session.caches, ref.session.caches, strict=True):
+                k, v = mine.keys_and_values()
+                rk, rv = theirs.keys_and_values()
+                np.testing.assert_allclose(np.array(k), np.array(rk), atol=1e-4)
+                np.testing.assert_allclose(np.array(v), np.array(rv), atol=1e-4)
