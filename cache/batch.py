@@ -107,35 +107,54 @@ class KVSlab:
         """Positions per row, padding included."""
         return self.layers[0].size() if self.layers else 0
 
-    def join(self, key: Hashable, caches: list[KVCache]) -> None:
-        """Move a session's K/V into the slab as its last row."""
+    def join(self, sessions: list[tuple[Hashable, list[KVCache]]]) -> None:
+        """Move sessions' K/V into the slab as its last rows (one copy of the slab)."""
         self.reclaim()
-        merged = [BatchKVCache.merge([c]) for c in caches]
+        per_layer = zip(*(caches for _, caches in sessions), strict=True)
+        merged = [BatchKVCache.merge(list(layer)) for layer in per_layer]
         if not self.members:
             self.layers = merged
         else:
-            for layer, row in zip(self.layers, merged, strict=True):
-                layer.extend(row)
-        self.members.append(key)
-        for c in caches:
-            c.keys = c.values = None  # the offset stays: it still says what the session holds
+            for layer, rows in zip(self.layers, merged, strict=True):
+                layer.extend(rows)
+        for key, caches in sessions:
+            self.members.append(key)
+            for c in caches:
+                c.keys = c.values = None  # the offset stays: it still says what it holds
 
     def leave(self, key: Hashable, caches: list[KVCache] | None) -> None:
         """Take a member's row out; write it back into `caches` (None: discard it)."""
         self.reclaim()
         i = self.members.index(key)
-        if caches is not None:
-            for c, layer in zip(caches, self.layers, strict=True):
-                row = layer.extract(i)
-                c.keys, c.values, c.offset = row.keys, row.values, row.offset
         del self.members[i]
+        pads = self.layers[0].left_padding.tolist()  # alike in every layer
+        pad = pads.pop(i)
+        shift = min(pads, default=0)  # padding every remaining row has: dropped
+
+        def without_row(a: mx.array) -> mx.array:  # two copies, not a slow gather
+            return mx.concatenate([a[:i], a[i + 1 :]])
+
+        written = []
+        for n, layer in enumerate(self.layers):
+            keys, values, offset, left_padding, idx = layer.state
+            if caches is not None:
+                c = caches[n]
+                c.keys = mx.contiguous(keys[i : i + 1, :, pad:idx])
+                c.values = mx.contiguous(values[i : i + 1, :, pad:idx])
+                c.offset = idx - pad
+                written += [c.keys, c.values]
+            if self.members:
+                layer.state = (  # the held positions only: spare room is not copied
+                    without_row(keys[:, :, shift:idx]),
+                    without_row(values[:, :, shift:idx]),
+                    without_row(offset),
+                    without_row(left_padding) - shift,
+                    idx - shift,
+                )
         if not self.members:
             self.layers = []
-            return
-        keep = list(range(len(self.members) + 1))
-        del keep[i]
-        for layer in self.layers:
-            layer.filter(keep)
+        # Copied now: a lazy copy would keep the whole old slab alive until first used.
+        mx.async_eval(written)
 
     def lend(self, key: Hashable, caches: list[KVCache]) -> None:
         """Give a member's KVCache objects views of its rows, for a reader between steps."""

@@ -105,13 +105,15 @@ class Batcher:
             for g in list(self.slab.members):
                 self.leave(g)
             return rows
-        lengths = [len(g.session.tokens) for g in self.slab.members]
+        lengths, joining = [len(g.session.tokens) for g in self.slab.members], []
         for g in fresh:
             n = len(g.session.tokens)
             width = max([n, *lengths])
             if (len(lengths) + 1) * width <= 2 * (sum(lengths) + n):  # padding <= the K/V held
-                self.slab.join(g, g.session.caches)
+                joining.append((g, g.session.caches))
                 lengths.append(n)
+        if joining:
+            self.slab.join(joining)
         return [g for g in rows if g not in self.slab]
 
     def _slabbable(self, g: Generation) -> bool:
