@@ -30,6 +30,12 @@ def _rows(part) -> int:
 class BatchedCache:
     def __init__(self, parts: list):
         self.parts = parts
+        # (part, first row, end row): fixed for the forward pass this object serves
+        self.spans: list[tuple[object, int, int]] = []
+        start = 0
+        for part in parts:
+            self.spans.append((part, start, start + _rows(part)))
+            start += _rows(part)
 
     @property
     def offset(self) -> mx.array:
@@ -38,15 +44,8 @@ class BatchedCache:
             [p.offset if isinstance(p, BatchKVCache) else mx.array([p.offset]) for p in self.parts]
         )
 
-    def _spans(self) -> list[tuple[object, int, int]]:
-        spans, start = [], 0
-        for part in self.parts:
-            spans.append((part, start, start + _rows(part)))
-            start += _rows(part)
-        return spans
-
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[list, list]:
-        fetched = [p.update_and_fetch(keys[a:b], values[a:b]) for p, a, b in self._spans()]
+        fetched = [p.update_and_fetch(keys[a:b], values[a:b]) for p, a, b in self.spans]
         return [k for k, _ in fetched], [v for _, v in fetched]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
@@ -58,7 +57,7 @@ class BatchedCache:
     def attend(self, queries: mx.array, keys: list, values: list, mask, attend_part: Callable):
         """attend_part(q, k, v, part, mask) per part, stacked back into the batch."""
         out = []
-        for (part, a, b), k, v in zip(self._spans(), keys, values, strict=True):
+        for (part, a, b), k, v in zip(self.spans, keys, values, strict=True):
             part_mask = mask
             if isinstance(part, BatchKVCache):  # its rows' left padding is never attended
                 n = queries.shape[2]
@@ -71,11 +70,10 @@ class BatchedCache:
 
 def batch_caches(sessions: list[list], slab: KVSlab | None = None) -> list[BatchedCache]:
     """Per-layer BatchedCaches: the slab's rows first (if any), then each session's caches."""
-    layers = [list(layer) for layer in zip(*sessions, strict=True)] if sessions else None
+    layers = [list(layer) for layer in zip(*sessions, strict=True)]
     if slab is None or not slab.members:
         return [BatchedCache(parts) for parts in layers]
-    if layers is None:
-        return [BatchedCache([s]) for s in slab.layers]
+    layers = layers or [[] for _ in slab.layers]  # every decoding session is in the slab
     return [BatchedCache([s, *parts]) for s, parts in zip(slab.layers, layers, strict=True)]
 
 
@@ -102,10 +100,6 @@ class KVSlab:
     @property
     def rows(self) -> int:
         return len(self.members)
-
-    def width(self) -> int:
-        """Positions per row, padding included."""
-        return self.layers[0].size() if self.layers else 0
 
     def join(self, sessions: list[tuple[Hashable, list[KVCache]]]) -> None:
         """Move sessions' K/V into the slab as its last rows (one copy of the slab)."""
@@ -159,8 +153,8 @@ class KVSlab:
     def lend(self, key: Hashable, caches: list[KVCache]) -> None:
         """Give a member's KVCache objects views of its rows, for a reader between steps."""
         i = self.members.index(key)
+        pad = self.layers[0].left_padding[i].item()  # alike in every layer
         for c, layer in zip(caches, self.layers, strict=True):
-            pad = layer.left_padding[i].item()
             c.keys = layer.keys[i : i + 1, :, pad : layer.size()]
             c.values = layer.values[i : i + 1, :, pad : layer.size()]
             c.offset = layer.size() - pad
