@@ -21,6 +21,7 @@ from bench.report import command, machine, publish
 
 RULES = ["attn", "mean", "tova", "snap"]
 ADAPTIVE_RULES = ["mean"]  # h2o-ada at the rule that wins plain h2o (its cost is 3x attention)
+MERGE_RULES = ["mean"]  # h2o-merge: the same choice of who leaves, leavers merged, not dropped
 
 
 def run(argv: list[str]) -> list[dict]:
@@ -35,8 +36,9 @@ def grid_rows(args: argparse.Namespace) -> list[dict]:
         "--samples", str(args.samples), "--full-one-shot",
     ]  # fmt: skip
     rows = run(["--policy", "full", "rotating", "h2o", "--score", *args.rules, *common])
-    if args.adaptive_rules:
-        rows += run(["--policy", "h2o-ada", "--score", *args.adaptive_rules, *common])
+    for policy, rules in (("h2o-ada", args.adaptive_rules), ("h2o-merge", args.merge_rules)):
+        if rules:
+            rows += run(["--policy", policy, "--score", *rules, *common])
     return rows
 
 
@@ -80,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=3)
     p.add_argument("--rules", nargs="+", default=RULES)
     p.add_argument("--adaptive-rules", nargs="*", default=ADAPTIVE_RULES)
+    p.add_argument("--merge-rules", nargs="*", default=MERGE_RULES)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     rows = grid_rows(args)

@@ -11,6 +11,7 @@ from cache.factory import adopt_rope, cache_usage, make_cache, tokens_seen
 from cache.h2o import H2OKVCache, ScoresMissing
 from cache.h2o_kvarn import H2OKVarNCache
 from cache.kvarn import KVarNCache
+from cache.merging import MergingH2OKVCache
 from cache.mixed import MixedH2OKVCache
 from cache.quantized import QuantizedH2OKVCache
 from cache.rotating import SinkRotatingKVCache
@@ -18,7 +19,10 @@ from cache.router import UnroutedAttention, install_router, uninstall_router, ve
 from cache.windowed import WINDOWED, WindowedH2OKVCache
 
 # mlx-lm's load_prompt_cache looks cache classes up by name in its own module.
-_OWN_CACHES = (H2OKVCache, QuantizedH2OKVCache, MixedH2OKVCache, KVarNCache, H2OKVarNCache)
+_OWN_CACHES = (
+    H2OKVCache, QuantizedH2OKVCache, MixedH2OKVCache, KVarNCache, H2OKVarNCache,
+    MergingH2OKVCache,
+)  # fmt: skip
 for _cls in (*_OWN_CACHES, SinkRotatingKVCache, *WINDOWED.values()):
     setattr(_mlx_lm_cache, _cls.__name__, _cls)
 
@@ -28,6 +32,7 @@ __all__ = [
     "H2OKVCache",
     "H2OKVarNCache",
     "KVarNCache",
+    "MergingH2OKVCache",
     "MixedH2OKVCache",
     "QuantizedH2OKVCache",
     "ScoredAttention",

@@ -43,6 +43,7 @@ from config.cache_spec import (
 
 H2O_BOOKKEEPING = 8  # float32 score + int32 position, per KV head and token
 ADAPTIVE_BOOKKEEPING = 1  # h2o-ada: a uint8 head id per slot (cache/adaptive.py)
+MERGING_BOOKKEEPING = 4  # h2o-merge: a float32 count per slot (cache/merging.py)
 FULL_CACHE_STEP = 256  # mlx-lm KVCache.step
 AUTO_FLOOR = 256  # `auto` switches to 8-bit below this many dense tokens
 AUTO_QUANTIZED = "h2o-q8"  # what `auto` picks below AUTO_FLOOR
@@ -171,6 +172,8 @@ def bytes_per_token(
         per_head += H2O_BOOKKEEPING
     if info.cache == "adaptive":
         per_head += ADAPTIVE_BOOKKEEPING
+    if info.cache == "merging":
+        per_head += MERGING_BOOKKEEPING
     return shape.layers * shape.kv_heads * per_head
 
 
@@ -203,8 +206,8 @@ def session_bytes(
             total += window * dense  # the layer keeps its own window
         elif policy == "h2o-kvarn":
             total += max_kv * dense  # a max_kv window (no KVarN twin inside a window)
-        elif info.cache == "adaptive":
-            total += _layer_bytes(shape, "h2o", max_kv, group_size, kvarn)  # per-head H2O
+        elif info.cache in ("adaptive", "merging"):
+            total += _layer_bytes(shape, "h2o", max_kv, group_size, kvarn)  # plain H2O
         else:
             total += per_layer
     return total

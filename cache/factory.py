@@ -12,6 +12,7 @@ from cache.h2o import H2OKVCache
 from cache.h2o_kvarn import H2OKVarNCache
 from cache.kvarn import KVarNCache
 from cache.kvarn import check_head_dim as check_kvarn_head_dim
+from cache.merging import MergingH2OKVCache
 from cache.mixed import MIXED_LAYOUTS
 from cache.quantized import QuantizedH2OKVCache
 from cache.rotating import SinkRotatingKVCache
@@ -78,6 +79,10 @@ BUILDERS = {
         AdaptiveH2OKVCache(spec.max_kv, **_h2o_knobs(spec))
         if window is None
         else _scored(H2OKVCache, spec, window)
+    ),
+    # No merging twin inside a window either (a window drops what leaves it).
+    "merging": lambda spec, window=None: _scored(
+        MergingH2OKVCache if window is None else H2OKVCache, spec, window
     ),
     "quantized": _quantized,
     "mixed": _mixed,

@@ -75,6 +75,13 @@ POLICIES: dict[str, PolicyInfo] = {
         key_bits=8,
         value_bits=4,
     ),
+    "h2o-merge": PolicyInfo(
+        "H2O that merges each evicted token into its most similar kept one",
+        "merging",
+        bounded=True,
+        scored=True,
+        reindexes=True,
+    ),
     "h2o-ada": PolicyInfo(
         "H2O with one pool per layer: heads share the middle slots (AdaKV)",
         "adaptive",

@@ -29,6 +29,7 @@ SPECS = {
     "h2o": CacheSpec("h2o", 96),
     "h2o-q8": CacheSpec("h2o-q8", 80),
     "h2o-evicting-often": CacheSpec("h2o", 64, evict_batch=1),
+    "h2o-merge": CacheSpec("h2o-merge", 80),
 }
 
 
@@ -37,7 +38,10 @@ def requests(default_model, essay_text):
     """(name, spec, prompt): prompts of different lengths; the H2O ones start past max_kv."""
     _, tokenizer = default_model
     ids = tokenizer.encode(essay_text)
-    lengths = {"full": 40, "rotating": 150, "h2o": 230, "h2o-q8": 90, "h2o-evicting-often": 120}
+    lengths = {
+        "full": 40, "rotating": 150, "h2o": 230, "h2o-q8": 90, "h2o-evicting-often": 120,
+        "h2o-merge": 200,
+    }  # fmt: skip
     return [
         (name, SPECS[name], ids[i * 300 : i * 300 + lengths[name]]) for i, name in enumerate(SPECS)
     ]
@@ -108,6 +112,11 @@ def test_batched_equals_alone(default_model, requests):
                     np.sort(np.array(mine.positions[..., : mine.size()]), axis=-1),
                     np.sort(np.array(theirs.positions[..., : theirs.size()]), axis=-1),
                 )
+                if hasattr(mine, "counts"):  # h2o-merge: the same tokens merged alike
+                    np.testing.assert_array_equal(
+                        np.sort(np.array(mine.counts[..., : mine.size()]), axis=-1),
+                        np.sort(np.array(theirs.counts[..., : theirs.size()]), axis=-1),
+                    )
                 compared += 1
     assert compared >= 2 * len(model.layers)  # at least two H2O requests matched whole
 

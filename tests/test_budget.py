@@ -107,7 +107,8 @@ def test_every_policy_has_a_byte_cost(policy):
     dense = bytes_per_token(SMOLLM2_CPU, "full")
     cost = bytes_per_token(SMOLLM2_CPU, policy)
     info = POLICIES[policy]
-    book = 8 + (1 if info.cache == "adaptive" else 0)  # scores + positions (+ head ids)
+    extra = {"adaptive": 1, "merging": 4}  # a head id / a merge count per slot
+    book = 8 + extra.get(info.cache, 0)  # scores + positions (+ extra)
     assert 0 < cost <= dense + (30 * 3 * book if info.scored else 0)
     assert (cost < dense) == info.quantized
 

@@ -368,7 +368,7 @@ def test_windowed_cache_save_and_load(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "policy", ["h2o", "h2o-q8", "rotating", "full", "kvarn", "h2o-kvarn", "h2o-ada"]
+    "policy", ["h2o", "h2o-q8", "rotating", "full", "kvarn", "h2o-kvarn", "h2o-ada", "h2o-merge"]
 )
 @pytest.mark.parametrize("max_kv", [8, 20])
 def test_budget_formula_is_what_every_layer_allocates(policy, max_kv):

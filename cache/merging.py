@@ -1,0 +1,130 @@
+"""MergingH2OKVCache: H2O that folds each evicted token into its most similar kept one.
+
+At 8-16x compression eviction throws away most of a conversation, and H2O's gain over a
+sliding window fades (docs/rules.md). Here an evicted token is not dropped: it is merged
+into the kept middle slot of its head (not a sink, not the recent window) whose key is
+closest in direction (cosine). The slot's value becomes the count-weighted mean of what
+it stands for, its key the mean direction at the mean length, and its count grows.
+Attention adds log(count) to a slot's logit, so a slot standing for c alike tokens gets
+about the attention those c tokens would have had (ToMe's proportional attention; CaM
+and D2O merge evicted K/V in this spirit). Without that bias merging is worse than
+dropping: a merged slot would get one token's share for many tokens' content.
+
+Which tokens leave is H2O's choice, unchanged (the score rule, sinks and the recent
+window); only what happens to them differs. The counts are one more float32 per slot,
+kept in step with the slots by every gather, and saved with the cache.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from cache.h2o import H2OKVCache, gather_slots
+
+
+class MergingH2OKVCache(H2OKVCache):
+    def __init__(self, max_size: int, **h2o):
+        """`h2o`: H2OKVCache's knobs (sink, heavy, recent, score, evict_batch)."""
+        super().__init__(max_size, **h2o)
+        self.counts = None  # float32 [B, H, capacity]: tokens each slot stands for (>= 1)
+
+    def attention_mask(self, n_q_heads: int, n_new: int) -> mx.array:
+        """Additive [B, n_q_heads, 1 or n_new, slots]: log(count), and -inf where a new
+        token must not see a newer one (a chunk's slots are stored in order)."""
+        n = self._len
+        bias = mx.log(self.counts[:, :, None, :n])
+        if n_new > 1:
+            query_pos = mx.arange(self.seen - n_new, self.seen, dtype=mx.int32)
+            visible = self.positions[:, :, None, :n] <= query_pos[None, None, :, None]
+            bias = mx.where(visible, bias, -mx.inf)
+        return mx.repeat(bias, n_q_heads // bias.shape[1], axis=1)
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + (0 if self.counts is None else self.counts.nbytes)
+
+    @property
+    def state(self):
+        *rest, meta = super().state
+        counts = None if self.counts is None else self.counts[..., : self._len]
+        return (*rest, counts, meta)
+
+    @state.setter
+    def state(self, v) -> None:
+        *rest, self.counts, meta = v
+        H2OKVCache.state.fset(self, (*rest, meta))
+
+    # ------------------------------------------------------------------ internals
+
+    def _grow(self, keys, values, needed: int) -> None:
+        counts = self.counts
+        super()._grow(keys, values, needed)
+        self.counts = self._grown(
+            counts, self.positions.shape[:2], (), mx.float32, self.positions.shape[-1]
+        )
+        self._reset_free_slots()
+
+    def _reset_free_slots(self) -> None:
+        super()._reset_free_slots()
+        if self.counts is not None and self._len < self.counts.shape[-1]:
+            self.counts[..., self._len :] = 1.0
+
+    def _gather(self, idx: mx.array, capacity: int) -> None:
+        self.counts = gather_slots(self.counts[:, :, : self._len], idx, capacity)
+        super()._gather(idx, capacity)
+
+    def _evict(self) -> None:
+        """H2O's choice of who leaves; the leavers are folded into their nearest kept slot."""
+        n, keep = self._len, self.max_size + 1 - self.evict_batch
+        pos = self.positions[..., :n]
+        order = mx.argpartition(-self._eviction_ranks(pos), kth=keep - 1, axis=-1)
+        kept, gone = order[..., :keep], order[..., keep:]
+
+        def pick(buf: mx.array, idx: mx.array) -> mx.array:
+            return mx.take_along_axis(buf[:, :, :n], idx[..., None], axis=2)
+
+        gone_k, gone_v = pick(self.keys, gone), pick(self.values, gone)
+        gone_c = mx.take_along_axis(self.counts[..., :n], gone, axis=-1)
+        self.evicted += n - keep
+        self._gather(kept, capacity=self.max_size + 1)
+
+        # Nearest kept middle slot by key direction. Sinks stay pure (they anchor
+        # attention) and so does the recent window: trimming it (an edited reply) then
+        # drops only its own tokens, and it measured no worse as a destination.
+        kept_k, kept_v = self.keys[:, :, :keep], self.values[:, :, :keep]
+        similarity = _unit(gone_k) @ _unit(kept_k).swapaxes(-1, -2)  # [B, H, gone, keep]
+        kept_pos = self.positions[:, :, None, :keep]
+        open_slot = (kept_pos >= self.sink) & (kept_pos < self.seen - self.recent)
+        into = mx.argmax(mx.where(open_slot, similarity, -mx.inf), axis=-1)  # [B, H, gone]
+
+        # Count-weighted sums into the kept slots, in one flat scatter-add per buffer.
+        B, H, n_gone = into.shape
+        flat = (mx.arange(B * H)[:, None] * keep + into.reshape(B * H, n_gone)).reshape(-1)
+        weight = gone_c.reshape(-1, 1)
+
+        def added(x: mx.array, width: int) -> mx.array:
+            sums = mx.zeros((B * H * keep, width), dtype=mx.float32)
+            return sums.at[flat].add(x.reshape(-1, width)).reshape(B, H, keep, width)
+
+        kept_c = self.counts[:, :, :keep, None]
+        total = kept_c + added(weight, 1)
+
+        def mean(kept_x: mx.array, gone_x: mx.array) -> mx.array:
+            width = kept_x.shape[-1]
+            return (kept_c * kept_x + added(weight * gone_x.reshape(-1, width), width)) / total
+
+        # A key takes the mean direction at the mean length of its tokens: a plain mean of
+        # keys that point apart is shorter, and would cool the logits of every merged slot.
+        key = mean(kept_k, gone_k)
+        key = key * mean(_length(kept_k), _length(gone_k)) / mx.maximum(_length(key), 1e-12)
+        self.keys[:, :, :keep] = key.astype(self.keys.dtype)
+        self.values[:, :, :keep] = mean(kept_v, gone_v).astype(self.values.dtype)
+        self.counts[:, :, :keep] = total[..., 0]
+
+
+def _length(x: mx.array) -> mx.array:
+    return mx.sqrt((x * x).sum(-1, keepdims=True))
+
+
+def _unit(x: mx.array) -> mx.array:
+    return x / mx.maximum(_length(x), 1e-12)

@@ -1,0 +1,115 @@
+"""MergingH2OKVCache (h2o-merge): evicted tokens are folded into their nearest kept slot."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+from cache.attention import ATTENTION
+from cache.h2o import H2OKVCache
+from cache.merging import MergingH2OKVCache
+from kernels.reference import sdpa_with_scores
+
+SEGMENTS = dict(sink=2, heavy=6, recent=8, evict_batch=2)
+STEPS = [300] + [1] * 40 + [7] + [1] * 10  # a prompt past one query block, decode, a chunk
+N_KV, GROUP, DIM = 2, 2, 8
+
+
+def feed(c, seed: int, steps=STEPS):
+    """Random K/V/Q through the scored attention path, as the router drives it; returns
+    every key and value fed, [1, N_KV, tokens, DIM] each."""
+    rng = np.random.default_rng(seed)
+    ks, vs = [], []
+    for n in steps:
+        k = mx.array(rng.standard_normal((1, N_KV, n, DIM), np.float32))
+        v = mx.array(rng.standard_normal((1, N_KV, n, DIM), np.float32))
+        q = mx.array(rng.standard_normal((1, N_KV * GROUP, n, DIM), np.float32))
+        keys, values = c.update_and_fetch(k, v)
+        mask = c.attention_mask(q.shape[1], n) if hasattr(c, "attention_mask") else c.make_mask(n)
+        mx.eval(ATTENTION.attend_scored(q, keys, values, c, 0.3, mask))
+        ks.append(k)
+        vs.append(v)
+    return mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
+
+
+def held(c, buf):
+    return buf[:, :, : c._len]
+
+
+@pytest.mark.parametrize("rule", ["attn", "mean"])
+def test_nothing_is_lost_every_token_lives_in_one_slot(rule):
+    """Merging conserves mass: the counts add up to every token seen, and count-weighted
+    values add up to the sum of every value fed (keys keep the mean length, not the plain
+    mean). Sinks and the recent window hold their own token only."""
+    c = MergingH2OKVCache(16, **SEGMENTS, score=rule)
+    keys, values = feed(c, 0)
+    counts = held(c, c.counts)
+    assert c.evicted > 0 and c.size() <= 16
+    assert mx.array_equal(counts.sum(axis=-1), mx.full((1, N_KV), float(c.seen)))
+    weighted = (counts[..., None] * held(c, c.values)).sum(axis=2)
+    assert mx.allclose(weighted, values.sum(axis=2), atol=1e-3)
+    # A merged key is no longer than the longest key fed, no shorter than the shortest.
+    lengths, fed = (mx.linalg.norm(x, axis=-1) for x in (held(c, c.keys), keys))
+    assert lengths.max().item() <= fed.max().item() + 1e-4
+    assert lengths.min().item() >= fed.min().item() - 1e-4
+    pos = held(c, c.positions)
+    single = (pos < c.sink) | (pos >= c.seen - c.recent)
+    assert mx.all(mx.where(single, counts == 1, True)).item()
+    assert mx.any(counts > 1).item()
+    assert mx.all(counts >= 1).item()
+
+
+def test_the_same_tokens_leave_as_under_plain_h2o_on_the_first_eviction():
+    """Who leaves is H2O's choice: one eviction after the same prompt keeps the same
+    positions (later ones differ, since merged slots then attract their own attention)."""
+    plain, merging = H2OKVCache(16, **SEGMENTS), MergingH2OKVCache(16, **SEGMENTS)
+    for c in (plain, merging):
+        feed(c, 1, steps=[40])
+
+    def kept(c):
+        return np.sort(np.array(held(c, c.positions)), axis=-1)
+
+    assert (kept(plain) == kept(merging)).all()
+
+
+def test_a_slot_of_count_c_attends_like_c_copies_of_its_token():
+    """log(count) on the logit is exact for identical tokens (proportional attention)."""
+    rng = np.random.default_rng(2)
+    k = mx.array(rng.standard_normal((1, N_KV, 5, DIM), np.float32))
+    v = mx.array(rng.standard_normal((1, N_KV, 5, DIM), np.float32))
+    q = mx.array(rng.standard_normal((1, N_KV * GROUP, 1, DIM), np.float32))
+    counts = mx.array([1, 3, 1, 2, 1], dtype=mx.float32)
+    c = MergingH2OKVCache(16, **SEGMENTS)
+    c.update_and_fetch(k, v)
+    c.counts[..., :5] = counts
+    merged, _ = sdpa_with_scores(q, k, v, 0.3, c.attention_mask(q.shape[1], 1))
+    copies = mx.array(np.repeat(np.arange(5), np.array(counts, dtype=np.int64)))
+    expanded, _ = sdpa_with_scores(q, k[:, :, copies], v[:, :, copies], 0.3)
+    assert mx.allclose(merged, expanded, atol=1e-5)
+
+
+def test_a_prompt_chunk_sees_its_own_tokens_causally():
+    """With nothing merged, the bias is 0 and the mask is plain causal attention."""
+    rng = np.random.default_rng(3)
+    k, v = (mx.array(rng.standard_normal((1, N_KV, 6, DIM), np.float32)) for _ in range(2))
+    q = mx.array(rng.standard_normal((1, N_KV * GROUP, 6, DIM), np.float32))
+    c = MergingH2OKVCache(16, **SEGMENTS)
+    keys, values = c.update_and_fetch(k, v)
+    ours, _ = sdpa_with_scores(q, keys, values, 0.3, c.attention_mask(q.shape[1], 6))
+    causal, _ = sdpa_with_scores(q, keys, values, 0.3, "causal")
+    assert mx.allclose(ours, causal, atol=1e-6)
+
+
+def test_counts_survive_save_load_and_trim(tmp_path):
+    c = MergingH2OKVCache(16, **SEGMENTS)
+    feed(c, 4)
+    save_prompt_cache(str(tmp_path / "c.safetensors"), [c])
+    (loaded,) = load_prompt_cache(str(tmp_path / "c.safetensors"))
+    assert type(loaded) is MergingH2OKVCache
+    for name in ("counts", "keys", "values", "positions", "scores"):
+        assert mx.array_equal(held(c, getattr(c, name)), held(loaded, getattr(loaded, name)))
+    total = held(loaded, loaded.counts).sum().item()
+    assert loaded.trim(3) == 3
+    # The 3 newest are in the recent window, which holds its own tokens only.
+    assert held(loaded, loaded.counts).sum().item() == total - 3 * N_KV
+    assert loaded.nbytes == H2OKVCache.nbytes.fget(loaded) + loaded.counts.nbytes
