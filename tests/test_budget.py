@@ -56,8 +56,8 @@ def test_auto_policy():
     packed = fit_spec(SMOLLM2_CPU, Budget(512 * 2**20, 8))  # all 8192 tokens fit packed
     assert packed.policy == "kvarn" and packed.max_kv == 8192
     mid = fit_spec(SMOLLM2_CPU, Budget(256 * 2**20, 8))
-    assert mid.policy == "h2o" and 256 <= mid.max_kv < 8192
-    assert (mid.max_kv + 1) * bytes_per_token(SMOLLM2_CPU, "h2o") <= 32 * 2**20
+    assert mid.policy == "h2o-merge" and 256 <= mid.max_kv < 8192
+    assert (mid.max_kv + 1) * bytes_per_token(SMOLLM2_CPU, "h2o-merge") <= 32 * 2**20
     small = fit_spec(SMOLLM2_CPU, Budget(8 * 2**20, 2))  # dense would hold < 256 tokens
     assert small.policy == "h2o-q8" and small.max_kv >= 256
 

@@ -18,6 +18,7 @@ POLICIES = {  # policy -> max_kv (full must fit the whole conversation)
     "full": 512,
     "rotating": 64,
     "h2o": 64,
+    "h2o-merge": 64,
     "h2o-q8": 64,
     "h2o-q4": 64,
     "h2o-mixed": 64,
