@@ -35,9 +35,9 @@ CASES = [
     ("rotating 256", {"policy": "rotating", "max_kv": 256}, None),
     ("h2o 256, evicting (batch 16)", {"policy": "h2o", "max_kv": 256}, "rotating 256"),
     (
-        "h2o 256 ema, evicting (batch 16)",
-        {"policy": "h2o", "max_kv": 256, "score": "ema"},
-        "rotating 256",
+        "h2o-merge 256, evicting (batch 16)",
+        {"policy": "h2o-merge", "max_kv": 256},
+        "h2o 256, evicting (batch 16)",
     ),
     (
         "h2o 256, evicting 1 per step",
