@@ -100,7 +100,8 @@ class MergingH2OKVCache(H2OKVCache):
         # Count-weighted sums into the kept slots, in one flat scatter-add per buffer.
         B, H, n_gone = into.shape
         flat = (mx.arange(B * H)[:, None] * keep + into.reshape(B * H, n_gone)).reshape(-1)
-        weight = gone_c.reshape(-1, 1)
+        # A head with no middle slot kept (heavy 0) drops its leavers, as plain H2O does.
+        weight = mx.where(open_slot.any(axis=-1), gone_c, 0.0).reshape(-1, 1)
 
         def added(x: mx.array, width: int) -> mx.array:
             sums = mx.zeros((B * H * keep, width), dtype=mx.float32)

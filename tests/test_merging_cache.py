@@ -113,3 +113,10 @@ def test_counts_survive_save_load_and_trim(tmp_path):
     # The 3 newest are in the recent window, which holds its own tokens only.
     assert held(loaded, loaded.counts).sum().item() == total - 3 * N_KV
     assert loaded.nbytes == H2OKVCache.nbytes.fget(loaded) + loaded.counts.nbytes
+
+
+def test_without_a_heavy_segment_leavers_are_dropped_not_merged_into_sinks():
+    c = MergingH2OKVCache(16, sink=2, heavy=0, recent=14)
+    feed(c, 5, steps=[40, 1, 1])
+    assert c.evicted > 0
+    assert mx.all(held(c, c.counts) == 1).item()
