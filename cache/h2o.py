@@ -403,11 +403,17 @@ class H2OKVCache:
 
     def _evict(self) -> None:
         """Keep sinks, the recent window and the best middle tokens: max_size + 1 - batch."""
+        kept, _ = self._eviction_split()
+        self._gather(kept, capacity=self.max_size + 1)
+
+    def _eviction_split(self) -> tuple[mx.array, mx.array]:
+        """(slots kept, slots leaving) [B, H, *], the leavers counted as evicted: sinks,
+        the recent window and the best middle tokens stay, max_size + 1 - batch in all."""
         keep = self.max_size + 1 - self.evict_batch
         ranked = self._eviction_ranks(self.positions[..., : self._len])
-        top = mx.argpartition(-ranked, kth=keep - 1, axis=-1)[..., :keep]
+        order = mx.argpartition(-ranked, kth=keep - 1, axis=-1)
         self.evicted += self._len - keep
-        self._gather(top, capacity=self.max_size + 1)
+        return order[..., :keep], order[..., keep:]
 
     def _eviction_ranks(self, pos: mx.array) -> mx.array:
         """What eviction keeps the top of: middle tokens by score, sinks and recent at +inf."""

@@ -75,17 +75,15 @@ class MergingH2OKVCache(H2OKVCache):
 
     def _evict(self) -> None:
         """H2O's choice of who leaves; the leavers are folded into their nearest kept slot."""
-        n, keep = self._len, self.max_size + 1 - self.evict_batch
-        pos = self.positions[..., :n]
-        order = mx.argpartition(-self._eviction_ranks(pos), kth=keep - 1, axis=-1)
-        kept, gone = order[..., :keep], order[..., keep:]
+        n = self._len
+        kept, gone = self._eviction_split()
+        keep = kept.shape[-1]
 
-        def pick(buf: mx.array, idx: mx.array) -> mx.array:
-            return mx.take_along_axis(buf[:, :, :n], idx[..., None], axis=2)
+        def pick(buf: mx.array) -> mx.array:
+            return mx.take_along_axis(buf[:, :, :n], gone[..., None], axis=2)
 
-        gone_k, gone_v = pick(self.keys, gone), pick(self.values, gone)
-        gone_c = mx.take_along_axis(self.counts[..., :n], gone, axis=-1)
-        self.evicted += n - keep
+        gone_k, gone_v = pick(self.keys), pick(self.values)
+        gone_c = mx.take_along_axis(self.counts[..., :n], gone, axis=-1)[..., None]
         self._gather(kept, capacity=self.max_size + 1)
 
         # Nearest kept middle slot by key direction. Sinks stay pure (they anchor
@@ -96,30 +94,30 @@ class MergingH2OKVCache(H2OKVCache):
         kept_pos = self.positions[:, :, None, :keep]
         open_slot = (kept_pos >= self.sink) & (kept_pos < self.seen - self.recent)
         into = mx.argmax(mx.where(open_slot, similarity, -mx.inf), axis=-1)  # [B, H, gone]
-
-        # Count-weighted sums into the kept slots, in one flat scatter-add per buffer.
-        B, H, n_gone = into.shape
-        flat = (mx.arange(B * H)[:, None] * keep + into.reshape(B * H, n_gone)).reshape(-1)
         # A head with no middle slot kept (heavy 0) drops its leavers, as plain H2O does.
-        weight = mx.where(open_slot.any(axis=-1), gone_c, 0.0).reshape(-1, 1)
+        weight = mx.where(open_slot.any(axis=-1)[..., None], gone_c, 0.0)
 
-        def added(x: mx.array, width: int) -> mx.array:
-            sums = mx.zeros((B * H * keep, width), dtype=mx.float32)
-            return sums.at[flat].add(x.reshape(-1, width)).reshape(B, H, keep, width)
-
+        # Count-weighted sums of [count, key, key length, value] into the kept slots:
+        # one flat scatter-add for all four.
+        B, H, n_gone = into.shape
+        D = gone_k.shape[-1]
+        flat = (mx.arange(B * H)[:, None] * keep + into.reshape(B * H, n_gone)).reshape(-1)
+        gone_x = mx.concatenate([mx.ones_like(gone_c), gone_k, _length(gone_k), gone_v], -1)
+        added = mx.zeros((B * H * keep, 2 * D + 2), dtype=mx.float32)
+        added = added.at[flat].add((weight * gone_x).reshape(-1, 2 * D + 2))
+        add_c, add_k, add_len, add_v = mx.split(
+            added.reshape(B, H, keep, 2 * D + 2), [1, D + 1, D + 2], axis=-1
+        )
         kept_c = self.counts[:, :, :keep, None]
-        total = kept_c + added(weight, 1)
-
-        def mean(kept_x: mx.array, gone_x: mx.array) -> mx.array:
-            width = kept_x.shape[-1]
-            return (kept_c * kept_x + added(weight * gone_x.reshape(-1, width), width)) / total
+        total = kept_c + add_c
 
         # A key takes the mean direction at the mean length of its tokens: a plain mean of
         # keys that point apart is shorter, and would cool the logits of every merged slot.
-        key = mean(kept_k, gone_k)
-        key = key * mean(_length(kept_k), _length(gone_k)) / mx.maximum(_length(key), 1e-12)
+        key = (kept_c * kept_k + add_k) / total
+        length = (kept_c * _length(kept_k) + add_len) / total
+        key = key * length / mx.maximum(_length(key), 1e-12)
         self.keys[:, :, :keep] = key.astype(self.keys.dtype)
-        self.values[:, :, :keep] = mean(kept_v, gone_v).astype(self.values.dtype)
+        self.values[:, :, :keep] = ((kept_c * kept_v + add_v) / total).astype(self.values.dtype)
         self.counts[:, :, :keep] = total[..., 0]
 
 
