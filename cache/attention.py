@@ -30,7 +30,7 @@ from kernels import (
 )
 from kernels.hadamard import rotate
 from kernels.kvarn import TileFormat, kvarn_sdpa_with_scores
-from kernels.reference import expand_mask
+from kernels.reference import bias_as_mask, expand_mask
 
 QUANTIZED_PATHS = ("fused", "dequantize")
 QUERY_BLOCK = 128  # prompt queries attended at once by a scored layer (bounds its memory)
@@ -81,16 +81,19 @@ class ScoredAttention:
                 )
             self.quantized_path = quantized_path
 
-    def attend_scored(self, queries: mx.array, keys, values, cache, scale: float, mask=None):
+    def attend_scored(
+        self, queries: mx.array, keys, values, cache, scale: float, mask=None, bias=None
+    ):
         """The layer's output; its scores go to `cache` (which evicts when it overflows).
 
         A prompt chunk longer than `block` goes block of queries by block, each
         block's scores folded into the cache and evaluated before the next, so only
-        one block's logits (block x keys per head) exist at a time.
+        one block's logits (block x keys per head) exist at a time. `bias`: an
+        additive logit per stored key, [B, n_kv_heads, keys] (cache/merging.py).
         """
         L = queries.shape[2]
         if L <= self.block:
-            out, logits, probs = self.attend(queries, keys, values, cache, scale, mask)
+            out, logits, probs = self.attend(queries, keys, values, cache, scale, mask, bias)
             cache.update_scores(logits, probs)
             return out
         n_keys = cache.size()
@@ -106,10 +109,11 @@ class ScoredAttention:
             if prefix:
                 seen = n_keys - L + stop
                 k, v = (tree_map(lambda a, n=seen: a[:, :, :n], x) for x in (keys, values))
-                out, logits, probs = self.attend(q, k, v, cache, scale, mask)
+                b = None if bias is None else bias[..., :seen]
+                out, logits, probs = self.attend(q, k, v, cache, scale, mask, b)
             else:
                 rows = _mask_rows(mask, L, n_keys, start, stop)
-                out, logits, probs = self.attend(q, keys, values, cache, scale, rows)
+                out, logits, probs = self.attend(q, keys, values, cache, scale, rows, bias)
             cache.add_scores(logits, probs)
             # Evaluated now, this block's logits and probabilities are freed.
             mx.eval([x for x in (out, cache.scores) if x is not None])
@@ -117,18 +121,19 @@ class ScoredAttention:
         cache.evict_if_full()
         return mx.concatenate(outs, axis=2)
 
-    def attend(self, queries: mx.array, keys, values, cache, scale: float, mask=None):
+    def attend(self, queries: mx.array, keys, values, cache, scale: float, mask=None, bias=None):
         """(out, float32 logits [B, n_q, L_q, L_k], probs or None) over the cache's parts."""
         parts = cache.kv_segments(keys, values)
         if len(parts) == 1:
             k, v, fmt = parts[0]
-            return self.attend_part(queries, k, v, fmt, scale, mask)
+            return self.attend_part(queries, k, v, fmt, scale, mask, bias)
         full = expand_mask(mask, queries.shape[2], sum(seq_length(k) for k, _, _ in parts))
         results, start = [], 0
         for k, v, fmt in parts:
             n = seq_length(k)
             m = None if full is None else full[..., start : start + n]
-            results.append(self.attend_part(queries, k, v, fmt, scale, m)[:2])
+            b = None if bias is None else bias[..., start : start + n]
+            results.append(self.attend_part(queries, k, v, fmt, scale, m, b)[:2])
             start += n
         return (*merge_parts(results, queries.dtype), None)
 
@@ -136,12 +141,20 @@ class ScoredAttention:
         """(out, logits): attention over the cache's parts, scores not folded in."""
         return self.attend(queries, keys, values, cache, scale, mask)[:2]
 
-    def attend_part(self, queries, keys, values, fmt: KVFormat, scale: float, mask=None):
+    def attend_part(self, queries, keys, values, fmt: KVFormat, scale: float, mask=None, bias=None):
         """One part, dense or packed in `fmt`: (out, logits, probs or None).
 
         The reference kernels hand back their probabilities; the GPU decode kernels
-        and KVarN's tile kernel export logits only (rules take a softmax there).
+        and KVarN's tile kernel export logits only (rules take a softmax there). Only
+        the dense reference kernel takes `bias` itself; for the others it is folded
+        into the mask.
         """
+        if bias is not None:
+            dense = not fmt.packed and fmt.tile is None and not fmt.rotated
+            if not dense or select_backend(self.backend, queries, keys, mask) != "reference":
+                L_q, L_k = queries.shape[2], seq_length(keys)
+                mask = bias_as_mask(mask, bias, queries.shape[1], L_q, L_k)
+                bias = None
         if fmt.tile is not None:  # KVarN: rotates the query in and the output back itself
             tiles = TileFormat(fmt.tile, fmt.key_bits, fmt.value_bits, fmt.group_size)
             dequantize = self.quantized_path == "dequantize"
@@ -156,7 +169,7 @@ class ScoredAttention:
             return rotate(out), logits, probs
         if not fmt.packed:
             if select_backend(self.backend, queries, keys, mask) == "reference":
-                return reference.sdpa_with_probs(queries, keys, values, scale, mask)
+                return reference.sdpa_with_probs(queries, keys, values, scale, mask, bias)
             return (*sdpa_with_scores(queries, keys, values, scale, mask, self.backend), None)
         gs, k_bits, v_bits = fmt.group_size, fmt.key_bits, fmt.value_bits or fmt.key_bits
         if self.quantized_path == "dequantize":

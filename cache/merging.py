@@ -5,9 +5,10 @@ sliding window fades (docs/rules.md). Here an evicted token is not dropped: it i
 into the kept middle slot of its head (not a sink, not the recent window) whose key is
 closest in direction (cosine). The slot's value becomes the count-weighted mean of what
 it stands for, its key the mean direction at the mean length, and its count grows.
-Attention adds log(count) to a slot's logit, so a slot standing for c alike tokens gets
-about the attention those c tokens would have had (ToMe's proportional attention; CaM
-and D2O merge evicted K/V in this spirit). Without that bias merging is worse than
+Attention adds log(count) to a slot's logit (`logit_bias`, which the router hands to
+the kernel), so a slot standing for c alike tokens gets about the attention those c
+tokens would have had (ToMe's proportional attention; CaM and D2O merge evicted K/V in
+this spirit). Without that bias merging is worse than
 dropping: a merged slot would get one token's share for many tokens' content.
 
 Which tokens leave is H2O's choice, unchanged (the score rule, sinks and the recent
@@ -28,16 +29,9 @@ class MergingH2OKVCache(H2OKVCache):
         super().__init__(max_size, **h2o)
         self.counts = None  # float32 [B, H, capacity]: tokens each slot stands for (>= 1)
 
-    def attention_mask(self, n_q_heads: int, n_new: int) -> mx.array:
-        """Additive [B, n_q_heads, 1 or n_new, slots]: log(count), and -inf where a new
-        token must not see a newer one (a chunk's slots are stored in order)."""
-        n = self._len
-        bias = mx.log(self.counts[:, :, None, :n])
-        if n_new > 1:
-            query_pos = mx.arange(self.seen - n_new, self.seen, dtype=mx.int32)
-            visible = self.positions[:, :, None, :n] <= query_pos[None, None, :, None]
-            bias = mx.where(visible, bias, -mx.inf)
-        return mx.repeat(bias, n_q_heads // bias.shape[1], axis=1)
+    def logit_bias(self) -> mx.array:
+        """log(count) per stored slot, [B, H, slots]: attention adds it to every logit."""
+        return mx.log(self.counts[..., : self._len])
 
     @property
     def nbytes(self) -> int:

@@ -56,7 +56,8 @@ def _route(original: Callable) -> Callable:
             )
         if hasattr(cache, "attention_mask"):  # a cache whose slots need their own mask
             mask = cache.attention_mask(queries.shape[1], queries.shape[2])
-        return ATTENTION.attend_scored(queries, keys, values, cache, scale, mask)
+        bias = cache.logit_bias() if hasattr(cache, "logit_bias") else None
+        return ATTENTION.attend_scored(queries, keys, values, cache, scale, mask, bias)
 
     routed_sdpa.h2o_original = original
     return routed_sdpa

@@ -27,20 +27,32 @@ def expand_mask(mask: Mask, L_q: int, L_k: int) -> mx.array | None:
 
 
 def sdpa_with_scores(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask = None
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    mask: Mask = None,
+    bias: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
-    """softmax(scale * q k^T + mask) v, and the pre-softmax logits.
+    """softmax(scale * q k^T + bias + mask) v, and the pre-softmax logits.
 
     q: [B, n_q_heads, L_q, D]; k, v: [B, n_kv_heads, L_k, D] (GQA when fewer KV heads).
+    bias: optional float32 [B, n_kv_heads, L_k], added to every query's logit of a key
+    (a merged slot's log(count), cache/merging.py).
     Returns out [B, n_q_heads, L_q, D] in q's dtype and scores, float32
     [B, n_q_heads, L_q, L_k], with masked positions at -inf.
     """
-    out, scores, _ = sdpa_with_probs(q, k, v, scale, mask)
+    out, scores, _ = sdpa_with_probs(q, k, v, scale, mask, bias)
     return out, scores
 
 
 def sdpa_with_probs(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask = None
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    mask: Mask = None,
+    bias: mx.array | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """`sdpa_with_scores` plus the softmax probabilities it attended with, [B, n_q, L_q, L_k].
 
@@ -52,7 +64,8 @@ def sdpa_with_probs(
     # Query heads of one KV head stacked as rows: one plain matmul per KV head.
     qg = (_f32(q) * scale).reshape(B, n_kv, rep * L_q, D)
     scores = qg @ _f32(k).swapaxes(-1, -2)  # [B, n_kv, rep * L_q, L_k]
-
+    if bias is not None:  # broadcast over query rows: never [L_q, L_k] per head
+        scores = scores + bias[:, :, None, :]
     scores = _apply_mask(scores, mask, B, n_kv, rep, L_q, L_k)
     probs = mx.softmax(scores, axis=-1, precise=True)
     out = ((probs if v.dtype == mx.float32 else probs.astype(v.dtype)) @ v).reshape(
@@ -80,6 +93,18 @@ def _apply_mask(
     else:
         scores = scores + m.astype(mx.float32)
     return scores.reshape(B, n_kv, rep * L_q, L_k)
+
+
+def bias_as_mask(mask: Mask, bias: mx.array, n_q: int, L_q: int, L_k: int) -> mx.array:
+    """`mask` with a per-key `bias` [B, n_kv, L_k] folded in, as one additive array
+    [B, n_q, L_q or 1, L_k], for kernels that take a mask but no bias."""
+    added = mx.repeat(bias[:, :, None, :], n_q // bias.shape[1], axis=1)
+    m = expand_mask(mask, L_q, L_k)
+    if m is None:
+        return added
+    if m.dtype == mx.bool_:
+        return mx.where(m, added, -mx.inf)
+    return added + m.astype(mx.float32)
 
 
 def _f32(x: mx.array) -> mx.array:

@@ -8,7 +8,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from cache.attention import ATTENTION
 from cache.h2o import H2OKVCache
 from cache.merging import MergingH2OKVCache
-from kernels.reference import sdpa_with_scores
+from kernels.reference import bias_as_mask, sdpa_with_scores
 
 SEGMENTS = dict(sink=2, heavy=6, recent=8, evict_batch=2)
 STEPS = [300] + [1] * 40 + [7] + [1] * 10  # a prompt past one query block, decode, a chunk
@@ -25,8 +25,8 @@ def feed(c, seed: int, steps=STEPS):
         v = mx.array(rng.standard_normal((1, N_KV, n, DIM), np.float32))
         q = mx.array(rng.standard_normal((1, N_KV * GROUP, n, DIM), np.float32))
         keys, values = c.update_and_fetch(k, v)
-        mask = c.attention_mask(q.shape[1], n) if hasattr(c, "attention_mask") else c.make_mask(n)
-        mx.eval(ATTENTION.attend_scored(q, keys, values, c, 0.3, mask))
+        bias = c.logit_bias() if hasattr(c, "logit_bias") else None
+        mx.eval(ATTENTION.attend_scored(q, keys, values, c, 0.3, c.make_mask(n), bias))
         ks.append(k)
         vs.append(v)
     return mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
@@ -73,7 +73,8 @@ def test_the_same_tokens_leave_as_under_plain_h2o_on_the_first_eviction():
 
 
 def test_a_slot_of_count_c_attends_like_c_copies_of_its_token():
-    """log(count) on the logit is exact for identical tokens (proportional attention)."""
+    """log(count) on the logit is exact for identical tokens (proportional attention),
+    taken by the kernel as a bias or folded into a mask (what the GPU kernels get)."""
     rng = np.random.default_rng(2)
     k = mx.array(rng.standard_normal((1, N_KV, 5, DIM), np.float32))
     v = mx.array(rng.standard_normal((1, N_KV, 5, DIM), np.float32))
@@ -82,22 +83,33 @@ def test_a_slot_of_count_c_attends_like_c_copies_of_its_token():
     c = MergingH2OKVCache(16, **SEGMENTS)
     c.update_and_fetch(k, v)
     c.counts[..., :5] = counts
-    merged, _ = sdpa_with_scores(q, k, v, 0.3, c.attention_mask(q.shape[1], 1))
     copies = mx.array(np.repeat(np.arange(5), np.array(counts, dtype=np.int64)))
     expanded, _ = sdpa_with_scores(q, k[:, :, copies], v[:, :, copies], 0.3)
-    assert mx.allclose(merged, expanded, atol=1e-5)
+    biased, _ = sdpa_with_scores(q, k, v, 0.3, None, c.logit_bias())
+    folded, _ = sdpa_with_scores(q, k, v, 0.3, bias_as_mask(None, c.logit_bias(), 4, 1, 5))
+    assert mx.allclose(biased, expanded, atol=1e-5)
+    assert mx.allclose(folded, expanded, atol=1e-5)
 
 
-def test_a_prompt_chunk_sees_its_own_tokens_causally():
-    """With nothing merged, the bias is 0 and the mask is plain causal attention."""
-    rng = np.random.default_rng(3)
-    k, v = (mx.array(rng.standard_normal((1, N_KV, 6, DIM), np.float32)) for _ in range(2))
-    q = mx.array(rng.standard_normal((1, N_KV * GROUP, 6, DIM), np.float32))
+def test_a_prompt_chunk_attends_causally_with_the_counts_block_by_block():
+    """A chunk longer than a query block (scored block by block, each seeing a prefix of
+    the slots) computes what one causal pass with the counts' bias computes."""
     c = MergingH2OKVCache(16, **SEGMENTS)
+    feed(c, 3, steps=[40, 1, 1])
+    assert mx.any(c.counts > 1).item()
+    rng = np.random.default_rng(3)
+    n = ATTENTION.block + 20
+    k, v = (mx.array(rng.standard_normal((1, N_KV, n, DIM), np.float32)) for _ in range(2))
+    q = mx.array(rng.standard_normal((1, N_KV * GROUP, n, DIM), np.float32))
     keys, values = c.update_and_fetch(k, v)
-    ours, _ = sdpa_with_scores(q, keys, values, 0.3, c.attention_mask(q.shape[1], 6))
-    causal, _ = sdpa_with_scores(q, keys, values, 0.3, "causal")
-    assert mx.allclose(ours, causal, atol=1e-6)
+    bias = c.logit_bias()
+    whole, _ = sdpa_with_scores(q, keys, values, 0.3, "causal", bias)
+    folded, _ = sdpa_with_scores(
+        q, keys, values, 0.3, bias_as_mask("causal", bias, 4, n, bias.shape[-1])
+    )
+    blocks = ATTENTION.attend_scored(q, keys, values, c, 0.3, "causal", bias)
+    assert mx.allclose(blocks, whole, atol=1e-5)
+    assert mx.allclose(folded, whole, atol=1e-5)
 
 
 def test_counts_survive_save_load_and_trim(tmp_path):
