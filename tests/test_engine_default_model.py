@@ -100,8 +100,9 @@ def test_chunked_prefill_mask_and_output(default_model, essay_text, monkeypatch)
     calls = []
     real = cache.attention.reference.sdpa_with_probs
 
-    def recording(q, k, v, scale, mask=None):
-        result = real(q, k, v, scale, mask)
+    def recording(q, k, v, scale, mask=None, bias=None):
+        assert bias is None  # plain h2o has no per-key bias (h2o-merge's log(count))
+        result = real(q, k, v, scale, mask, bias)
         calls.append((q, k, v, scale, mask, result[0]))
         return result
 
