@@ -8,6 +8,10 @@ policies so machine noise hits them alike; ratios are taken within a round and
 the median over rounds is reported, in wall time and in process CPU time.
 
     python -m bench.decode_speed --context 2048 --rounds 5 --out docs/decode_speed.md
+
+`--synthetic SHAPE` times a randomly initialised llama of a named shape instead of a
+real model (speed does not depend on the weights' values), for a machine where no model
+file can travel (a lent GPU). `--kernel` picks the scored layers' attention backend.
 """
 
 from __future__ import annotations
@@ -19,32 +23,62 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
 from bench.report import command, machine, publish
-from bench.text import essay_token_ids
-from cache import make_cache, uninstall_router
-from server.models import load_model
+from cache import configure, make_cache, uninstall_router
+from kernels import BACKEND_NAMES
 
 STOCK = "stock mlx-lm full"
-# (label, make_cache kwargs (None: mlx-lm's own), label of the baseline it is compared with)
-CASES = [
-    (STOCK, None, None),
-    ("full", {"policy": "full"}, STOCK),
-    ("h2o, no eviction (max_kv 4096)", {"policy": "h2o", "max_kv": 4096}, STOCK),
-    ("rotating 256", {"policy": "rotating", "max_kv": 256}, None),
-    ("h2o 256, evicting (batch 16)", {"policy": "h2o", "max_kv": 256}, "rotating 256"),
-    (
-        "h2o-merge 256, evicting (batch 16)",
-        {"policy": "h2o-merge", "max_kv": 256},
-        "h2o 256, evicting (batch 16)",
-    ),
-    (
-        "h2o 256, evicting 1 per step",
-        {"policy": "h2o", "max_kv": 256, "evict_batch": 1},
-        "rotating 256",
-    ),
-]
+
+# Llama shapes for --synthetic: (hidden, layers, query heads, KV heads, MLP width, vocab).
+SHAPES = {
+    "smollm2-135m": (576, 30, 9, 3, 1536, 49152),
+    "llama-1b": (2048, 16, 32, 8, 8192, 128256),
+    "llama-8b": (4096, 32, 32, 8, 14336, 128256),
+}
+
+
+def cases(context: int, max_kv: int) -> list[tuple[str, dict | None, str | None]]:
+    """(label, make_cache kwargs (None: mlx-lm's own), label of its baseline)."""
+    roomy = context + 1024  # more than prefill and decode ever store: nothing is evicted
+    h2o, rotating = f"h2o {max_kv}, evicting (batch {max(1, max_kv // 16)})", f"rotating {max_kv}"
+    return [
+        (STOCK, None, None),
+        ("full", {"policy": "full"}, STOCK),
+        (f"h2o, no eviction (max_kv {roomy})", {"policy": "h2o", "max_kv": roomy}, STOCK),
+        (rotating, {"policy": "rotating", "max_kv": max_kv}, None),
+        (h2o, {"policy": "h2o", "max_kv": max_kv}, rotating),
+        (f"h2o-merge {max_kv}, evicting", {"policy": "h2o-merge", "max_kv": max_kv}, h2o),
+        (f"h2o-q8 {max_kv}, evicting", {"policy": "h2o-q8", "max_kv": max_kv}, h2o),
+        (
+            f"h2o {max_kv}, evicting 1 per step",
+            {"policy": "h2o", "max_kv": max_kv, "evict_batch": 1},
+            rotating,
+        ),
+    ]
+
+
+def synthetic_model(shape: str, dtype: mx.Dtype) -> llama.Model:
+    """A llama of a named shape with mlx's random initialisation, cast to `dtype`."""
+    hidden, layers, heads, kv_heads, mlp, vocab = SHAPES[shape]
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=mlp,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+    )
+    model = llama.Model(args)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
 
 
 def speeds(model, context: mx.array, steps: int, cache_kwargs: dict | None) -> dict:
@@ -87,14 +121,31 @@ def ratio(tps: dict, label: str, base: str, key: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default")
+    p.add_argument("--synthetic", choices=SHAPES, help="random weights of this shape, no --model")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--kernel", default="auto", choices=BACKEND_NAMES, help="scored attention")
     p.add_argument("--context", type=int, default=2048, help="tokens in the cache before decoding")
+    p.add_argument("--max-kv", type=int, default=256, help="bounded caches' size")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per measurement")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path, default=None, help="write a markdown report here")
     args = p.parse_args(argv)
 
-    model, tokenizer = load_model(args.model)
-    context = mx.array(essay_token_ids(tokenizer, args.context))
+    configure(backend=args.kernel)
+    if args.synthetic:
+        model = synthetic_model(args.synthetic, getattr(mx, args.dtype))
+        context = mx.random.randint(
+            0, SHAPES[args.synthetic][-1], (args.context,), key=mx.random.key(0)
+        )
+        what = f"Synthetic `{args.synthetic}` (random weights, {args.dtype})"
+    else:
+        from bench.text import essay_token_ids
+        from server.models import load_model
+
+        model, tokenizer = load_model(args.model)
+        context = mx.array(essay_token_ids(tokenizer, args.context))
+        what = f"Model `{args.model}`"
+    CASES = cases(args.context, args.max_kv)
     tps: dict[str, list[dict]] = {label: [] for label, _, _ in CASES}
     for r in range(args.rounds):
         for label, kwargs, _ in CASES:
@@ -115,9 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(f"| {label} | {speeds_} | {base or ''} |")
     publish(
         "Prefill and decode speed by cache policy",
-        f"Model `{args.model}`, {args.context} tokens of context (prefilled in 512-token "
-        f"passes), {args.steps} timed decode steps, {args.rounds} interleaved rounds; ratio = "
-        f"median of per-round ratios. Machine: {machine()}.",
+        f"{what}, {args.context} tokens of context (prefilled in 512-token passes), "
+        f"{args.steps} timed decode steps, {args.rounds} interleaved rounds, scored attention "
+        f"on kernel backend `{args.kernel}`; ratio = median of per-round ratios. "
+        f"Machine: {machine()}.",
         command("bench.decode_speed", argv),
         rows,
         args.out,
