@@ -24,6 +24,7 @@ cache/factory.py builds.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from config.cache_spec import (
@@ -271,13 +272,16 @@ def fit_spec(
     budget: Budget | None,
     policy: str = AUTO,
     max_kv: int | None = None,
+    shares_for: Callable[[str], tuple | None] | None = None,
     **fields,
 ) -> CacheSpec:
     """The CacheSpec for `policy` within one session's share of `budget`.
 
     `auto` picks the policy from the budget. `max_kv` None takes the largest that
     fits (capped at the model's context); a given one must fit. With no budget
-    (one-off generation) max_kv is taken as given. `fields`: the rest of CacheSpec.
+    (one-off generation) max_kv is taken as given. `shares_for(policy)`: its layer
+    shares (a LayerProfile's), unless `fields` fix segment sizes; they move tokens
+    between layers and keep the bytes. `fields`: the rest of CacheSpec.
     Raises ValueError saying what does not fit.
     """
     if policy == AUTO:
@@ -285,6 +289,9 @@ def fit_spec(
             raise ValueError("policy auto needs a memory budget")
         policy = auto_policy(shape, budget)
     choose("policy", policy, POLICIES)
+    explicit_segments = any(fields.get(k) is not None for k in ("sink", "heavy", "recent"))
+    if shares_for is not None and not explicit_segments:
+        fields["layer_shares"] = shares_for(policy)
     if budget is not None:
         kvarn = fields.get("kvarn", DEFAULT_KVARN)
         group_size = fields.get("group_size", DEFAULT_GROUP_SIZE)

@@ -146,10 +146,12 @@ def make_cache(
 ) -> list[Any]:
     """One cache per layer for a CacheSpec, or for a policy name and CacheSpec fields.
 
-    e.g. `make_cache(model, "h2o", max_kv=256, score="attn")`. A sliding-window
-    layer keeps its window when that fits in max_kv (or the policy is unbounded),
-    else gets the policy's cache inside its window: every layer then holds at most
-    max_kv tokens. Other model-provided bounded caches (recurrent state) are kept.
+    e.g. `make_cache(model, "h2o", max_kv=256, score="attn")`. With `layer_shares`
+    global layers get their own max_kv (CacheSpec.layer_sizes), as many tokens in all
+    as uniform (cache/layer_profiles.py). A sliding-window layer keeps its window
+    when that fits in max_kv (or the policy is unbounded), else gets the policy's
+    cache inside its window: every layer then holds at most its max_kv tokens. Other
+    model-provided bounded caches (recurrent state) are kept.
     For scored policies the attention router is installed into the model and
     verified: a model whose attention would bypass it raises here, since its H2O
     caches would never evict. H2O caches of global-attention layers re-index their
@@ -165,16 +167,27 @@ def make_cache(
     hidden = getattr(args, "hidden_size", None)
     check_head_dim(spec, getattr(args, "head_dim", None) or (hidden // heads if heads else None))
     base = make_prompt_cache(model)
+    if spec.layer_shares is not None and len(spec.layer_shares) != len(base):
+        raise ValueError(
+            f"layer shares name {len(spec.layer_shares)} layers; this model has {len(base)}"
+        )
+    windows = layer_windows(model)
+    if spec.layer_shares is not None and any(
+        w is not None and s is not None for w, s in zip(windows, spec.layer_shares, strict=True)
+    ):
+        # The budget prices a sliding layer at max_kv (cache/budget.py session_bytes).
+        raise ValueError("layer shares apply to global-attention layers: give sliding ones None")
+    layer_specs = [spec.for_layer(k) for k in spec.layer_sizes()] or [spec] * len(base)
     caches = []
-    for window, provided in zip(layer_windows(model), base, strict=True):
-        if window is not None and (not spec.info.bounded or window <= spec.max_kv):
+    for window, provided, layer_spec in zip(windows, base, layer_specs, strict=True):
+        if window is not None and (not spec.info.bounded or window <= layer_spec.max_kv):
             caches.append(SinkRotatingKVCache(max_size=window, keep=0))  # exact, bounded
         elif window is not None:
-            caches.append(build(spec, window))
+            caches.append(build(layer_spec, window))
         elif type(provided) is not KVCache:
             caches.append(provided)  # bounded or non-attention state: keep it
         else:
-            caches.append(build(spec))
+            caches.append(build(layer_spec))
     if spec.info.scored:
         install_router(model)
         verify_routing(model, caches)

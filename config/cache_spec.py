@@ -32,6 +32,12 @@ class PolicyInfo:
     def quantized(self) -> bool:
         return self.key_bits is not None
 
+    @property
+    def layer_budgeted(self) -> bool:
+        """Each layer may get its own max_kv (CacheSpec.layer_shares): an H2O cache of any
+        size. Not h2o-kvarn, whose packed tiles fix the sizes it can hold."""
+        return self.scored and self.bounded and self.cache != "h2o-kvarn"
+
 
 POLICIES: dict[str, PolicyInfo] = {
     "full": PolicyInfo("mlx-lm KVCache: keeps every token", "full", bounded=False, scored=False),
@@ -147,6 +153,7 @@ DEFAULT_KVARN = "k4v2"
 DEFAULT_MAX_KV = 256
 DEFAULT_SINK = 4
 DEFAULT_GROUP_SIZE = 64  # quantization group along the head dim
+MIN_LAYER_KV = 16  # the least max_kv layer shares give one layer (when max_kv allows)
 
 # For pydantic fields and type hints; built from the tables above.
 PolicyName = Literal[tuple(POLICIES)]  # type: ignore[valid-type]
@@ -209,6 +216,30 @@ def split_segments(
     return Segments(max_size=max_size, sink=sink, heavy=heavy, recent=recent)
 
 
+def apportion(total: int, shares: list[float], floor: int) -> list[int]:
+    """`total` tokens split over layers in proportion to `shares`, each at least `floor`,
+    summing to exactly `total` (largest remainders get the rounding)."""
+    n = len(shares)
+    if floor * n > total:
+        raise ValueError(f"{total} tokens cannot give {n} layers {floor} each")
+    ideal = [total * s / sum(shares) for s in shares]
+    for _ in range(n):  # layers pinned at the floor give up their share to the others
+        pinned = [x <= floor for x in ideal]
+        free_total = total - floor * sum(pinned)
+        free_shares = sum(s for s, p in zip(shares, pinned, strict=True) if not p)
+        ideal = [
+            floor if p else free_total * s / free_shares
+            for s, p in zip(shares, pinned, strict=True)
+        ]
+        if all(x >= floor for x in ideal):
+            break
+    sizes = [int(x) for x in ideal]
+    by_remainder = sorted(range(n), key=lambda i: sizes[i] - ideal[i])
+    for i in by_remainder[: total - sum(sizes)]:
+        sizes[i] += 1
+    return sizes
+
+
 def default_evict_batch(max_size: int, heavy: int) -> int:
     """Tokens evicted at once: 1/16 of the cache, at most the heavy segment (>= 1)."""
     return max(1, min(heavy, max_size // 16))
@@ -234,9 +265,15 @@ class CacheSpec:
     rotate: bool = False  # h2o-q8/h2o-q4/h2o-mixed k8v4: Hadamard-rotate K/V before packing
     kvarn: str = DEFAULT_KVARN  # kvarn, h2o-kvarn: KVARN_PRESETS key
     kvarn_strategy: str = "requantize"  # h2o-kvarn: KVARN_STRATEGIES key
+    # One weight per model layer: layers split layers x max_kv tokens in these proportions
+    # (cache/layer_profiles.py measures them); None for a layer that keeps max_kv (a
+    # sliding-window layer). None: every layer gets max_kv.
+    layer_shares: tuple[float | None, ...] | None = None
 
     def __post_init__(self) -> None:
         choose("policy", self.policy, POLICIES)
+        if self.layer_shares is not None:  # JSON (spill files) brings a list
+            object.__setattr__(self, "layer_shares", tuple(self.layer_shares))
         choose("score rule", self.score, SCORE_RULES)
         choose("mixed scheme", self.mixed, MIXED_SCHEMES)
         choose("kvarn preset", self.kvarn, KVARN_PRESETS)
@@ -247,6 +284,17 @@ class CacheSpec:
                 f"evict_batch must be between 1 and the heavy budget ({segments.heavy}), "
                 f"got {self.evict_batch}"
             )
+        if self.layer_shares is not None:
+            if not self.info.layer_budgeted:
+                raise ValueError(f"policy {self.policy} cannot give layers their own max_kv")
+            if any(x is not None for x in (self.sink, self.heavy, self.recent)):
+                raise ValueError(
+                    "layer shares and explicit sink/heavy/recent sizes exclude each other"
+                )
+            if any(s is not None and not s > 0 for s in self.layer_shares):
+                raise ValueError(f"layer shares must be positive, got {self.layer_shares}")
+            for size in set(self.layer_sizes()):
+                self.for_layer(size)  # each layer's size splits into segments
 
     @property
     def info(self) -> PolicyInfo:
@@ -254,6 +302,19 @@ class CacheSpec:
 
     def segments(self) -> Segments:
         return split_segments(self.max_kv, self.preset, self.sink, self.heavy, self.recent)
+
+    def layer_sizes(self) -> list[int]:
+        """Each layer's max_kv under `layer_shares` (the shared layers' sum is theirs x
+        max_kv, so the memory is the same as uniform); [] without shares."""
+        if self.layer_shares is None:
+            return []
+        shared = [s for s in self.layer_shares if s is not None]
+        sizes = iter(apportion(len(shared) * self.max_kv, shared, min(MIN_LAYER_KV, self.max_kv)))
+        return [self.max_kv if s is None else next(sizes) for s in self.layer_shares]
+
+    def for_layer(self, max_kv: int) -> CacheSpec:
+        """This spec at one layer's own max_kv (its segments split by the preset)."""
+        return replace(self, max_kv=max_kv, layer_shares=None)
 
     def replace(self, **changes) -> CacheSpec:
         return replace(self, **changes)
