@@ -45,6 +45,11 @@ class ServerSettings(BaseSettings):
     )
     preset: PresetName = DEFAULT_PRESET
     score: ScoreRuleName = DEFAULT_SCORE
+    layer_budgets: str = Field(
+        "auto",
+        description="per-layer max_kv: auto (the shipped profile of these weights, else "
+        "uniform), uniform, or a profile file from `h2o-server calibrate`",
+    )
     max_queue: int = Field(32, ge=1, description="requests waiting beyond this get 429")
     spill_dir: str | None = Field(
         None,

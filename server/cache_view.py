@@ -102,11 +102,17 @@ SEGMENT_KINDS = ("h2o", "kvarn", "full", "rotating")
 
 
 def _segments(layers: list[LayerContents]) -> dict:
-    kinds = {c.kind: c for c in reversed(layers)}
-    layer = next((kinds[k] for k in SEGMENT_KINDS if k in kinds), None)
-    if layer is None:
+    """The policy's segments: sinks every layer of its kind keeps, and the recent window
+    they all hold (layers with their own max_kv have windows of their own sizes)."""
+    kind = next((k for k in SEGMENT_KINDS if any(c.kind == k for c in layers)), None)
+    if kind is None:
         return {"kind": "full", "sink": 0, "recent": 0}
-    return {"kind": layer.kind, "sink": layer.sink, "recent": layer.recent}
+    own = [c for c in layers if c.kind == kind]
+    return {
+        "kind": kind,
+        "sink": min(c.sink for c in own),
+        "recent": min(c.recent for c in own),
+    }
 
 
 def cache_report(contents: SessionContents, tokenizer) -> SessionCache:

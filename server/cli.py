@@ -1,4 +1,5 @@
-"""`h2o-server` command line: serve, generate, chat, and commands other packages register.
+"""`h2o-server` command line: serve, generate, chat, calibrate, and commands other packages
+register.
 
 Commands beyond these (`eval`, from bench/) are found through the entry-point group
 `h2o_server.commands` (pyproject.toml), so this package does not import them.
@@ -59,6 +60,13 @@ def _add_cache_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--h2o-heavy-budget", "--heavy", dest="heavy", type=int, default=None)
     g.add_argument("--h2o-recent-budget", "--recent", dest="recent", type=int, default=None)
     g.add_argument(
+        "--layer-budgets",
+        default="auto",
+        help="per-layer max_kv: auto (the shipped profile of these weights, else uniform), "
+        "uniform, or a profile file from `h2o-server calibrate`; explicit segment sizes "
+        "(--sink/--heavy/--recent) make it uniform",
+    )
+    g.add_argument(
         "--evict-batch",
         type=int,
         default=None,
@@ -72,12 +80,24 @@ SPEC_FLAGS = ("preset", "score", "sink", "heavy", "recent", "evict_batch")
 def _cache_spec(args: argparse.Namespace, model) -> CacheSpec:
     """This conversation's CacheSpec, by the server's own function (cache.budget.fit_spec)."""
     from cache.budget import Budget, fit_spec, parse_bytes
-    from server.models import kv_shape
+    from server.layer_budgets import load_layer_profile
+    from server.models import kv_shape, served_model_id
 
     budget = Budget(parse_bytes(args.kv_budget), 1) if args.kv_budget else None
     max_kv = args.max_kv if args.max_kv or budget else DEFAULT_MAX_KV
     fields = {name: getattr(args, name) for name in SPEC_FLAGS}
-    return fit_spec(kv_shape(model), budget, args.policy, max_kv=max_kv, **fields)
+    profile, _ = load_layer_profile(args.layer_budgets, model, served_model_id(args.model))
+    shares_for = profile.shares if profile else None
+    return fit_spec(
+        kv_shape(model), budget, args.policy, max_kv=max_kv, shares_for=shares_for, **fields
+    )
+
+
+def _max_kv_text(spec: CacheSpec) -> str:
+    """`max_kv=64`, with each layer's range when a layer profile splits it."""
+    sizes = spec.layer_sizes()
+    layers = f" (layers {min(sizes)}-{max(sizes)})" if sizes else ""
+    return f"max_kv={spec.max_kv}{layers}"
 
 
 def _stream(model, tokenizer, prompt: list[int], caches: list, args: argparse.Namespace):
@@ -126,6 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--top-p", type=float, default=0.95)
     chat.add_argument("--prefill-step", type=int, default=512)
     _add_cache_flags(chat)
+
+    cal = sub.add_parser(
+        "calibrate",
+        help="measure a layer profile: what bounding each layer's cache alone costs",
+        description="Writes the profile `--layer-budgets PATH` reads (cache/layer_profiles.py).",
+    )
+    cal.add_argument("--model", default="default")
+    cal.add_argument("--out", required=True, help="the profile file to write (JSON)")
+    cal.add_argument("--policy", nargs="+", default=["h2o", "h2o-merge"], choices=list(POLICIES))
+    cal.add_argument("--windows", type=int, default=8, help="calibration text windows")
+    cal.add_argument("--tokens", type=int, default=512, help="tokens per window")
+    cal.add_argument("--max-kv", type=int, default=32, help="the bounded layer's max_kv")
+    cal.add_argument("--chunk", type=int, default=16, help="tokens per forward pass")
     _add_serve_parser(sub)
     for command in entry_points(group=COMMAND_GROUP):
         command.load()(sub)  # e.g. bench.eval_cli:add_eval_parser registers `eval`
@@ -182,7 +215,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"prompt {last.prompt_tokens} tok @ {last.prompt_tps:.1f} tok/s, "
             f"generated {last.generation_tokens} tok @ {last.generation_tps:.1f} tok/s, "
             f"{time.perf_counter() - start:.1f}s; "
-            f"cache: {spec.policy} max_kv={spec.max_kv}, "
+            f"cache: {spec.policy} {_max_kv_text(spec)}, "
             f"stored {stored} of {seen} tokens, {mib:.1f} MiB, evicted {seen - stored}",
             file=sys.stderr,
         )
@@ -233,10 +266,30 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history = (ids + generated)[:seen]
         messages.append({"role": "assistant", "content": reply})
         print(
-            f"[{spec.policy} max_kv={spec.max_kv}: {seen} tokens seen, "
+            f"[{spec.policy} {_max_kv_text(spec)}: {seen} tokens seen, "
             f"{stored} stored, {mib:.1f} MiB, {reused} history tokens reused]",
             file=sys.stderr,
         )
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import logging
+
+    from server.layer_budgets import calibrate_profile
+    from server.models import load_model, served_model_id
+
+    logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+    model, tokenizer = load_model(args.model)
+    profile = calibrate_profile(
+        model, tokenizer, served_model_id(args.model), args.policy, args.windows,
+        args.tokens, args.max_kv, args.chunk,
+    )  # fmt: skip
+    profile.save(args.out)
+    for policy in args.policy:
+        shares = [s for s in profile.shares(policy) or () if s is not None]
+        print(f"{policy}: layer shares {min(shares):.2f}-{max(shares):.2f}", file=sys.stderr)
+    print(args.out)
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -265,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_chat(args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "calibrate":
+            return cmd_calibrate(args)
         if args.command == "eval":
             return args.run_eval(args)
     except ValidationError as e:

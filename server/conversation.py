@@ -37,7 +37,7 @@ class Session:
         """Publish plain numbers for handlers (called by the worker).
 
         logical_tokens: tokens the conversation has seen; stored_tokens: tokens its
-        cache holds per layer (fewer after eviction).
+        largest layer cache holds (fewer after eviction).
         """
         if self.caches:
             seen, stored, nbytes = cache_usage(self.caches)
@@ -48,6 +48,7 @@ class Session:
             "id": self.id,
             "policy": self.spec.policy,
             "max_kv": self.spec.max_kv,
+            "layer_max_kv": self.spec.layer_sizes() or None,
             "preset": self.spec.preset,
             "score": self.spec.score,
             "logical_tokens": seen,

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from cache import configure, make_cache
 from cache.budget import Budget, ModelShape, fit_spec, parse_bytes, session_bytes
 from config.cache_spec import CacheSpec
 from config.settings import ServerSettings
+from server.layer_budgets import load_layer_profile
 from server.models import DEFAULT_MODEL, kv_shape, load_model, served_model_id
 from server.protocol import CacheOptions
 from server.sessions import SessionStore
@@ -40,6 +42,7 @@ class Engine:
     settings: ServerSettings
     spec: CacheSpec  # the cache of a conversation that asks for nothing else
     store: SessionStore
+    shares_for: Callable[[str], tuple | None] | None  # a policy's layer shares (profile)
 
     @classmethod
     def load(cls, settings: ServerSettings) -> Engine:
@@ -59,8 +62,16 @@ class Engine:
                 settings.prefill_step,
                 shape.context,
             )
+        model_id = served_model_id(settings.model)
+        profile, layer_budgets = load_layer_profile(settings.layer_budgets, model, model_id)
+        shares_for = profile.shares if profile else None
         spec = fit_spec(
-            shape, budget, settings.policy, preset=settings.preset, score=settings.score
+            shape,
+            budget,
+            settings.policy,
+            shares_for=shares_for,
+            preset=settings.preset,
+            score=settings.score,
         )
         make_cache(model, spec)  # fails now, not on the first request, if the policy cannot run
         spill_budget = (
@@ -73,10 +84,10 @@ class Engine:
             model_identity=model_identity(model) if settings.spill_dir else "",
             spill_budget=spill_budget,
         )
-        model_id = served_model_id(settings.model)
+        sizes = spec.layer_sizes()
         log.info(
             "model %s; KV budget %.1f MiB over %d sessions: policy %s, max_kv %d "
-            "(%.1f MiB per session, %d of %d layers sliding-window)",
+            "(%.1f MiB per session, %d of %d layers sliding-window); layer budgets %s%s",
             model_id,
             total / 2**20,
             settings.max_sessions,
@@ -85,8 +96,10 @@ class Engine:
             session_bytes(shape, spec.policy, spec.max_kv) / 2**20,
             len(shape.windows),
             shape.layers,
+            layer_budgets,
+            f": max_kv {min(sizes)}-{max(sizes)} per layer" if sizes else "",
         )
-        return cls(model, tokenizer, model_id, shape, budget, settings, spec, store)
+        return cls(model, tokenizer, model_id, shape, budget, settings, spec, store, shares_for)
 
     @property
     def vocab_size(self) -> int:
@@ -106,6 +119,7 @@ class Engine:
             self.budget,
             options.policy or self.spec.policy,
             max_kv=options.max_kv,
+            shares_for=self.shares_for,
             preset=options.preset or self.spec.preset,
             score=options.score or self.spec.score,
         )

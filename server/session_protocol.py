@@ -18,10 +18,12 @@ class SessionFigures(BaseModel):
     id: str
     policy: str
     max_kv: int
+    # each layer's own max_kv when a layer profile splits layers x max_kv (None: all max_kv)
+    layer_max_kv: list[int] | None = None
     preset: str
     score: str
     logical_tokens: int  # tokens the conversation has seen
-    stored_tokens: int  # tokens its cache holds per layer (fewer after eviction)
+    stored_tokens: int  # tokens its largest layer cache holds (fewer after eviction)
     bytes: int
     evictions: int
     spilled: bool
@@ -32,7 +34,7 @@ class SessionFigures(BaseModel):
 class CacheSegments(BaseModel):
     kind: Literal["h2o", "full", "kvarn", "rotating"]
     sink: int  # positions < sink are sink tokens
-    recent: int  # positions >= logical_tokens - recent are the recent window
+    recent: int  # positions >= logical_tokens - recent: every layer's recent window holds them
 
 
 class CachedTokens(BaseModel):
