@@ -16,11 +16,11 @@ from server.cli import main
 
 SEQ = 64
 PPL_KEYS = {
-    "policy", "max_kv", "evict_batch", "seq_len", "score", "preset", "samples", "ppl", "mode",
-    "prefill",
+    "policy", "max_kv", "evict_batch", "seq_len", "score", "preset", "layers", "samples", "ppl",
+    "mode", "prefill",
 }  # fmt: skip
 TP_KEYS = {
-    "policy", "max_kv", "evict_batch", "score", "preset", "context", "rounds", "steps",
+    "policy", "max_kv", "evict_batch", "score", "preset", "layers", "context", "rounds", "steps",
     "prefill_tps", "decode_tps", "prefill_ratio", "decode_ratio", "peak_mem_bytes",
     "rss_bytes", "cache_bytes",
 }  # fmt: skip
@@ -53,6 +53,7 @@ def test_ppl_records(ppl_run, default_model, tmp_path):
 
     records = ppl_run
     assert all(set(r) == PPL_KEYS for r in records)
+    assert {r["layers"] for r in records} == {None}  # even layers unless --layer-budgets says
     # full once; rotating per max_kv; h2o per max_kv x score; each at both lengths
     assert len(records) == 2 * (1 + 2 + 4)
     assert all(math.isfinite(r["ppl"]) and r["ppl"] > 1 for r in records)
@@ -103,7 +104,7 @@ def test_throughput_records(capsys, tmp_path):
         (p, c) for p in ("full", "rotating", "h2o") for c in (32, 64)
     ]
     for r in records:
-        for key in TP_KEYS - {"policy", "max_kv", "evict_batch", "score", "preset"}:
+        for key in TP_KEYS - {"policy", "max_kv", "evict_batch", "score", "preset", "layers"}:
             assert r[key] > 0, (key, r)
     assert all(
         r["decode_ratio"] == 1 == r["prefill_ratio"] for r in records if r["policy"] == "full"
