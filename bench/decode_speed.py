@@ -28,6 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from bench.report import command, machine, publish
 from cache import configure, make_cache, uninstall_router
+from config.cache_spec import CacheSpec, default_evict_batch
 from kernels import BACKEND_NAMES
 
 STOCK = "stock mlx-lm full"
@@ -43,7 +44,8 @@ SHAPES = {
 def cases(context: int, max_kv: int) -> list[tuple[str, dict | None, str | None]]:
     """(label, make_cache kwargs (None: mlx-lm's own), label of its baseline)."""
     roomy = context + 1024  # more than prefill and decode ever store: nothing is evicted
-    h2o, rotating = f"h2o {max_kv}, evicting (batch {max(1, max_kv // 16)})", f"rotating {max_kv}"
+    batch = default_evict_batch(max_kv, CacheSpec("h2o", max_kv).segments().heavy)
+    h2o, rotating = f"h2o {max_kv}, evicting (batch {batch})", f"rotating {max_kv}"
     return [
         (STOCK, None, None),
         ("full", {"policy": "full"}, STOCK),
@@ -145,10 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer = load_model(args.model)
         context = mx.array(essay_token_ids(tokenizer, args.context))
         what = f"Model `{args.model}`"
-    CASES = cases(args.context, args.max_kv)
-    tps: dict[str, list[dict]] = {label: [] for label, _, _ in CASES}
+    grid = cases(args.context, args.max_kv)
+    tps: dict[str, list[dict]] = {label: [] for label, _, _ in grid}
     for r in range(args.rounds):
-        for label, kwargs, _ in CASES:
+        for label, kwargs, _ in grid:
             tps[label].append(speeds(model, context, args.steps, kwargs))
             print(f"round {r + 1}: {label}: {tps[label][-1]}", file=sys.stderr)
 
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         "| cache | prefill tok/s | ratio (wall / CPU) | decode tok/s | ratio (wall / CPU) | vs |",
         "|---|---|---|---|---|---|",
     ]
-    for label, _, base in CASES:
+    for label, _, base in grid:
         med = {k: statistics.median(x[k] for x in tps[label]) for k in ("prefill", "decode")}
         pre = dec = ""
         if base:

@@ -212,11 +212,7 @@ def with_layer_budgets(cases: list, args: argparse.Namespace, model) -> list:
     if profile is None:
         raise ValueError(f"--layer-budgets {profiles[0]}: no layer profile for {args.model}")
     label = "profiled" if profiles[0] == "auto" else profiles[0]
-    twinned = with_layer_profile(cases, profile, label)
-    if UNIFORM in budgets:
-        return twinned
-    untwinned = [c for c in twinned if profile.shares(c.policy) is None or c.max_kv is None]
-    return [c for c in twinned if c.layers or c in untwinned]
+    return with_layer_profile(cases, profile, label, keep_uniform=UNIFORM in budgets)
 
 
 @cache

@@ -74,15 +74,21 @@ class CacheCase:
         return next((c.evict_batch for c in caches if hasattr(c, "evict_batch")), 1)
 
 
-def with_layer_profile(cases: list[CacheCase], profile, label: str) -> list[CacheCase]:
+def with_layer_profile(
+    cases: list[CacheCase], profile, label: str, keep_uniform: bool = True
+) -> list[CacheCase]:
     """`cases`, each followed by its twin under the profile's layer shares where its
-    policy takes them (a LayerProfile; cache/layer_profiles.py)."""
+    policy takes them (a LayerProfile; cache/layer_profiles.py); without `keep_uniform`
+    the twin replaces it."""
     out = []
     for case in cases:
-        out.append(case)
         shares = profile.shares(case.policy)
-        if shares is not None and case.max_kv is not None:
-            out.append(replace(case, layer_shares=shares, layers=label))
+        if shares is None or case.max_kv is None:
+            out.append(case)
+            continue
+        if keep_uniform:
+            out.append(case)
+        out.append(replace(case, layer_shares=shares, layers=label))
     return out
 
 

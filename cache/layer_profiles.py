@@ -118,15 +118,17 @@ def calibrate(
     Prompts go `chunk` tokens per forward pass (eviction between chunks, as a
     server's prefill evicts between its chunks); sliding-window layers give None.
     """
-    global_layers = [i for i, w in enumerate(layer_windows(model)) if w is None]
+    layer_kinds = layer_windows(model)
+    global_layers = [i for i, w in enumerate(layer_kinds) if w is None]
     totals = [0.0] * len(global_layers)
     for n, window in enumerate(windows):
         tokens = mx.array(window)
+        bounded = make_cache(model, policy, max_kv=max_kv)  # row k takes layer k's cache
         rows = []
         for layer in [*global_layers, None]:  # the last row bounds nothing: the reference
             caches = make_cache(model, "full")
             if layer is not None:
-                caches[layer] = make_cache(model, policy, max_kv=max_kv)[layer]
+                caches[layer] = bounded[layer]
             rows.append(caches)
         caches = batch_caches(rows)
         nll = mx.zeros((len(rows),))
@@ -142,7 +144,7 @@ def calibrate(
         totals = [t + d for t, d in zip(totals, increase, strict=True)]
         if progress:
             progress(n + 1, len(windows))
-    per_layer: list[float | None] = [None] * len(layer_windows(model))
+    per_layer: list[float | None] = [None] * len(layer_kinds)
     for layer, total in zip(global_layers, totals, strict=True):
         per_layer[layer] = round(total / len(windows), 6)
     return per_layer
