@@ -47,7 +47,10 @@ class LocalServer:
         from config.settings import ServerSettings
         from server.app import create_app
 
-        settings = ServerSettings(model=model, kv_budget=kv_budget, max_sessions=max_sessions)
+        # Even layers: every case is the max_kv it names (eval recall takes no --layer-budgets)
+        settings = ServerSettings(
+            model=model, kv_budget=kv_budget, max_sessions=max_sessions, layer_budgets="uniform"
+        )
         self.port = free_port()
         config = uvicorn.Config(
             create_app(settings), host="127.0.0.1", port=self.port, log_level="warning"
@@ -181,11 +184,7 @@ def run_recall(args, cases: list, progress=None) -> list[dict[str, Any]]:
     records = []
     with LocalServer(args.model) as server:
         for case in cases:
-            kv_cache = {
-                k: v
-                for k, v in case.cache_kwargs().items()
-                if k not in ("evict_batch", "layer_shares")  # the server's own profile
-            }
+            kv_cache = {k: v for k, v in case.cache_kwargs().items() if k != "evict_batch"}
             results = []
             for users, number in scripts:
                 results.append(trial(server, users, number, kv_cache))
