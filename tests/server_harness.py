@@ -106,6 +106,12 @@ class Server:
             time.sleep(0.02)
 
 
+def largest_layer(session: dict) -> int:
+    """The most tokens one layer of a /v1/sessions entry may hold: max_kv, or the largest
+    layer's when a layer profile splits it."""
+    return max(session["layer_max_kv"] or [session["max_kv"]])
+
+
 def sse_events(response) -> Iterator[dict | str]:
     """The data of each server-sent event: parsed JSON, or "[DONE]"."""
     for raw in response:

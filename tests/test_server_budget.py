@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from server_harness import MODEL, running_server
+from server_harness import MODEL, largest_layer, running_server
 
 BUDGET = 8 * 2**20  # two sessions of ~89 tokens each (46.8 kB per token on CPU)
-
-
-def largest_layer(session: dict) -> int:
-    """The most tokens one layer may hold: max_kv, or a layer profile's largest share."""
-    return max(session["layer_max_kv"] or [session["max_kv"]])
 
 
 def turn(api, key, history, text, max_tokens=12):
