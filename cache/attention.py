@@ -92,10 +92,14 @@ class ScoredAttention:
         additive logit per stored key, [B, n_kv_heads, keys] (cache/merging.py).
         """
         L = queries.shape[2]
+        # cache/recall.py: a prompt chunk also reads the archive of evicted tokens.
+        archive = cache.archive_part() if L > 1 and hasattr(cache, "archive_part") else None
+        if archive is not None:
+            cache.observe(queries, scale)
         if L <= self.block:
             out, logits, probs = self.attend(queries, keys, values, cache, scale, mask, bias)
             cache.update_scores(logits, probs)
-            return out
+            return self._with_archive(queries, out, logits, archive, scale)
         n_keys = cache.size()
         # One plain part stores a chunk's slots in arrival order: a block sees exactly
         # the first n_keys - L + stop of them, causally, and scores only those.
@@ -115,11 +119,20 @@ class ScoredAttention:
                 rows = _mask_rows(mask, L, n_keys, start, stop)
                 out, logits, probs = self.attend(q, keys, values, cache, scale, rows, bias)
             cache.add_scores(logits, probs)
+            out = self._with_archive(q, out, logits, archive, scale)
             # Evaluated now, this block's logits and probabilities are freed.
             mx.eval([x for x in (out, cache.scores) if x is not None])
             outs.append(out)
         cache.evict_if_full()
         return mx.concatenate(outs, axis=2)
+
+    def _with_archive(self, queries, out, logits, archive, scale: float) -> mx.array:
+        """`out` merged with attention over `archive` (keys, values, format), every key of
+        which is older than the queries: the output as if those keys were held too."""
+        if archive is None:
+            return out
+        out_a, logits_a, _ = self.attend_part(queries, *archive, scale)
+        return merge_parts([(out_a, logits_a), (out, logits)], queries.dtype)[0]
 
     def attend(self, queries: mx.array, keys, values, cache, scale: float, mask=None, bias=None):
         """(out, float32 logits [B, n_q, L_q, L_k], probs or None) over the cache's parts."""

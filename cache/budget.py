@@ -37,6 +37,8 @@ from config.cache_spec import (
     KVARN_SINK,
     KVARN_TILE,
     POLICIES,
+    RECALL_ARCHIVE,
+    RECALL_BITS,
     CacheSpec,
     choose,
     split_segments,
@@ -179,6 +181,14 @@ def bytes_per_token(
     return shape.layers * shape.kv_heads * per_head
 
 
+def archive_bytes_per_token(shape: ModelShape, group_size: int = DEFAULT_GROUP_SIZE) -> float:
+    """h2o-recall: one archived token across all layers (8-bit K and V with a scale and a
+    bias per group, its position and score)."""
+    d = shape.head_dim
+    packed = d * RECALL_BITS / 8 + 2 * shape.element_bytes * d / group_size
+    return shape.layers * shape.kv_heads * (2 * packed + H2O_BOOKKEEPING)
+
+
 def _layer_bytes(shape: ModelShape, policy: str, max_kv: int, group_size: int, kvarn: str) -> float:
     """One layer's cache of `policy`'s kind at max_kv, as allocated (spare slot, steps)."""
     info = POLICIES[policy]
@@ -188,7 +198,10 @@ def _layer_bytes(shape: ModelShape, policy: str, max_kv: int, group_size: int, k
         slots = -(-max_kv // FULL_CACHE_STEP) * FULL_CACHE_STEP
     else:
         slots = max_kv + 1 if info.scored else max_kv
-    return slots * bytes_per_token(shape, policy, group_size) / shape.layers
+    held = slots * bytes_per_token(shape, policy, group_size)
+    if info.cache == "recall":
+        held += RECALL_ARCHIVE * max_kv * archive_bytes_per_token(shape, group_size)
+    return held / shape.layers
 
 
 def session_bytes(
@@ -208,7 +221,7 @@ def session_bytes(
             total += window * dense  # the layer keeps its own window
         elif policy == "h2o-kvarn":
             total += max_kv * dense  # a max_kv window (no KVarN twin inside a window)
-        elif info.cache in ("adaptive", "merging"):
+        elif info.cache in ("adaptive", "merging", "recall"):
             total += _layer_bytes(shape, "h2o", max_kv, group_size, kvarn)  # plain H2O
         else:
             total += per_layer

@@ -15,10 +15,11 @@ from cache.kvarn import check_head_dim as check_kvarn_head_dim
 from cache.merging import MergingH2OKVCache
 from cache.mixed import MIXED_LAYOUTS
 from cache.quantized import QuantizedH2OKVCache
+from cache.recall import RecallH2OKVCache
 from cache.rotating import SinkRotatingKVCache
 from cache.router import install_router, verify_routing
 from cache.windowed import WINDOWED
-from config.cache_spec import DEFAULT_POLICY, KVARN_PRESETS, CacheSpec
+from config.cache_spec import DEFAULT_POLICY, KVARN_PRESETS, RECALL_ARCHIVE, CacheSpec
 from kernels.hadamard import hadamard_block
 
 
@@ -84,6 +85,17 @@ BUILDERS = {
     "merging": lambda spec, window=None: _scored(
         MergingH2OKVCache if window is None else H2OKVCache, spec, window
     ),
+    # No archive inside a window either (what leaves a window is never asked for again).
+    "recall": lambda spec, window=None: (
+        RecallH2OKVCache(
+            spec.max_kv,
+            archive=RECALL_ARCHIVE * spec.max_kv,
+            group_size=spec.group_size,
+            **_h2o_knobs(spec),
+        )
+        if window is None
+        else _scored(H2OKVCache, spec, window)
+    ),  # fmt: skip
     "quantized": _quantized,
     "mixed": _mixed,
     "kvarn": lambda spec, window=None: KVarNCache(*KVARN_PRESETS[spec.kvarn]),
@@ -99,7 +111,7 @@ def check_head_dim(spec: CacheSpec, head_dim: int | None) -> None:
         check_kvarn_head_dim(head_dim)
     elif spec.rotate:
         hadamard_block(head_dim)
-    if spec.info.cache in ("quantized", "mixed") and head_dim % spec.group_size:
+    if spec.info.cache in ("quantized", "mixed", "recall") and head_dim % spec.group_size:
         raise ValueError(
             f"head dim {head_dim} is not a multiple of the quantization group size "
             f"{spec.group_size}: use a smaller group_size (32) or a dense policy"

@@ -88,6 +88,12 @@ POLICIES: dict[str, PolicyInfo] = {
         scored=True,
         reindexes=True,
     ),
+    "h2o-recall": PolicyInfo(
+        "H2O that archives evicted tokens (8-bit) and brings back what a new prompt asks for",
+        "recall",
+        bounded=True,
+        scored=True,
+    ),
     "h2o-ada": PolicyInfo(
         "H2O with one pool per layer: heads share the middle slots (AdaKV)",
         "adaptive",
@@ -153,6 +159,9 @@ DEFAULT_KVARN = "k4v2"
 DEFAULT_MAX_KV = 256
 DEFAULT_SINK = 4
 DEFAULT_GROUP_SIZE = 64  # quantization group along the head dim
+RECALL_ARCHIVE = 4  # h2o-recall: evicted tokens archived per layer and head, x max_kv
+RECALL_BITS = 8  # h2o-recall: the archive's K/V width
+MIN_RECALL = 16  # h2o-recall: tokens a prompt may bring back, at least (a phrase)
 MIN_LAYER_KV = 16  # the least max_kv layer shares give one layer (when max_kv allows)
 
 # For pydantic fields and type hints; built from the tables above.
@@ -243,6 +252,13 @@ def apportion(total: int, shares: list[float], floor: int) -> list[int]:
 def default_evict_batch(max_size: int, heavy: int) -> int:
     """Tokens evicted at once: 1/16 of the cache, at most the heavy segment (>= 1)."""
     return max(1, min(heavy, max_size // 16))
+
+
+def default_recall(heavy: int, evict_batch: int) -> int:
+    """h2o-recall: tokens a prompt chunk may bring back per head: a quarter of the heavy
+    segment, at least MIN_RECALL (a short phrase and its neighbours), at most what
+    pinning them leaves room for (cache/recall.py)."""
+    return max(0, min(heavy + 1 - evict_batch, max(MIN_RECALL, heavy // 4)))
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ POLICIES = {  # policy -> max_kv (full must fit the whole conversation)
     "rotating": 64,
     "h2o": 64,
     "h2o-merge": 64,
+    "h2o-recall": 64,
     "h2o-q8": 64,
     "h2o-q4": 64,
     "h2o-mixed": 64,

@@ -368,12 +368,14 @@ def test_windowed_cache_save_and_load(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "policy", ["h2o", "h2o-q8", "rotating", "full", "kvarn", "h2o-kvarn", "h2o-ada", "h2o-merge"]
+    "policy",
+    ["h2o", "h2o-q8", "rotating", "full", "kvarn", "h2o-kvarn", "h2o-ada", "h2o-merge", "h2o-recall"],
 )
 @pytest.mark.parametrize("max_kv", [8, 20])
 def test_budget_formula_is_what_every_layer_allocates(policy, max_kv):
     """cache.budget.session_bytes == the bytes the caches hold once full, per layer kind:
     max_kv 8 < window 16 (sliding layers under the policy), 20 > 16 (their own window).
+    h2o-recall's global layers hold max_kv plus a full archive of 4 x max_kv tokens.
     kvarn keeps every token: its global layers pack 300 tokens into tiles while the
     sliding layers keep their dense window; h2o-kvarn's sliding layers hold a dense
     max_kv window (no KVarN inside a window)."""
@@ -386,7 +388,7 @@ def test_budget_formula_is_what_every_layer_allocates(policy, max_kv):
         assert windows == (WINDOW, WINDOW)
         shape = ModelShape.of(model, element_bytes=4, windows=windows)
         caches = make_cache(model, policy, max_kv=max_kv, group_size=32, evict_batch=1)
-        n = 300 if policy == "kvarn" else 60
+        n = 300 if policy in ("kvarn", "h2o-recall") else 60  # h2o-recall: archive full
         tokens = prompt_tokens(n, seed=8)
         for start in range(0, n - 20, 128):
             mx.eval(model(tokens[None, start : min(start + 128, n - 20)], cache=caches))

@@ -34,16 +34,25 @@ class SnapScore(ScoreRule):
         return held + per_kv_head(probs[:, :, -self.window :], n_kv_heads)
 
     def rank(self, importance: mx.array, positions: mx.array, offset: int) -> mx.array:
-        """Each slot's score max-pooled over its neighbours in position order, per head."""
-        half = self.kernel // 2
-        if half == 0:
-            return importance
-        order = mx.argsort(positions, axis=-1)
-        by_pos = mx.take_along_axis(importance, order, axis=-1)
-        n = by_pos.shape[-1]
-        pad = [(0, 0)] * (by_pos.ndim - 1) + [(half, half)]
-        padded = mx.pad(by_pos, pad, constant_values=-mx.inf)
-        pooled = padded[..., half : half + n]
-        for shift in range(-half, half + 1):
-            pooled = mx.maximum(pooled, padded[..., half + shift : half + shift + n])
-        return mx.take_along_axis(pooled, mx.argsort(order, axis=-1), axis=-1)
+        return pool_by_position(importance, positions, self.kernel)
+
+
+def pool_by_position(values: mx.array, positions: mx.array, kernel: int) -> mx.array:
+    """Each slot's value max-pooled over its `kernel - 1` neighbours in position order
+    (among the slots given), per head."""
+    if kernel // 2 == 0:
+        return values
+    order = mx.argsort(positions, axis=-1)
+    pooled = sliding_max(mx.take_along_axis(values, order, axis=-1), kernel)
+    return mx.take_along_axis(pooled, mx.argsort(order, axis=-1), axis=-1)
+
+
+def sliding_max(x: mx.array, kernel: int) -> mx.array:
+    """Max over a centred window of `kernel` (odd) along the last axis, same length."""
+    half = kernel // 2
+    n = x.shape[-1]
+    padded = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(half, half)], constant_values=-mx.inf)
+    pooled = x
+    for shift in range(kernel):
+        pooled = mx.maximum(pooled, padded[..., shift : shift + n])
+    return pooled

@@ -1,0 +1,280 @@
+"""RecallH2OKVCache: H2O whose evicted tokens wait in a packed archive until a turn asks.
+
+Question-agnostic eviction cannot keep a fact nobody has attended to yet: a number
+stated in turn 1 and asked for in turn 5 is long gone under any score rule
+(docs/recall.md: 0/24 for every rule at max_kv 64 and 128). Here an evicted token is
+not dropped but packed (8-bit, `mx.quantize`) into a per-head archive of up to
+`archive` tokens (the lowest-scored leave when it is full). Each multi-token chunk
+(a new turn's prompt) then looks into the archive with its last `window` queries, the
+ones closest to what will be generated (SnapKV's observation window): each archived
+token gets the attention mass those queries would give it next to the cache's keys,
+max-pooled over position neighbours so that a phrase comes back whole. The `recall`
+best tokens per head with mass above the cache's weakest middle token come back into
+the cache, pinned until the next chunk (eviction ranks them with the sinks), and
+what they displace goes into the archive. Decode reads the cache only, so its cost
+and the attention's memory stay those of max_kv; a turn's prompt pays one extra
+matmul over the archive (Quest and InfLLM retrieve evicted blocks the same way, per
+query step; once per turn is what a chat needs).
+
+Positions stay the original RoPE ones: the policy does not re-index near the
+context wall (an archived key would need re-rotating with the cache's).
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+
+from cache.attention import KVFormat
+from cache.h2o import H2OKVCache
+from cache.quantized import quantize
+from cache.scores.snap import sliding_max
+from config.cache_spec import DEFAULT_GROUP_SIZE, RECALL_BITS, default_recall
+
+RECALL_WINDOW = 32  # queries of a chunk that look into the archive (SnapKV's window)
+RECALL_KERNEL = 9  # position neighbours a recalled token brings along (pooling width)
+ARCHIVE_BITS = RECALL_BITS  # +0.5% perplexity when attended (h2o-q8, docs/quantized.md)
+
+
+class RecallH2OKVCache(H2OKVCache):
+    def __init__(
+        self,
+        max_size: int,
+        *,
+        archive: int,
+        recall: int | None = None,
+        group_size: int = DEFAULT_GROUP_SIZE,
+        **h2o,
+    ):
+        """`archive`: evicted tokens kept packed per head; `recall`: the most a chunk brings
+        back per head (at most heavy - evict_batch + 1, so pinned tokens always fit;
+        None: `default_recall`).
+        `h2o`: H2OKVCache's knobs (sink, heavy, recent, score, evict_batch)."""
+        super().__init__(max_size, **h2o)
+        if archive < 0:
+            raise ValueError(f"archive must be >= 0 tokens, got {archive}")
+        room = self.heavy + 1 - self.evict_batch
+        if recall is None:
+            recall = default_recall(self.heavy, self.evict_batch)
+        if not 0 <= recall <= room:
+            raise ValueError(
+                f"recall must be between 0 and heavy - evict_batch + 1 ({room}), got {recall}"
+            )
+        self.archive, self.recall, self.group_size = archive, recall, group_size
+        self.archived = None  # (keys, values) packed lists, each [B, H, A, ...]
+        self.archived_positions = None  # int32 [B, H, A]
+        self.archived_scores = None  # float32 [B, H, A]: the rank a token had when evicted
+        self.pinned = None  # int32 [B, H, P]: positions recalled by the last chunk
+        self._observed = None  # (queries [B, n_q, W, D], scale) of the chunk being scored
+        self.recalled = 0  # tokens brought back so far (per head, summed over heads / H)
+
+    # ----------------------------------------------------------------- the recall hook
+
+    def archive_part(self) -> tuple | None:
+        """The archive as one more part for a prompt chunk's attention (keys, values,
+        format), or None when it is empty."""
+        if self.archived_positions is None:
+            return None
+        return (*self.archived, KVFormat(ARCHIVE_BITS, ARCHIVE_BITS, self.group_size))
+
+    def observe(self, queries: mx.array, scale: float) -> None:
+        """A multi-token chunk's queries (post-RoPE): its last `window` look into the archive
+        when the chunk's scores are in (evict_if_full)."""
+        self._observed = (queries[:, :, -RECALL_WINDOW:], scale)
+
+    def evict_if_full(self) -> None:
+        if self._observed is not None:
+            queries, scale = self._observed
+            self._observed = None
+            self._recall(queries, scale)
+        super().evict_if_full()
+
+    def _recall(self, queries: mx.array, scale: float) -> None:
+        """Bring the archived tokens these queries attend to most back, pinned."""
+        self.pinned = None
+        if self.archived_positions is None or self.recall == 0:
+            return
+        B, H, A = self.archived_positions.shape
+        n = self._len
+        gs, bits = self.group_size, ARCHIVE_BITS
+        arc_k = mx.dequantize(*self.archived[0], group_size=gs, bits=bits)
+        rows = queries.reshape(B, H, -1, queries.shape[-1]).astype(mx.float32)  # GQA groups
+        held_logits = (rows @ self.keys[:, :, :n].astype(mx.float32).swapaxes(-1, -2)) * scale
+        arc_logits = (rows @ arc_k.astype(mx.float32).swapaxes(-1, -2)) * scale
+        # Each row's softmax over the cache and the archive together: the mass a token
+        # would get if it were held, comparable between the two.
+        lse = mx.logaddexp(
+            mx.logsumexp(held_logits, axis=-1, keepdims=True),
+            mx.logsumexp(arc_logits, axis=-1, keepdims=True),
+        )
+        arc_mass = mx.exp(arc_logits - lse).sum(axis=2)  # [B, H, A]
+        held_mass = mx.exp(held_logits - lse).sum(axis=2)  # [B, H, n]
+        # A token's worth is its layer's: the mass every head gives its position (held or
+        # archived there), so that heads bring the same phrase back, not fragments of it;
+        # pooled over position neighbours, so that the phrase comes back whole.
+        held_pos = self.positions[..., :n]
+        by_pos = _sum_by_position(
+            [(arc_mass, self.archived_positions), (held_mass, held_pos)], self.seen
+        )
+        pooled = _at_positions(sliding_max(by_pos, RECALL_KERNEL), self.archived_positions)
+        # Worth a slot only above the cache's weakest middle token (which it may displace).
+        middle = (held_pos >= self.sink) & (held_pos < self.seen - self.recent)
+        held_worth = _at_positions(by_pos, held_pos)
+        floor = mx.where(middle, held_worth, mx.inf).min(axis=-1, keepdims=True)
+        k = min(self.recall, A)
+        order = mx.argpartition(-pooled, kth=k - 1, axis=-1)
+        picked, rest = order[..., :k], order[..., k:]
+        wanted = mx.take_along_axis(pooled, picked, axis=-1) > floor  # [B, H, k]
+        # Heads bring back equal counts (slots stay aligned): a head short of wanted tokens
+        # takes its next best; the count is what the most eager head wants.
+        count = int(wanted.sum(axis=-1).max().item())
+        if count == 0:
+            return
+        by_mass = mx.argsort(-mx.take_along_axis(pooled, picked, axis=-1), axis=-1)
+        picked = mx.take_along_axis(picked, by_mass, axis=-1)
+        picked, rest = picked[..., :count], mx.concatenate([picked[..., count:], rest], -1)
+
+        back_k = _take_packed(self.archived[0], picked)
+        back_v = _take_packed(self.archived[1], picked)
+        back_pos = mx.take_along_axis(self.archived_positions, picked, axis=-1)
+        self._keep_archived(rest)
+        dtype = self.keys.dtype
+        keys = mx.dequantize(*back_k, group_size=gs, bits=bits).astype(dtype)
+        values = mx.dequantize(*back_v, group_size=gs, bits=bits).astype(dtype)
+        self._insert(keys, values, back_pos)
+        self.pinned = back_pos
+        self.recalled += count
+
+    def _insert(self, keys: mx.array, values: mx.array, positions: mx.array) -> None:
+        """Append recalled tokens as held slots (score 0: what they earn from here on)."""
+        end = self._len + keys.shape[2]
+        if end > self.positions.shape[-1]:
+            self._grow(keys, values, end)
+        self.keys[:, :, self._len : end] = keys
+        self.values[:, :, self._len : end] = values
+        self.positions[..., self._len : end] = positions
+        self.scores[..., self._len : end] = 0.0
+        self._len = end
+        self._reset_free_slots()
+
+    # ------------------------------------------------------------ eviction into the archive
+
+    def _eviction_ranks(self, pos: mx.array) -> mx.array:
+        ranks = super()._eviction_ranks(pos)
+        if self.pinned is None:
+            return ranks
+        pinned = (pos[..., :, None] == self.pinned[..., None, :]).any(axis=-1)
+        return mx.where(pinned, mx.inf, ranks)
+
+    def _evict(self) -> None:
+        n = self._len
+        kept, gone = self._eviction_split()
+        if self.archive:
+            ranks = self.score_rule.rank(self.scores[..., :n], self.positions[..., :n], self.seen)
+            self._archive(
+                mx.take_along_axis(self.keys[:, :, :n], gone[..., None], axis=2),
+                mx.take_along_axis(self.values[:, :, :n], gone[..., None], axis=2),
+                mx.take_along_axis(self.positions[..., :n], gone, axis=-1),
+                mx.take_along_axis(ranks, gone, axis=-1),
+            )
+        self._gather(kept, capacity=self.max_size + 1)
+
+    def _archive(self, keys, values, positions, scores) -> None:
+        """Pack leaving tokens into the archive; past `archive` tokens, the lowest-ranked go."""
+        packed = (
+            quantize(keys, self.group_size, ARCHIVE_BITS),
+            quantize(values, self.group_size, ARCHIVE_BITS),
+        )
+        if self.archived_positions is not None:
+            packed = tuple(
+                [mx.concatenate([old, new], axis=2) for old, new in zip(a, b, strict=True)]
+                for a, b in zip(self.archived, packed, strict=True)
+            )
+            positions = mx.concatenate([self.archived_positions, positions], axis=-1)
+            scores = mx.concatenate([self.archived_scores, scores], axis=-1)
+        self.archived, self.archived_positions, self.archived_scores = packed, positions, scores
+        if positions.shape[-1] > self.archive:
+            best = mx.argpartition(-scores, kth=self.archive - 1, axis=-1)
+            self._keep_archived(best[..., : self.archive])
+
+    def _keep_archived(self, idx: mx.array) -> None:
+        """Keep archive entries `idx` [B, H, K] only (none: the archive is empty)."""
+        if idx.shape[-1] == 0:
+            self.archived = self.archived_positions = self.archived_scores = None
+            return
+        self.archived = tuple(_take_packed(part, idx) for part in self.archived)
+        self.archived_positions = mx.take_along_axis(self.archived_positions, idx, axis=-1)
+        self.archived_scores = mx.take_along_axis(self.archived_scores, idx, axis=-1)
+
+    def archived_tokens(self) -> int:
+        """Tokens per head waiting in the archive."""
+        return 0 if self.archived_positions is None else self.archived_positions.shape[-1]
+
+    # ------------------------------------------------------------------ protocol
+
+    @property
+    def nbytes(self) -> int:
+        """H2O's bytes plus the archive's (the pinned list, <= `recall` int32, not counted)."""
+        extra = (self.archived, self.archived_positions, self.archived_scores)
+        return super().nbytes + sum(a.nbytes for a in _arrays(extra))
+
+    @property
+    def state(self):
+        *held, meta = super().state
+        if self.archived_positions is None:
+            return (*held, *([None] * 8), meta)
+        (kw, ks, kb), (vw, vs, vb) = self.archived
+        arc = (kw, ks, kb, vw, vs, vb, self.archived_positions, self.archived_scores)
+        return (*held, *arc, meta)
+
+    @state.setter
+    def state(self, v) -> None:
+        *held, kw, ks, kb, vw, vs, vb, positions, scores, meta = v
+        H2OKVCache.state.fset(self, (*held, meta))
+        self.archived = None if positions is None else ((kw, ks, kb), (vw, vs, vb))
+        self.archived_positions, self.archived_scores = positions, scores
+
+    @property
+    def meta_state(self) -> tuple[str]:
+        meta = json.loads(super().meta_state[0])
+        meta.update(archive=self.archive, recall=self.recall, group_size=self.group_size)
+        meta.update(recalled=self.recalled)
+        return (json.dumps(meta),)
+
+    @meta_state.setter
+    def meta_state(self, v) -> None:
+        H2OKVCache.meta_state.fset(self, v)
+        meta = json.loads(v[0])
+        self.archive, self.recall = meta["archive"], meta["recall"]
+        self.group_size, self.recalled = meta["group_size"], meta.get("recalled", 0)
+        self.pinned, self._observed = None, None
+
+
+def _sum_by_position(parts: list[tuple[mx.array, mx.array]], length: int) -> mx.array:
+    """Values [B, H, n] summed over heads by token position: [B, length]."""
+    B = parts[0][0].shape[0]
+    total = mx.zeros((B * length,), dtype=mx.float32)
+    for values, positions in parts:
+        flat = positions + (mx.arange(B) * length)[:, None, None]
+        total = total.at[flat.reshape(-1)].add(values.reshape(-1).astype(mx.float32))
+    return total.reshape(B, length)
+
+
+def _at_positions(by_pos: mx.array, positions: mx.array) -> mx.array:
+    """by_pos [B, length] read at positions [B, H, n]."""
+    B, H, n = positions.shape
+    return mx.take_along_axis(by_pos, positions.reshape(B, H * n), axis=-1).reshape(B, H, n)
+
+
+def _take_packed(parts, idx: mx.array) -> tuple:
+    """Rows `idx` [B, H, K] of each packed buffer (words, scales, biases) [B, H, A, ...]."""
+    return tuple(mx.take_along_axis(a, idx[..., None], axis=2) for a in parts)
+
+
+def _arrays(tree) -> list[mx.array]:
+    if tree is None:
+        return []
+    if isinstance(tree, mx.array):
+        return [tree]
+    return [a for t in tree for a in _arrays(t)]
