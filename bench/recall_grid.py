@@ -33,33 +33,53 @@ def run(args: argparse.Namespace) -> list[dict]:
     from bench.eval_cli import eval_records
     from server.cli import build_parser
 
-    argv = [
+    common = [
         "eval", "recall", "--document", "--samples", str(args.trials),
         "--turns", str(args.turns), "--filler-tokens", str(args.filler_tokens),
-        "--policy", "full", "rotating", "h2o", "--score", *args.rules,
         "--max-kv", *map(str, args.max_kv),
     ]  # fmt: skip
-    return eval_records(build_parser().parse_args(argv))
+    # full and rotating do not score: once each, not once per rule
+    groups = [(["full", "rotating"], ["mean"]), (["h2o"], args.rules), (["h2o-recall"], ["mean"])]
+    rows = []
+    for policies, rules in groups:
+        argv = [*common, "--policy", *policies, "--score", *rules]
+        rows += eval_records(build_parser().parse_args(argv))
+    return rows
+
+
+def kv_bytes(row: dict) -> float:
+    """The session's KV bytes at its largest (cache/budget.py, as allocated), default model:
+    full holds the conversation; the others their bound whatever its length."""
+    from bench.eval_cli import _load
+    from cache.budget import ModelShape, session_bytes
+
+    shape = ModelShape.of(_load("default")[0], element_bytes=4)
+    if row["policy"] == "full":
+        return session_bytes(shape, "full", row["conversation_tokens"])
+    return session_bytes(shape, row["policy"], row["max_kv"])
 
 
 def table(rows: list[dict]) -> list[str]:
     full = next(r for r in rows if r["policy"] == "full")
     lines = [
-        "| cache | max_kv | hits | recall (95% CI) | vs full's hits | conversation tokens |",
-        "|---|---|---|---|---|---|",
+        "| cache | max_kv | hits | recall (95% CI) | vs full's hits | KV MiB (bound) "
+        "| conversation tokens |",
+        "|---|---|---|---|---|---|---|",
     ]
     seen = set()
     for r in rows:
-        name = r["policy"] if r["policy"] != "h2o" else f"h2o {r['score']}"
+        scored = r["policy"].startswith("h2o")
+        name = f"{r['policy']} {r['score']}" if scored else r["policy"]
         kv = "" if r["policy"] == "full" else r["max_kv"]
-        if (name, kv) in seen:  # full and rotating repeat once per score rule
+        if (name, kv) in seen:
             continue
         seen.add((name, kv))
         lo, hi = wilson(r["hits"], r["samples"])
         share = r["hits"] / full["hits"] if full["hits"] else float("nan")
         lines.append(
             f"| {name} | {kv} | {r['hits']}/{r['samples']} | {r['recall']:.2f} "
-            f"({lo:.2f}-{hi:.2f}) | {share:.2f} | {r['conversation_tokens']} |"
+            f"({lo:.2f}-{hi:.2f}) | {share:.2f} | {kv_bytes(r) / 2**20:.1f} "
+            f"| {r['conversation_tokens']} |"
         )
     return lines
 

@@ -14,6 +14,7 @@ from cache.kvarn import KVarNCache
 from cache.merging import MergingH2OKVCache
 from cache.mixed import MixedH2OKVCache
 from cache.quantized import QuantizedH2OKVCache
+from cache.recall import RecallH2OKVCache
 from cache.rotating import SinkRotatingKVCache
 from cache.router import UnroutedAttention, install_router, uninstall_router, verify_routing
 from cache.windowed import WINDOWED, WindowedH2OKVCache
@@ -21,7 +22,7 @@ from cache.windowed import WINDOWED, WindowedH2OKVCache
 # mlx-lm's load_prompt_cache looks cache classes up by name in its own module.
 _OWN_CACHES = (
     H2OKVCache, QuantizedH2OKVCache, MixedH2OKVCache, KVarNCache, H2OKVarNCache,
-    MergingH2OKVCache,
+    MergingH2OKVCache, RecallH2OKVCache,
 )  # fmt: skip
 for _cls in (*_OWN_CACHES, SinkRotatingKVCache, *WINDOWED.values()):
     setattr(_mlx_lm_cache, _cls.__name__, _cls)
@@ -35,6 +36,7 @@ __all__ = [
     "MergingH2OKVCache",
     "MixedH2OKVCache",
     "QuantizedH2OKVCache",
+    "RecallH2OKVCache",
     "ScoredAttention",
     "ScoresMissing",
     "SinkRotatingKVCache",

@@ -119,3 +119,20 @@ def test_recall_size_is_checked_and_defaults_to_a_phrase():
     with pytest.raises(ValueError, match="archive"):
         RecallH2OKVCache(32, archive=-1)
     assert CacheSpec("h2o-recall", 64).info.scored
+
+
+@pytest.mark.parametrize("steps", [10, 50])  # archive empty, then holding tokens
+def test_prompt_cache_file_round_trip(tmp_path, steps):
+    """What the server's spill does (mlx-lm's save/load_prompt_cache): the archive comes back."""
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    original = RecallH2OKVCache(16, archive=64, evict_batch=2)
+    decode(original, steps, seed=4)
+    save_prompt_cache(str(tmp_path / "c.safetensors"), [original])
+    (loaded,) = load_prompt_cache(str(tmp_path / "c.safetensors"))
+    assert type(loaded) is RecallH2OKVCache and loaded.meta_state == original.meta_state
+    assert archived(loaded) == archived(original) and held(loaded) == held(original)
+    k, v = random_kv(12, seed=6)
+    np.testing.assert_allclose(
+        np.array(feed(loaded, k, v)), np.array(feed(original, k, v)), atol=1e-5
+    )

@@ -369,7 +369,10 @@ def test_windowed_cache_save_and_load(tmp_path):
 
 @pytest.mark.parametrize(
     "policy",
-    ["h2o", "h2o-q8", "rotating", "full", "kvarn", "h2o-kvarn", "h2o-ada", "h2o-merge", "h2o-recall"],
+    [
+        *("h2o", "h2o-q8", "rotating", "full", "kvarn", "h2o-kvarn", "h2o-ada", "h2o-merge"),
+        "h2o-recall",
+    ],
 )
 @pytest.mark.parametrize("max_kv", [8, 20])
 def test_budget_formula_is_what_every_layer_allocates(policy, max_kv):
