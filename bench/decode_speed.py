@@ -54,12 +54,27 @@ def cases(context: int, max_kv: int) -> list[tuple[str, dict | None, str | None]
         (h2o, {"policy": "h2o", "max_kv": max_kv}, rotating),
         (f"h2o-merge {max_kv}, evicting", {"policy": "h2o-merge", "max_kv": max_kv}, h2o),
         (f"h2o-q8 {max_kv}, evicting", {"policy": "h2o-q8", "max_kv": max_kv}, h2o),
+        (f"h2o-recall {max_kv}, evicting", {"policy": "h2o-recall", "max_kv": max_kv}, h2o),
         (
             f"h2o {max_kv}, evicting 1 per step",
             {"policy": "h2o", "max_kv": max_kv, "evict_batch": 1},
             rotating,
         ),
     ]
+
+
+def only(grid: list, policies: list[str] | None) -> list:
+    """The rows of these policies and the rows they are compared with (None: all)."""
+    if not policies:
+        return grid
+    picked = [row for row in grid if row[1] and row[1]["policy"] in policies]
+    bases = {base for _, _, base in picked}
+    while True:  # and the bases' own bases
+        more = {b for label, _, b in grid if label in bases and b and b not in bases}
+        if not more:
+            break
+        bases |= more
+    return [row for row in grid if row in picked or row[0] in bases]
 
 
 def synthetic_model(shape: str, dtype: mx.Dtype) -> llama.Model:
@@ -131,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per measurement")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path, default=None, help="write a markdown report here")
+    p.add_argument("--policies", nargs="+", help="only these policies' rows (and their bases)")
     args = p.parse_args(argv)
 
     configure(backend=args.kernel)
@@ -147,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer = load_model(args.model)
         context = mx.array(essay_token_ids(tokenizer, args.context))
         what = f"Model `{args.model}`"
-    grid = cases(args.context, args.max_kv)
+    grid = only(cases(args.context, args.max_kv), args.policies)
     tps: dict[str, list[dict]] = {label: [] for label, _, _ in grid}
     for r in range(args.rounds):
         for label, kwargs, _ in grid:

@@ -92,9 +92,9 @@ class ScoredAttention:
         additive logit per stored key, [B, n_kv_heads, keys] (cache/merging.py).
         """
         L = queries.shape[2]
-        # cache/recall.py: a prompt chunk also reads the archive of evicted tokens.
-        archive = cache.archive_part() if L > 1 and hasattr(cache, "archive_part") else None
-        if archive is not None:
+        archive = None
+        if hasattr(cache, "archive_part"):  # cache/recall.py: a prompt reads evicted tokens
+            archive = cache.archive_part(L)
             cache.observe(queries, scale)
         if L <= self.block:
             out, logits, probs = self.attend(queries, keys, values, cache, scale, mask, bias)

@@ -4,17 +4,19 @@ Question-agnostic eviction cannot keep a fact nobody has attended to yet: a numb
 stated in turn 1 and asked for in turn 5 is long gone under any score rule
 (docs/recall.md: 0/24 for every rule at max_kv 64 and 128). Here an evicted token is
 not dropped but packed (8-bit, `mx.quantize`) into a per-head archive of up to
-`archive` tokens (the lowest-scored leave when it is full). Each multi-token chunk
-(a new turn's prompt) then looks into the archive with its last `window` queries, the
-ones closest to what will be generated (SnapKV's observation window): each archived
-token gets the attention mass those queries would give it next to the cache's keys,
-max-pooled over position neighbours so that a phrase comes back whole. The `recall`
-best tokens per head with mass above the cache's weakest middle token come back into
-the cache, pinned until the next chunk (eviction ranks them with the sinks), and
-what they displace goes into the archive. Decode reads the cache only, so its cost
-and the attention's memory stay those of max_kv; a turn's prompt pays one extra
-matmul over the archive (Quest and InfLLM retrieve evicted blocks the same way, per
-query step; once per turn is what a chat needs).
+`archive` tokens (the lowest-scored leave when it is full). A new turn's prompt
+reads the archive as one more attention part: its chunks, and its last token, which
+the server feeds as the first decode step. That token's query and the prompt's
+queries before it (SnapKV's observation window, `RECALL_WINDOW`: the ones closest to
+what will be generated) then weigh every archived token by the attention mass they
+give its position, next to the cache's keys, summed over the layer's heads and
+max-pooled over position neighbours, so that heads bring a phrase back whole, not
+fragments of it. The `recall` best tokens per head, if above the cache's weakest
+middle token, come back into the cache, pinned until the next prompt (eviction ranks
+them with the sinks); what they displace goes into the archive. Decode steps read the
+cache only, so their cost and attention memory stay those of max_kv; a prompt pays
+attention over the archive (Quest and InfLLM retrieve evicted blocks per decode
+step; once per turn is what a chat needs).
 
 Positions stay the original RoPE ones: the policy does not re-index near the
 context wall (an archived key would need re-rotating with the cache's).
@@ -33,7 +35,10 @@ from cache.scores.snap import sliding_max
 from config.cache_spec import DEFAULT_GROUP_SIZE, RECALL_BITS, default_recall
 
 RECALL_WINDOW = 32  # queries of a chunk that look into the archive (SnapKV's window)
-RECALL_KERNEL = 9  # position neighbours a recalled token brings along (pooling width)
+# Position neighbours a recalled token brings along: a short phrase. The recall harness
+# (bench/recall_grid.py, max_kv 128, 16 slots): kernel 7 recalled 6/12 documents, 9 6/8,
+# 13 11/12 and 21/24; kernel 17 with 32 slots 16/24.
+RECALL_KERNEL = 13
 ARCHIVE_BITS = RECALL_BITS  # +0.5% perplexity when attended (h2o-q8, docs/quantized.md)
 
 
@@ -66,28 +71,36 @@ class RecallH2OKVCache(H2OKVCache):
         self.archived_positions = None  # int32 [B, H, A]
         self.archived_scores = None  # float32 [B, H, A]: the rank a token had when evicted
         self.pinned = None  # int32 [B, H, P]: positions recalled by the last chunk
-        self._observed = None  # (queries [B, n_q, W, D], scale) of the chunk being scored
+        # A prompt's newest queries [B, n_q, <= RECALL_WINDOW, D] until it is recalled for.
+        self._window, self._recall_due, self._scale = None, False, 1.0
         self.recalled = 0  # tokens brought back so far (per head, summed over heads / H)
 
     # ----------------------------------------------------------------- the recall hook
 
-    def archive_part(self) -> tuple | None:
-        """The archive as one more part for a prompt chunk's attention (keys, values,
-        format), or None when it is empty."""
-        if self.archived_positions is None:
+    def archive_part(self, n_queries: int) -> tuple | None:
+        """The archive as one more attention part (keys, values, format) for a prompt's
+        queries: a chunk of `n_queries` > 1, or the single token right after chunks (the
+        server feeds a prompt's last token as the first decode step). None for decode
+        steps, or when the archive is empty."""
+        if self.archived_positions is None or not (n_queries > 1 or self._window is not None):
             return None
         return (*self.archived, KVFormat(ARCHIVE_BITS, ARCHIVE_BITS, self.group_size))
 
     def observe(self, queries: mx.array, scale: float) -> None:
-        """A multi-token chunk's queries (post-RoPE): its last `window` look into the archive
-        when the chunk's scores are in (evict_if_full)."""
-        self._observed = (queries[:, :, -RECALL_WINDOW:], scale)
+        """Queries (post-RoPE) of every attention call. A prompt's last `RECALL_WINDOW`
+        (its chunks', then the single token after them) choose what comes back, once,
+        when that token's scores are in (evict_if_full)."""
+        if queries.shape[2] == 1 and self._window is None:
+            return  # decoding
+        rows = queries if self._window is None else mx.concatenate([self._window, queries], 2)
+        self._window = rows[:, :, -RECALL_WINDOW:]
+        self._recall_due = queries.shape[2] == 1
+        self._scale = scale
 
     def evict_if_full(self) -> None:
-        if self._observed is not None:
-            queries, scale = self._observed
-            self._observed = None
-            self._recall(queries, scale)
+        if self._recall_due:
+            self._recall(self._window, self._scale)
+            self._window, self._recall_due = None, False
         super().evict_if_full()
 
     def _recall(self, queries: mx.array, scale: float) -> None:
@@ -248,7 +261,7 @@ class RecallH2OKVCache(H2OKVCache):
         meta = json.loads(v[0])
         self.archive, self.recall = meta["archive"], meta["recall"]
         self.group_size, self.recalled = meta["group_size"], meta.get("recalled", 0)
-        self.pinned, self._observed = None, None
+        self.pinned, self._window, self._recall_due = None, None, False
 
 
 def _sum_by_position(parts: list[tuple[mx.array, mx.array]], length: int) -> mx.array:

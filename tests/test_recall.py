@@ -72,8 +72,10 @@ def test_a_chunk_that_asks_for_an_archived_token_brings_it_back_pinned():
     slots = [np.flatnonzero(where[h] == target)[0] for h in range(H)]
     probe = mx.stack([key[0, h, int(slots[h])] for h in range(H)])[None, :, None, :] * 8.0
     chunk_k, chunk_v = random_kv(6, seed=9)
-    queries = mx.concatenate([chunk_k[:, :, :4], mx.repeat(probe, 2, axis=2)], axis=2)
-    feed(cache, chunk_k, chunk_v, queries)
+    feed(cache, chunk_k[:, :, :5], chunk_v[:, :, :5])  # a prompt's chunk: nothing back yet
+    assert cache.recalled == 0
+    # The prompt's last token, fed alone (the server's first decode step), asks for it.
+    feed(cache, chunk_k[:, :, 5:], chunk_v[:, :, 5:], probe)
     assert cache.recalled > 0
     assert all(target in h for h in held(cache)) and all(target not in a for a in archived(cache))
     pinned = set(np.array(cache.pinned).reshape(-1).tolist())
