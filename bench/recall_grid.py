@@ -4,7 +4,9 @@ Short documents grown a turn at a time (bench/recall.py, `--document`): a
 secret number in turn 1, essay passages as the next turns, then the question;
 each turn goes through the real server's session, which evicts as it would for
 any client (SmolLM2-135M fails the chat form even with a full cache). The goal of the
-issue: the best rule at max_kv 128 keeps >= 80% of the full cache's hits.
+issue: the best rule at max_kv 128 keeps >= 80% of the full cache's hits. Caches:
+full, rotating, h2o under each rule, h2o-recall, and h2o again at the max_kv that
+costs what h2o-recall costs (its archive full), so memory is compared with memory.
 
     python -m bench.recall_grid --out docs/recall.md
 """
@@ -36,24 +38,44 @@ def run(args: argparse.Namespace) -> list[dict]:
     common = [
         "eval", "recall", "--document", "--samples", str(args.trials),
         "--turns", str(args.turns), "--filler-tokens", str(args.filler_tokens),
-        "--max-kv", *map(str, args.max_kv),
     ]  # fmt: skip
-    # full and rotating do not score: once each, not once per rule
-    groups = [(["full", "rotating"], ["mean"]), (["h2o"], args.rules), (["h2o-recall"], ["mean"])]
+    # full and rotating do not score: once each, not once per rule; h2o once more at the
+    # max_kv whose bytes match h2o-recall's (its archive full), memory for memory
+    same_bytes = [str(equal_memory_max_kv(k)) for k in args.max_kv]
+    groups = [
+        (["full", "rotating"], ["mean"], args.max_kv),
+        (["h2o"], args.rules, args.max_kv),
+        (["h2o-recall"], ["mean"], args.max_kv),
+        (["h2o"], ["mean"], same_bytes),
+    ]
     rows = []
-    for policies, rules in groups:
-        argv = [*common, "--policy", *policies, "--score", *rules]
+    for policies, rules, sizes in groups:
+        argv = [*common, "--max-kv", *map(str, sizes), "--policy", *policies, "--score", *rules]
         rows += eval_records(build_parser().parse_args(argv))
     return rows
+
+
+def default_shape():
+    from bench.eval_cli import _load
+    from cache.budget import ModelShape
+
+    return ModelShape.of(_load("default")[0], element_bytes=4)
+
+
+def equal_memory_max_kv(max_kv: int) -> int:
+    """The h2o max_kv whose session bytes are h2o-recall's at `max_kv` (default model)."""
+    from cache.budget import max_kv_within, session_bytes
+
+    shape = default_shape()
+    return max_kv_within(int(session_bytes(shape, "h2o-recall", max_kv)), shape, "h2o")
 
 
 def kv_bytes(row: dict) -> float:
     """The session's KV bytes at its largest (cache/budget.py, as allocated), default model:
     full holds the conversation; the others their bound whatever its length."""
-    from bench.eval_cli import _load
-    from cache.budget import ModelShape, session_bytes
+    from cache.budget import session_bytes
 
-    shape = ModelShape.of(_load("default")[0], element_bytes=4)
+    shape = default_shape()
     if row["policy"] == "full":
         return session_bytes(shape, "full", row["conversation_tokens"])
     return session_bytes(shape, row["policy"], row["max_kv"])
