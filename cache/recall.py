@@ -28,7 +28,7 @@ import json
 
 import mlx.core as mx
 
-from cache.attention import KVFormat
+from cache.attention import DENSE
 from cache.h2o import H2OKVCache
 from cache.quantized import quantize
 from cache.scores.snap import sliding_max
@@ -84,7 +84,9 @@ class RecallH2OKVCache(H2OKVCache):
         steps, or when the archive is empty."""
         if self.archived_positions is None or not (n_queries > 1 or self._window is not None):
             return None
-        return (*self.archived, KVFormat(ARCHIVE_BITS, ARCHIVE_BITS, self.group_size))
+        # Unpacked once per call, not per query block: the dense kernel is the fast one.
+        keys, values = (self._unpack(part) for part in self.archived)
+        return keys, values, DENSE
 
     def observe(self, queries: mx.array, scale: float) -> None:
         """Queries (post-RoPE) of every attention call. A prompt's last `RECALL_WINDOW`
@@ -110,8 +112,7 @@ class RecallH2OKVCache(H2OKVCache):
             return
         B, H, A = self.archived_positions.shape
         n = self._len
-        gs, bits = self.group_size, ARCHIVE_BITS
-        arc_k = mx.dequantize(*self.archived[0], group_size=gs, bits=bits)
+        arc_k = self._unpack(self.archived[0])
         rows = queries.reshape(B, H, -1, queries.shape[-1]).astype(mx.float32)  # GQA groups
         held_logits = (rows @ self.keys[:, :, :n].astype(mx.float32).swapaxes(-1, -2)) * scale
         arc_logits = (rows @ arc_k.astype(mx.float32).swapaxes(-1, -2)) * scale
@@ -153,11 +154,14 @@ class RecallH2OKVCache(H2OKVCache):
         back_pos = mx.take_along_axis(self.archived_positions, picked, axis=-1)
         self._keep_archived(rest)
         dtype = self.keys.dtype
-        keys = mx.dequantize(*back_k, group_size=gs, bits=bits).astype(dtype)
-        values = mx.dequantize(*back_v, group_size=gs, bits=bits).astype(dtype)
+        keys, values = self._unpack(back_k).astype(dtype), self._unpack(back_v).astype(dtype)
         self._insert(keys, values, back_pos)
         self.pinned = back_pos
         self.recalled += count
+
+    def _unpack(self, packed) -> mx.array:
+        """Archived keys or values (words, scales, biases) as dense [B, H, n, D]."""
+        return mx.dequantize(*packed, group_size=self.group_size, bits=ARCHIVE_BITS)
 
     def _insert(self, keys: mx.array, values: mx.array, positions: mx.array) -> None:
         """Append recalled tokens as held slots (score 0: what they earn from here on)."""
