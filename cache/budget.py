@@ -148,6 +148,14 @@ def cache_bytes(shape: ModelShape, policy: str, max_kv: int, kvarn: str = DEFAUL
     return shape.layers * shape.kv_heads * per_head
 
 
+def kv_width(shape: ModelShape, bits: int | None, group_size: int) -> float:
+    """Bytes of one token's K or V in one head: dense, or packed plus a scale and a bias
+    per group."""
+    if bits is None:
+        return shape.head_dim * shape.element_bytes
+    return shape.head_dim * bits / 8 + 2 * shape.element_bytes * shape.head_dim / group_size
+
+
 def bytes_per_token(
     shape: ModelShape,
     policy: str,
@@ -166,12 +174,8 @@ def bytes_per_token(
         tokens = max_kv or KVARN_REFERENCE_TOKENS
         return cache_bytes(shape, policy, tokens, kvarn) / tokens
 
-    def width(bits: int | None) -> float:  # K or V of one head: dense, or packed plus scale/bias
-        if bits is None:
-            return shape.head_dim * shape.element_bytes
-        return shape.head_dim * bits / 8 + 2 * shape.element_bytes * shape.head_dim / group_size
-
-    per_head = width(info.key_bits) + width(info.value_bits)
+    per_head = kv_width(shape, info.key_bits, group_size)
+    per_head += kv_width(shape, info.value_bits, group_size)
     if info.scored:
         per_head += H2O_BOOKKEEPING
     if info.cache == "adaptive":
@@ -184,9 +188,8 @@ def bytes_per_token(
 def archive_bytes_per_token(shape: ModelShape, group_size: int = DEFAULT_GROUP_SIZE) -> float:
     """h2o-recall: one archived token across all layers (8-bit K and V with a scale and a
     bias per group, its position and score)."""
-    d = shape.head_dim
-    packed = d * RECALL_BITS / 8 + 2 * shape.element_bytes * d / group_size
-    return shape.layers * shape.kv_heads * (2 * packed + H2O_BOOKKEEPING)
+    packed = 2 * kv_width(shape, RECALL_BITS, group_size)
+    return shape.layers * shape.kv_heads * (packed + H2O_BOOKKEEPING)
 
 
 def _layer_bytes(shape: ModelShape, policy: str, max_kv: int, group_size: int, kvarn: str) -> float:

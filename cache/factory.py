@@ -95,7 +95,7 @@ BUILDERS = {
         )
         if window is None
         else _scored(H2OKVCache, spec, window)
-    ),  # fmt: skip
+    ),
     "quantized": _quantized,
     "mixed": _mixed,
     "kvarn": lambda spec, window=None: KVarNCache(*KVARN_PRESETS[spec.kvarn]),

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from cache.attention import DENSE
 from cache.h2o import H2OKVCache
@@ -234,7 +235,7 @@ class RecallH2OKVCache(H2OKVCache):
     def nbytes(self) -> int:
         """H2O's bytes plus the archive's (the pinned list, <= `recall` int32, not counted)."""
         extra = (self.archived, self.archived_positions, self.archived_scores)
-        return super().nbytes + sum(a.nbytes for a in _arrays(extra))
+        return super().nbytes + sum(a.nbytes for _, a in tree_flatten(extra) if a is not None)
 
     @property
     def state(self):
@@ -287,11 +288,3 @@ def _at_positions(by_pos: mx.array, positions: mx.array) -> mx.array:
 def _take_packed(parts, idx: mx.array) -> tuple:
     """Rows `idx` [B, H, K] of each packed buffer (words, scales, biases) [B, H, A, ...]."""
     return tuple(mx.take_along_axis(a, idx[..., None], axis=2) for a in parts)
-
-
-def _arrays(tree) -> list[mx.array]:
-    if tree is None:
-        return []
-    if isinstance(tree, mx.array):
-        return [tree]
-    return [a for t in tree for a in _arrays(t)]

@@ -34,17 +34,12 @@ class SnapScore(ScoreRule):
         return held + per_kv_head(probs[:, :, -self.window :], n_kv_heads)
 
     def rank(self, importance: mx.array, positions: mx.array, offset: int) -> mx.array:
-        return pool_by_position(importance, positions, self.kernel)
-
-
-def pool_by_position(values: mx.array, positions: mx.array, kernel: int) -> mx.array:
-    """Each slot's value max-pooled over its `kernel - 1` neighbours in position order
-    (among the slots given), per head."""
-    if kernel // 2 == 0:
-        return values
-    order = mx.argsort(positions, axis=-1)
-    pooled = sliding_max(mx.take_along_axis(values, order, axis=-1), kernel)
-    return mx.take_along_axis(pooled, mx.argsort(order, axis=-1), axis=-1)
+        """Each slot's score max-pooled over its neighbours in position order, per head."""
+        if self.kernel // 2 == 0:
+            return importance
+        order = mx.argsort(positions, axis=-1)
+        pooled = sliding_max(mx.take_along_axis(importance, order, axis=-1), self.kernel)
+        return mx.take_along_axis(pooled, mx.argsort(order, axis=-1), axis=-1)
 
 
 def sliding_max(x: mx.array, kernel: int) -> mx.array:
