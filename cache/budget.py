@@ -192,8 +192,23 @@ def archive_bytes_per_token(shape: ModelShape, group_size: int = DEFAULT_GROUP_S
     return shape.layers * shape.kv_heads * (packed + H2O_BOOKKEEPING)
 
 
-def _layer_bytes(shape: ModelShape, policy: str, max_kv: int, group_size: int, kvarn: str) -> float:
-    """One layer's cache of `policy`'s kind at max_kv, as allocated (spare slot, steps)."""
+def packed_extras(shape: ModelShape, max_kv: int, windowed: bool = False) -> int:
+    """What a packed H2O layer (h2o-q8, h2o-q4, h2o-mixed k8v4) holds besides its slots:
+    the key centre and, outside sliding windows, the dense sink pool (cache/quantized.py)."""
+    sinks = 0 if windowed else split_segments(max_kv).sink
+    return shape.kv_heads * (1 + 2 * sinks) * shape.head_dim * shape.element_bytes
+
+
+def _layer_bytes(
+    shape: ModelShape,
+    policy: str,
+    max_kv: int,
+    group_size: int,
+    kvarn: str,
+    windowed: bool = False,
+) -> float:
+    """One layer's cache of `policy`'s kind at max_kv, as allocated (spare slot, steps);
+    `windowed`: inside a sliding window larger than max_kv."""
     info = POLICIES[policy]
     if policy in KVARN_POLICIES:
         return cache_bytes(shape, policy, max_kv, kvarn) / shape.layers
@@ -202,6 +217,8 @@ def _layer_bytes(shape: ModelShape, policy: str, max_kv: int, group_size: int, k
     else:
         slots = max_kv + 1 if info.scored else max_kv
     held = slots * bytes_per_token(shape, policy, group_size)
+    if info.cache in ("quantized", "mixed"):
+        held += packed_extras(shape, max_kv, windowed) * shape.layers
     if info.cache == "recall":
         held += RECALL_ARCHIVE * max_kv * archive_bytes_per_token(shape, group_size)
     return held / shape.layers
@@ -227,7 +244,7 @@ def session_bytes(
         elif info.cache in ("adaptive", "merging", "recall"):
             total += _layer_bytes(shape, "h2o", max_kv, group_size, kvarn)  # plain H2O
         else:
-            total += per_layer
+            total += _layer_bytes(shape, policy, max_kv, group_size, kvarn, windowed=True)
     return total
 
 

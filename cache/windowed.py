@@ -75,6 +75,8 @@ class WindowedH2OKVCache(SlidingWindowMixin, H2OKVCache):
 class WindowedQuantizedH2OKVCache(SlidingWindowMixin, QuantizedH2OKVCache):
     """Packed (h2o-q8, h2o-q4, h2o-mixed k8v4) H2O inside a sliding window."""
 
+    dense_sinks = False  # its sinks leave with the window
+
 
 class WindowedMixedH2OKVCache(SlidingWindowMixin, MixedH2OKVCache):
     """The paper's mixed-precision H2O inside a sliding window."""

@@ -49,10 +49,16 @@ def test_keys_are_re_rotated_to_their_rank(cls):
     ranked = mx.take_along_axis(rpos, order, axis=-1)
     assert mx.all(ranked[:, 1:] > ranked[:, :-1]).item()
     assert mx.all(ranked < cache.offset).item()
-    # every held key is its raw key rotated to its RoPE position
-    held = cache.keys if cls is H2OKVCache else mx.dequantize(
-        *(a[:, :, :n] for a in cache.keys), group_size=cache.group_size, bits=cache.bits
-    )  # fmt: skip
+    # every held key is its raw key rotated to its RoPE position (packed: stored centred,
+    # the sinks served from the dense pool)
+    held = cache.keys
+    if cls is QuantizedH2OKVCache:
+        packed = (a[:, :, :n] for a in cache.keys)
+        held = mx.dequantize(*packed, group_size=cache.group_size, bits=cache.bits)
+        pool = cache._pool()
+        assert pool == 2
+        held = mx.concatenate([cache.sink_keys[:, :, :pool], held[:, :, pool:]], axis=2)
+        held = held + cache.key_center
     for h in range(H):
         for s in range(n):
             t, r = pos[h, s].item(), rpos[h, s].item()

@@ -13,7 +13,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 import cache  # noqa: F401  (registers the cache classes with mlx-lm)
 from cache import ATTENTION, H2OKVCache, QuantizedH2OKVCache, make_cache
 from cache.attention import ScoredAttention
-from cache.budget import ModelShape, bytes_per_token
+from cache.budget import ModelShape, bytes_per_token, packed_extras
 from cache.mixed import MIXED_LAYOUTS
 from kernels.reference import sdpa_with_scores
 
@@ -94,15 +94,22 @@ def test_bytes_per_cached_token_from_nbytes():
         for c in (dense, *others.values()):
             c.update_and_fetch(k, v)
             feed_scores(c, table, n_new)
-    ratio = {name: c.nbytes / dense.nbytes for name, c in others.items()}
+    # Packed slots beside them, a packed cache keeps a float32 key centre and its sinks dense
+    # (a fixed cost per layer, left out of the per-token ratio).
+    extras = {
+        name: N_KV * (1 + 2 * SEGMENTS["sink"]) * D * 4 * isinstance(c, QuantizedH2OKVCache)
+        for name, c in others.items()
+    }
+    ratio = {name: (c.nbytes - extras[name]) / dense.nbytes for name, c in others.items()}
     assert all(c.size() == dense.size() == MAX_SIZE for c in others.values())
     assert ratio["q8"] <= 0.30 and ratio["q4"] <= 0.17 and ratio["mixed-k8v4"] <= 0.24, ratio
     # Exact accounting: packed words + float32 scale and bias per group of 64, score, position.
     slots = N_KV * (MAX_SIZE + 1)
     assert dense.nbytes == slots * (2 * D * 4 + 8)
-    assert others["q8"].nbytes == slots * (2 * (D + 8) + 8)
-    assert others["q4"].nbytes == slots * (2 * (D // 2 + 8) + 8)
-    assert others["mixed-k8v4"].nbytes == slots * ((D + 8) + (D // 2 + 8) + 8)
+    assert others["q8"].nbytes == slots * (2 * (D + 8) + 8) + extras["q8"]
+    assert others["q4"].nbytes == slots * (2 * (D // 2 + 8) + 8) + extras["q4"]
+    k8v4 = slots * ((D + 8) + (D // 2 + 8) + 8) + extras["mixed-k8v4"]
+    assert others["mixed-k8v4"].nbytes == k8v4
     # Mixed: the old segment has max_size + 1 - recent slots, the window exactly `recent`.
     old, recent = N_KV * (MAX_SIZE + 1 - SEGMENTS["recent"]), N_KV * SEGMENTS["recent"]
     book = slots * 8
@@ -116,9 +123,13 @@ def dequantized(x, group_size: int, bits: int | None) -> mx.array:
 
 def dense_view(c: H2OKVCache, keys, values) -> tuple[mx.array, mx.array]:
     """What a quantized cache's fetched K/V stand for, dequantized, in slot order."""
-    if isinstance(c, QuantizedH2OKVCache):
+    if isinstance(c, QuantizedH2OKVCache):  # [dense sinks, packed] once sinks are pooled
         gs = c.group_size
-        return dequantized(keys, gs, c.bits), dequantized(values, gs, c.value_bits)
+        (sink_k, keys), (sink_v, values) = (keys, values) if c._pool() else ((None, keys),) * 2
+        k, v = dequantized(keys, gs, c.bits), dequantized(values, gs, c.value_bits)
+        if sink_k is None:
+            return k, v
+        return mx.concatenate([sink_k, k], axis=2), mx.concatenate([sink_v, v], axis=2)
     parts = []
     for old, recent in (keys, values):
         segments = [dequantized(old, c.group_size, c.heavy_bits)] if old is not None else []
@@ -149,17 +160,18 @@ def test_attention_matches_dense_attention_over_the_stored_values(layout, path):
 
 
 def test_dense_recent_mixed_quantizes_each_token_once():
-    """Its old segment holds exactly what h2o-q8 stores for the same tokens: no second rounding."""
+    """Its old segment's values are exactly what h2o-q8 packs for the same tokens: no second
+    rounding. (Values: h2o-q8 stores its keys centred, cache/quantized.py.)"""
     rng = np.random.default_rng(3)
     q8 = LAYOUTS["q8"]()
     mixed = LAYOUTS["mixed-dense-recent"]()
     for n_new in [20, *[1] * 25]:
         run_both(q8, mixed, rng, n_new)
-    (old_k, _), _ = mixed._fetch()
-    q8_k, _ = q8._fetch()
+    _, (old_v, _) = mixed._fetch()
+    q8_v = [a[:, :, : q8.size()] for a in q8.values]
     by_pos = np.argsort(slot_positions(q8), axis=-1)  # mixed slots are in position order
-    n_old = old_k[0].shape[2]
-    for mine, theirs in zip(old_k, q8_k, strict=True):
+    n_old = old_v[0].shape[2]
+    for mine, theirs in zip(old_v, q8_v, strict=True):
         theirs = np.take_along_axis(np.array(theirs[0]), by_pos[..., None], axis=1)
         np.testing.assert_array_equal(np.array(mine[0]), theirs[:, :n_old])
 
@@ -265,7 +277,60 @@ def test_next_token_distribution_stays_close_to_dense_h2o(default_model, dense_r
     print(f"{policy}: KL mean {kl.mean():.5f} max {kl.max():.5f}")
     assert kl.mean() < mean_bound and kl.max() < max_bound, (kl.mean(), kl.max())
     assert [c.evicted for c in caches] == [c.evicted for c in dense_caches]
-    # cache/budget.py's bytes per token is exactly what these caches hold.
+    # cache/budget.py's bytes per token (and per layer: key centre, dense sinks) are
+    # exactly what these caches hold.
     shape = ModelShape.of(model, element_bytes=4)
-    per_token = sum(c.nbytes for c in caches) / (MAX_KV + 1)
-    assert per_token == pytest.approx(bytes_per_token(shape, policy), rel=1e-9)
+    slots = sum(c.nbytes for c in caches) - shape.layers * packed_extras(shape, MAX_KV)
+    assert slots / (MAX_KV + 1) == pytest.approx(bytes_per_token(shape, policy), rel=1e-9)
+
+
+def test_keys_are_stored_centred_and_the_sinks_dense():
+    """Centring moves every logit of a query by one constant (same softmax); the sink tokens
+    are served exactly from the dense pool, first, whatever eviction did."""
+    rng = np.random.default_rng(6)
+    c = LAYOUTS["q8"]()
+    raw_k, raw_v = [], []
+    for n_new in [20, *[1] * 30]:  # evicts: 50 tokens into 28 slots
+        k, v = random_kv(rng, n_new)
+        raw_k.append(k)
+        raw_v.append(v)
+        q = mx.array(rng.standard_normal((B, N_Q, n_new, D)).astype(np.float32))
+        keys, values = c.update_and_fetch(k, v)
+        held = c.positions[..., : c.size()][..., None]  # what this step attends to
+        out, scores = ATTENTION(q, keys, values, c, scale=D**-0.5, mask=c.make_mask(n_new))
+        c.update_scores(scores)
+    sink = SEGMENTS["sink"]
+    assert c.evicted > 0 and c._pool() == sink
+    np.testing.assert_array_equal(slot_positions(c)[:, :sink], [list(range(sink))] * N_KV)
+    first_k, first_v = raw_k[0][:, :, :sink], raw_v[0][:, :, :sink]
+    parts = c.kv_segments(*c._fetch())
+    assert len(parts) == 2 and not parts[0][2].packed and parts[1][2].packed
+    np.testing.assert_array_equal(np.array(parts[0][0]), np.array(first_k - c.key_center))
+    np.testing.assert_array_equal(np.array(parts[0][1]), np.array(first_v))
+    # The last step against dense attention over the raw keys and values this cache holds.
+    all_k, all_v = mx.concatenate(raw_k, axis=2), mx.concatenate(raw_v, axis=2)
+    exact_out, exact_scores = sdpa_with_scores(
+        q, *(mx.take_along_axis(x, held, axis=2) for x in (all_k, all_v)), D**-0.5
+    )
+    shift = np.array(exact_scores - scores)
+    np.testing.assert_allclose(shift, shift[..., :1].repeat(shift.shape[-1], -1), atol=0.05)
+    np.testing.assert_allclose(np.array(out), np.array(exact_out), atol=0.02)
+
+
+def test_a_state_saved_before_centring_still_loads():
+    """Spilled sessions from before the centre and the pool: plain packed keys, no centring."""
+    rng = np.random.default_rng(7)
+    c = LAYOUTS["q4"]()
+    c.update_and_fetch(*random_kv(rng, 10))
+    c.update_scores(mx.zeros((B, N_Q, 10, 10)))
+    keys, values, scores, positions, meta = c.state
+    old = QuantizedH2OKVCache.from_state((keys[:3], values[:3], scores, positions, meta))
+    assert old.key_center is None and old._pool() == 0
+    k, v = random_kv(rng, 1)
+    fetched_k, _ = old.update_and_fetch(k, v)
+    assert len(fetched_k) == 3 and old.size() == 11
+    np.testing.assert_allclose(
+        np.array(mx.dequantize(*(a[:, :, 10:] for a in fetched_k), group_size=64, bits=4)),
+        np.array(k),
+        atol=0.5,
+    )
