@@ -33,8 +33,14 @@ import mlx.core as mx
 
 from bench.text import essay_token_ids
 from cache import ATTENTION, cache_usage, configure, make_cache
-from cache.budget import KVARN_POLICIES, ModelShape, bytes_per_token, cache_bytes
-from config.cache_spec import DEFAULT_MIXED
+from cache.budget import (
+    KVARN_POLICIES,
+    ModelShape,
+    bytes_per_token,
+    cache_bytes,
+    session_bytes,
+)
+from config.cache_spec import DEFAULT_MIXED, POLICIES
 from kernels import select_backend
 from server.models import load_model
 
@@ -330,7 +336,10 @@ def budget_formula(shape, kwargs: dict, stored: int, max_kv: int) -> float | Non
         if policy == "kvarn":
             return cache_bytes(shape, policy, stored) / stored
         return cache_bytes(shape, policy, max_kv) / (max_kv + 1)
-    return bytes_per_token(shape, policy, group_size=kwargs.get("group_size", 64))
+    group_size = kwargs.get("group_size", 64)
+    if POLICIES[policy].scored:  # per layer too: a packed cache's key centre and sink pool
+        return session_bytes(shape, policy, max_kv, group_size) / (max_kv + 1)
+    return bytes_per_token(shape, policy, group_size=group_size)
 
 
 if __name__ == "__main__":
