@@ -159,6 +159,33 @@ def test_attention_matches_dense_attention_over_the_stored_values(layout, path):
     assert c.evicted > 0
 
 
+PROMPT_LAYOUTS = {**LAYOUTS, "q4-rotated": layout(QuantizedH2OKVCache, bits=4, rotate=True)}
+
+
+@pytest.mark.parametrize("layout", list(PROMPT_LAYOUTS))
+def test_a_prompt_attends_to_the_packed_cache_unpacked(layout):
+    """A prompt chunk (many queries, in blocks) reads packed K/V dequantized once through
+    the dense kernel: its outputs and the scores it leaves in the cache equal the packed
+    kernel's over the same parts, and eviction keeps the same positions."""
+    rng = np.random.default_rng(8)
+    blocked, packed = PROMPT_LAYOUTS[layout](), PROMPT_LAYOUTS[layout]()
+    prompt = ScoredAttention(block=8)
+    for n_new in [20, 1, 17, 1, 30]:  # chunks longer than a block; the cache evicts
+        k, v = random_kv(rng, n_new)
+        q = mx.array(rng.standard_normal((B, N_Q, n_new, D)).astype(np.float32))
+        mask = blocked.make_mask(n_new)
+        out = prompt.attend_scored(q, *blocked.update_and_fetch(k, v), blocked, D**-0.5, mask)
+        want, scores = ATTENTION(q, *packed.update_and_fetch(k, v), packed, D**-0.5, mask)
+        packed.update_scores(scores)
+        np.testing.assert_allclose(np.array(out), np.array(want), atol=1e-5, rtol=1e-4)
+        np.testing.assert_array_equal(slot_positions(blocked), slot_positions(packed))
+        n = packed.size()
+        np.testing.assert_allclose(
+            np.array(blocked.scores[..., :n]), np.array(packed.scores[..., :n]), rtol=1e-4
+        )
+    assert packed.evicted > 0
+
+
 def test_dense_recent_mixed_quantizes_each_token_once():
     """Its old segment's values are exactly what h2o-q8 packs for the same tokens: no second
     rounding. (Values: h2o-q8 stores its keys centred, cache/quantized.py.)"""
