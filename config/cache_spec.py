@@ -159,6 +159,7 @@ DEFAULT_KVARN = "k4v2"
 DEFAULT_MAX_KV = 256
 DEFAULT_SINK = 4
 DEFAULT_GROUP_SIZE = 64  # quantization group along the head dim
+QUANT_GROUP_SIZES = (32, 64, 128)  # what mx.quantize packs
 RECALL_ARCHIVE = 4  # h2o-recall: evicted tokens archived per layer and head, x max_kv
 RECALL_BITS = 8  # h2o-recall: the archive's K/V width
 MIN_RECALL = 16  # h2o-recall: tokens a prompt may bring back, at least (a phrase)
@@ -294,6 +295,10 @@ class CacheSpec:
         choose("mixed scheme", self.mixed, MIXED_SCHEMES)
         choose("kvarn preset", self.kvarn, KVARN_PRESETS)
         choose("kvarn strategy", self.kvarn_strategy, KVARN_STRATEGIES)
+        if self.group_size not in QUANT_GROUP_SIZES:
+            raise ValueError(
+                f"quantization group size {self.group_size}: choose from {QUANT_GROUP_SIZES}"
+            )
         segments = self.segments()  # checks preset and sizes
         if self.evict_batch is not None and not 1 <= self.evict_batch <= max(1, segments.heavy):
             raise ValueError(

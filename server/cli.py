@@ -16,12 +16,14 @@ from pydantic import ValidationError
 
 from config.blas import preload_openblas
 from config.cache_spec import (
+    DEFAULT_GROUP_SIZE,
     DEFAULT_MAX_KV,
     DEFAULT_POLICY,
     DEFAULT_PRESET,
     DEFAULT_SCORE,
     POLICIES,
     PRESETS,
+    QUANT_GROUP_SIZES,
     SCORE_RULES,
     CacheSpec,
 )
@@ -72,9 +74,23 @@ def _add_cache_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="tokens evicted at once when the cache overflows (default max_kv/16; 1 = per step)",
     )
+    g.add_argument(
+        "--kv-rotate",
+        dest="rotate",
+        action="store_true",
+        help="h2o-q8, h2o-q4, h2o-mixed: Hadamard-rotate K/V before packing",
+    )
+    g.add_argument(
+        "--kv-group-size",
+        dest="group_size",
+        type=int,
+        default=DEFAULT_GROUP_SIZE,
+        choices=QUANT_GROUP_SIZES,
+        help="packed policies: one scale and bias per this many values",
+    )
 
 
-SPEC_FLAGS = ("preset", "score", "sink", "heavy", "recent", "evict_batch")
+SPEC_FLAGS = ("preset", "score", "sink", "heavy", "recent", "evict_batch", "rotate", "group_size")
 
 
 def _cache_spec(args: argparse.Namespace, model) -> CacheSpec:
@@ -178,6 +194,8 @@ def _add_serve_parser(sub) -> None:
         flag = "--" + name.replace("_", "-")
         if name == "allowed_origins":
             serve.add_argument(flag, nargs="*", default=None, help=field.description)
+        elif field.annotation is bool:  # `--kv-rotate` alone, or `--kv-rotate false`
+            serve.add_argument(flag, nargs="?", const="true", default=None, help=field.description)
         else:
             kind = field.annotation if field.annotation in (int, float) else str
             serve.add_argument(flag, type=kind, default=None, help=field.description)
@@ -292,15 +310,21 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    """Flags override H2O_* environment variables, which override the defaults."""
-    import logging
-
+def serve_settings(args: argparse.Namespace):
+    """ServerSettings from `serve`'s flags, which override H2O_* environment variables,
+    which override the defaults (pydantic's ValidationError on a bad value)."""
     from config.settings import ServerSettings
-    from server.lifecycle import serve
 
     given = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
-    settings = ServerSettings(**given)
+    return ServerSettings(**given)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from server.lifecycle import serve
+
+    settings = serve_settings(args)
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )

@@ -72,6 +72,8 @@ class Engine:
             shares_for=shares_for,
             preset=settings.preset,
             score=settings.score,
+            rotate=settings.kv_rotate,
+            group_size=settings.kv_group_size,
         )
         make_cache(model, spec)  # fails now, not on the first request, if the policy cannot run
         spill_budget = (
@@ -93,7 +95,7 @@ class Engine:
             settings.max_sessions,
             spec.policy,
             spec.max_kv,
-            session_bytes(shape, spec.policy, spec.max_kv) / 2**20,
+            session_bytes(shape, spec.policy, spec.max_kv, spec.group_size) / 2**20,
             len(shape.windows),
             shape.layers,
             layer_budgets,
@@ -122,6 +124,8 @@ class Engine:
             shares_for=self.shares_for,
             preset=options.preset or self.spec.preset,
             score=options.score or self.spec.score,
+            rotate=self.spec.rotate,
+            group_size=self.spec.group_size,
         )
 
     def prompt_limit(self, spec: CacheSpec) -> int | None:

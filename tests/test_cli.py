@@ -100,6 +100,26 @@ def test_published_h2o_flag_names_evict():
     assert int(s["stored"]) + int(s["evicted"]) == int(s["total"])
 
 
+def test_rotated_4bit_keys_in_groups_of_32():
+    """--kv-rotate and --kv-group-size reach the packed cache: it generates and evicts, and
+    a group size mx.quantize cannot pack is refused by argparse."""
+    r = h2o_server(
+        "--prompt", LONG_PROMPT,
+        "--max-tokens", "16",
+        "--policy", "h2o-q4",
+        "--max-kv", "32",
+        "--kv-rotate",
+        "--kv-group-size", "32",
+        "--stats",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    assert re.search(r"cache: h2o-q4 max_kv=32\b.* evicted [1-9]", r.stderr), r.stderr
+    bad = h2o_server("--prompt", "hi", "--policy", "h2o-q4", "--kv-group-size", "48")
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
+    assert "Traceback" not in r.stderr + bad.stderr
+
+
 def test_same_seed_same_sampled_text():
     args = ("--prompt", "Tell me a joke.", "--temp", "0.8", "--seed", "7", "--max-tokens", "16")
     procs = [
@@ -219,3 +239,21 @@ def test_chat_reuses_the_cached_history_across_turns():
     assert reused1 == 0 and reused2 == seen1  # all of turn 1 came from the cache
     # bounded by the largest layer's share of the profile; the mean layer evicts
     assert stored1 <= high and stored2 <= high and seen2 > seen1 > 48
+
+
+def test_serve_takes_the_packed_cache_settings():
+    """`serve --kv-rotate` alone or with a value, and --kv-group-size, land in ServerSettings
+    (the server passes them to every session's CacheSpec); a bad group size is refused."""
+    from pydantic import ValidationError
+
+    from server.cli import build_parser, serve_settings
+
+    def settings(*flags: str):
+        return serve_settings(build_parser().parse_args(["serve", *flags]))
+
+    s = settings("--kv-rotate", "--kv-group-size", "32")
+    assert s.kv_rotate is True and s.kv_group_size == 32
+    assert settings("--kv-rotate", "false").kv_rotate is False
+    assert settings().kv_rotate is False and settings().kv_group_size == 64
+    with pytest.raises(ValidationError, match="32, 64, 128"):
+        settings("--kv-group-size", "48")
