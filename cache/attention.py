@@ -10,8 +10,9 @@ from kernels/ (`sdpa_with_scores` for dense parts; for packed parts the fused
 `dequantize` path is chosen) on the backend it was configured with, and merges
 parts by log-sum-exp. A prompt (more than one query) reads packed parts dequantized
 once per call through the dense kernel: a matmul kernel beats the packed one there
-(1024-token prefill of rotated h2o-q4 on CPU: 21 s -> 4.2 s, dense h2o 4.0 s). One instance, `ATTENTION`, serves the router; `configure`
-sets its backend (from `--kernel` or H2O_KERNEL, read once) and quantized path.
+(1024-token prefill of rotated h2o-q4 on CPU: 21 s -> 4.2 s, dense h2o 4.0 s).
+One instance, `ATTENTION`, serves the router; `configure` sets its backend (from
+`--kernel` or H2O_KERNEL, read once) and quantized path.
 """
 
 from __future__ import annotations
