@@ -8,9 +8,10 @@ only). `ScoredAttention` runs each part through a kernel
 from kernels/ (`sdpa_with_scores` for dense parts; for packed parts the fused
 `quantized_sdpa_with_scores`, or mx.dequantize and the dense kernel when the
 `dequantize` path is chosen) on the backend it was configured with, and merges
-parts by log-sum-exp. A prompt (more than one query) reads packed parts dequantized
-once per call through the dense kernel: a matmul kernel beats the packed one there
-(1024-token prefill of rotated h2o-q4 on CPU: 21 s -> 4.2 s, dense h2o 4.0 s).
+parts by log-sum-exp. A prompt (more than one query) reads packed parts (either kind)
+dequantized once per call, as one dense part, through the dense kernel: a matmul
+kernel beats the packed one there (1024-token prefill of rotated h2o-q4 on CPU:
+21 s -> 4.2 s, dense h2o 4.0 s).
 One instance, `ATTENTION`, serves the router; `configure` sets its backend (from
 `--kernel` or H2O_KERNEL, read once) and quantized path.
 """
@@ -32,7 +33,7 @@ from kernels import (
     select_backend,
 )
 from kernels.hadamard import rotate
-from kernels.kvarn import TileFormat, kvarn_sdpa_with_scores
+from kernels.kvarn import TileFormat, dequantize_storage, kvarn_sdpa_with_scores
 from kernels.reference import bias_as_mask, expand_mask
 
 QUANTIZED_PATHS = ("fused", "dequantize")
@@ -53,6 +54,11 @@ class KVFormat:
     @property
     def packed(self) -> bool:
         return self.key_bits is not None
+
+    @property
+    def tiles(self) -> TileFormat:
+        """KVarN's tile layout (for `tile` formats)."""
+        return TileFormat(self.tile, self.key_bits, self.value_bits, self.group_size)
 
 
 DENSE = KVFormat()
@@ -100,6 +106,8 @@ class ScoredAttention:
             archive = cache.archive_part(L)
             cache.observe(queries, scale)
         parts = cache.kv_segments(keys, values)
+        # KVarN caches take a block's scores over every stored key, not a prefix.
+        scores_prefix = all(fmt.tile is None for _, _, fmt in parts)
         if L > 1:  # many queries: the dense kernel is the fast one, so unpack once per call
             parts = unpacked(parts)
         if L <= self.block:
@@ -109,7 +117,7 @@ class ScoredAttention:
         n_keys = cache.size()
         # One plain part stores a chunk's slots in arrival order: a block sees exactly
         # the first n_keys - L + stop of them, causally, and scores only those.
-        plain = len(parts) == 1 and parts[0][2].tile is None
+        plain = scores_prefix and len(parts) == 1 and parts[0][2].tile is None
         prefix = plain and (mask is None or isinstance(mask, str))  # None or "causal"
         outs = []
         for start in range(0, L, self.block):
@@ -178,10 +186,9 @@ class ScoredAttention:
                 mask = bias_as_mask(mask, bias, queries.shape[1], L_q, L_k)
                 bias = None
         if fmt.tile is not None:  # KVarN: rotates the query in and the output back itself
-            tiles = TileFormat(fmt.tile, fmt.key_bits, fmt.value_bits, fmt.group_size)
             dequantize = self.quantized_path == "dequantize"
             out, logits = kvarn_sdpa_with_scores(
-                queries, keys, values, scale, mask, tiles, dequantize
+                queries, keys, values, scale, mask, fmt.tiles, dequantize
             )
             return out, logits, None
         if fmt.rotated:  # any backend's kernel on rotated storage: rotate in, rotate out once
@@ -210,11 +217,14 @@ class ScoredAttention:
 
 
 def unpacked(parts: list) -> list:
-    """Parts with mx.quantize storage dequantized (and rotated back), then joined into one
-    dense part when nothing else (KVarN tiles) remains: same attention, dense kernel."""
+    """Packed parts (mx.quantize or KVarN storage) dequantized and rotated back, joined
+    into one dense part: the same attention, through the dense kernel."""
     dense = []
     for keys, values, fmt in parts:
-        if fmt.packed and fmt.tile is None:
+        if fmt.tile is not None:
+            keys, values = (rotate(x) for x in dequantize_storage(keys, values, fmt.tiles))
+            fmt = DENSE
+        elif fmt.packed:
             gs, v_bits = fmt.group_size, fmt.value_bits or fmt.key_bits
             keys = mx.dequantize(*keys, group_size=gs, bits=fmt.key_bits)
             values = mx.dequantize(*values, group_size=gs, bits=v_bits)
@@ -222,10 +232,10 @@ def unpacked(parts: list) -> list:
                 keys, values = rotate(keys), rotate(values)
             fmt = DENSE
         dense.append((keys, values, fmt))
-    if len(dense) > 1 and all(fmt == DENSE for _, _, fmt in dense):
-        keys, values = (mx.concatenate([part[i] for part in dense], axis=2) for i in (0, 1))
-        return [(keys, values, DENSE)]
-    return dense
+    if len(dense) == 1:
+        return dense
+    keys, values = (mx.concatenate([part[i] for part in dense], axis=2) for i in (0, 1))
+    return [(keys, values, DENSE)]
 
 
 def _mask_rows(mask, L: int, n_keys: int, start: int, stop: int):

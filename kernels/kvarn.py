@@ -83,22 +83,24 @@ def kvarn_sdpa_with_scores(
     on the way out. `dequantize`: dequantize the tiles and call the dense kernel (the
     oracle for the packed path, and the 'dequantize' attention path).
     """
-    B, n_q, L_q, D = q.shape
     q_rot = rotate(q.astype(mx.float32))
-    (k_front, k_tiles, k_tail), (v_front, v_tiles, v_tail) = keys, values
-    if dequantize or k_tiles is None:
-        ks, vs = [k_front], [v_front]
-        if k_tiles is not None:
-            n, t = k_tiles[0].shape[2], fmt.tile
-            ks.append(dequantize_keys(k_tiles, fmt).reshape(B, -1, n * t, D))
-            vs.append(dequantize_values(v_tiles, fmt).reshape(B, -1, n * t, D))
-        ks.append(k_tail)
-        vs.append(v_tail)
-        k = mx.concatenate([x.astype(mx.float32) for x in ks if x is not None], axis=2)
-        v = mx.concatenate([x.astype(mx.float32) for x in vs if x is not None], axis=2)
-        out, scores = sdpa_with_scores(q_rot, k, v, scale, mask)
+    if dequantize or keys[1] is None:
+        out, scores = sdpa_with_scores(q_rot, *dequantize_storage(keys, values, fmt), scale, mask)
         return rotate(out).astype(q.dtype), scores
     return _packed(q_rot, keys, values, scale, mask, fmt, q.dtype)
+
+
+def dequantize_storage(keys: list, values: list, fmt: TileFormat) -> tuple[mx.array, mx.array]:
+    """[front | tiles | tail] as dense float32 K/V [B, H, n, D], still in the rotated frame."""
+    dense = []
+    for (front, tiles, tail), dequantize in ((keys, dequantize_keys), (values, dequantize_values)):
+        seq = [front]
+        if tiles is not None:
+            x = dequantize(tiles, fmt)  # [B, H, n_tiles, tile, D]
+            seq.append(x.reshape(*x.shape[:2], -1, x.shape[-1]))
+        seq.append(tail)
+        dense.append(mx.concatenate([x.astype(mx.float32) for x in seq if x is not None], axis=2))
+    return dense[0], dense[1]
 
 
 def _packed(q_rot, keys, values, scale, mask, fmt: TileFormat, dtype) -> tuple[mx.array, mx.array]:

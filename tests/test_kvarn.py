@@ -13,6 +13,7 @@ from test_quantized_cache import feed_scores  # scores by position, the same in 
 
 import cache  # noqa: F401  (registers the cache classes with mlx-lm)
 from cache import ATTENTION, H2OKVarNCache, H2OKVCache, KVarNCache, QuantizedH2OKVCache, make_cache
+from cache.attention import ScoredAttention
 from cache.budget import ModelShape, cache_bytes, max_kv_within
 from cache.kvarn_tiles import imbalance, sinkhorn
 from cache.router import uninstall_router
@@ -175,6 +176,35 @@ def test_h2o_kvarn_keeps_dense_h2o_positions(evict_batch):
         want = np.sort(np.array(dense.positions[0, :, : dense.size()]), axis=-1)
         np.testing.assert_array_equal(got, want)
     assert kvarn.evicted > 0 and kvarn.n_tiles() >= 1
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: KVarNCache(sink=16, tile=32, head_dim=D),
+        lambda: H2OKVarNCache(96, **SEGMENTS, tile=32, head_dim=D),
+    ],
+)
+def test_a_prompt_attends_to_the_tiles_unpacked(make):
+    """A prompt chunk (many queries, in blocks) reads the tiles dequantized once through the
+    dense kernel: outputs and scores equal the packed tile kernel's over the same storage."""
+    rng = np.random.default_rng(9)
+    blocked, packed = make(), make()
+    prompt = ScoredAttention(block=16)
+    for n_new in [60, 1, 40, 1, 50]:  # tiles fill; h2o-kvarn evicts
+        k, v = random_kv(rng, n_new)
+        q = mx.array(rng.standard_normal((B, N_Q, n_new, D)).astype(np.float32))
+        mask = blocked.make_mask(n_new)
+        out = prompt.attend_scored(q, *blocked.update_and_fetch(k, v), blocked, 0.125, mask)
+        want, scores = ATTENTION(q, *packed.update_and_fetch(k, v), packed, 0.125, mask)
+        packed.update_scores(scores)
+        assert_close(out, want, 1e-4)
+        assert blocked.size() == packed.size() and packed.n_tiles() >= 1
+        if packed.scores is not None:
+            np.testing.assert_array_equal(np.array(blocked.positions), np.array(packed.positions))
+            np.testing.assert_allclose(
+                np.array(blocked.scores), np.array(packed.scores), rtol=1e-4, atol=1e-6
+            )
 
 
 def test_h2o_kvarn_tile_rule_drops_whole_tiles_with_the_lowest_scores():
