@@ -24,7 +24,7 @@ score 0 and the position the next appended token will have, so appending
 writes keys and values only.
 
 Subclasses change how K/V are stored (cache/quantized.py) by overriding the
-`_encode`/`_fetch`/`_grow_kv`/`_gather_kv`/`_kv_state` hooks; buffers may be
+`_encode`/`_fetch`/`_grow_kv`/`_gather_kv`/`_kv_state`/`_kv_loaded` hooks; buffers may be
 lists of arrays (mx.quantize's packed weights, scales, biases), every one
 with the sequence on axis 2, so scoring and eviction never look inside them.
 """
@@ -255,6 +255,10 @@ class H2OKVCache:
             self.positions, self.lags = self.positions[0], self.positions[1]
         self.meta_state = (meta,)
         self._len = 0 if self.positions is None else self.positions.shape[-1]
+        self._kv_loaded()
+
+    def _kv_loaded(self) -> None:
+        """After a state is loaded: rebuild what `_kv_state` flattened into the K/V (a hook)."""
 
     @property
     def meta_state(self) -> tuple[str]:

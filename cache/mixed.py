@@ -93,13 +93,7 @@ class MixedH2OKVCache(H2OKVCache):
         self._reset_free_slots()
         return n
 
-    @property
-    def state(self):
-        return super().state
-
-    @state.setter
-    def state(self, v) -> None:
-        H2OKVCache.state.fset(self, v)
+    def _kv_loaded(self) -> None:
         if self.keys is not None:  # loaded nested lists: mutable [old, recent] pairs
             self.keys, self.values = list(self.keys), list(self.values)
 

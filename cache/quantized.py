@@ -202,13 +202,7 @@ class QuantizedH2OKVCache(H2OKVCache):
             values.append(self.sink_values)
         return keys, values
 
-    @property
-    def state(self):
-        return super().state
-
-    @state.setter
-    def state(self, v) -> None:
-        H2OKVCache.state.fset(self, v)
+    def _kv_loaded(self) -> None:
         self.key_center = self.sink_keys = self.sink_values = None
         if self.keys is None:
             return
