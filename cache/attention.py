@@ -115,10 +115,9 @@ class ScoredAttention:
             cache.update_scores(logits, probs)
             return self._with_archive(queries, out, logits, archive, scale)
         n_keys = cache.size()
-        # One plain part stores a chunk's slots in arrival order: a block sees exactly
-        # the first n_keys - L + stop of them, causally, and scores only those.
-        plain = scores_prefix and len(parts) == 1 and parts[0][2].tile is None
-        prefix = plain and (mask is None or isinstance(mask, str))  # None or "causal"
+        # The one dense part (unpacked) holds a chunk's slots in arrival order: a block
+        # sees exactly the first n_keys - L + stop of them, causally, and scores only those.
+        prefix = scores_prefix and (mask is None or isinstance(mask, str))  # None or "causal"
         outs = []
         for start in range(0, L, self.block):
             stop = min(start + self.block, L)
