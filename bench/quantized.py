@@ -48,7 +48,7 @@ from server.models import load_model
 CASES = {
     "h2o": ("h2o (dense)", {"policy": "h2o"}),
     "q8": ("h2o-q8", {"policy": "h2o-q8"}),
-    "q4": ("h2o-q4", {"policy": "h2o-q4"}),
+    "q4": ("h2o-q4 unrotated", {"policy": "h2o-q4", "rotate": False}),
     "q4-rot": ("h2o-q4 rotated", {"policy": "h2o-q4", "rotate": True}),
     "q4-rot-g32": (
         "h2o-q4 rotated, group 32",

@@ -279,7 +279,9 @@ class CacheSpec:
     evict_batch: int | None = None  # None: default_evict_batch
     mixed: str = DEFAULT_MIXED  # h2o-mixed layout
     group_size: int = DEFAULT_GROUP_SIZE  # quantized policies
-    rotate: bool = False  # h2o-q8/h2o-q4/h2o-mixed k8v4: Hadamard-rotate K/V before packing
+    # h2o-q8/h2o-q4/h2o-mixed k8v4: Hadamard-rotate K/V before packing. None: rotate
+    # 4-bit keys (h2o-q4) where the head dim allows (cache.factory.make_cache decides).
+    rotate: bool | None = None
     kvarn: str = DEFAULT_KVARN  # kvarn, h2o-kvarn: KVARN_PRESETS key
     kvarn_strategy: str = "requantize"  # h2o-kvarn: KVARN_STRATEGIES key
     # One weight per model layer: layers split layers x max_kv tokens in these proportions

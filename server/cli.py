@@ -77,8 +77,10 @@ def _add_cache_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-rotate",
         dest="rotate",
-        action="store_true",
-        help="h2o-q8, h2o-q4, h2o-mixed: Hadamard-rotate K/V before packing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="h2o-q8, h2o-q4, h2o-mixed: Hadamard-rotate K/V before packing "
+        "(default: on for h2o-q4's 4-bit keys)",
     )
     g.add_argument(
         "--kv-group-size",
@@ -194,7 +196,7 @@ def _add_serve_parser(sub) -> None:
         flag = "--" + name.replace("_", "-")
         if name == "allowed_origins":
             serve.add_argument(flag, nargs="*", default=None, help=field.description)
-        elif field.annotation is bool:  # `--kv-rotate` alone, or `--kv-rotate false`
+        elif field.annotation in (bool, bool | None):  # `--kv-rotate`, `--kv-rotate false`
             serve.add_argument(flag, nargs="?", const="true", default=None, help=field.description)
         else:
             kind = field.annotation if field.annotation in (int, float) else str

@@ -254,6 +254,7 @@ def test_serve_takes_the_packed_cache_settings():
     s = settings("--kv-rotate", "--kv-group-size", "32")
     assert s.kv_rotate is True and s.kv_group_size == 32
     assert settings("--kv-rotate", "false").kv_rotate is False
-    assert settings().kv_rotate is False and settings().kv_group_size == 64
+    # Unset: the cache factory decides (4-bit keys rotate).
+    assert settings().kv_rotate is None and settings().kv_group_size == 64
     with pytest.raises(ValidationError, match="32, 64, 128"):
         settings("--kv-group-size", "48")

@@ -381,3 +381,22 @@ def test_make_cache_rejects_a_head_dim_kvarn_cannot_pack():
             make_cache(model, policy="kvarn")
     finally:
         uninstall_router(model)
+
+
+def test_4bit_keys_are_rotated_unless_asked_not_to():
+    """h2o-q4 rotates by default (the same bytes, half the perplexity cost); rotate=False
+    keeps plain packing; 8-bit keys stay unrotated unless asked."""
+    model = tiny_llama(64)
+    try:
+        rotated = {
+            (policy, rotate): make_cache(model, policy=policy, rotate=rotate)[0].rotate
+            for policy in ("h2o-q4", "h2o-q8", "h2o-mixed")
+            for rotate in (None, False, True)
+        }
+    finally:
+        uninstall_router(model)
+    assert rotated == {
+        ("h2o-q4", None): True, ("h2o-q4", False): False, ("h2o-q4", True): True,
+        ("h2o-q8", None): False, ("h2o-q8", False): False, ("h2o-q8", True): True,
+        ("h2o-mixed", None): False, ("h2o-mixed", False): False, ("h2o-mixed", True): True,
+    }  # fmt: skip
