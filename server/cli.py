@@ -194,13 +194,15 @@ def _add_serve_parser(sub) -> None:
     )
     for name, field in ServerSettings.model_fields.items():
         flag = "--" + name.replace("_", "-")
+        # argparse %-formats help text: a description's "+3.6%" must reach it as "%%".
+        text = field.description and field.description.replace("%", "%%")
         if name == "allowed_origins":
-            serve.add_argument(flag, nargs="*", default=None, help=field.description)
+            serve.add_argument(flag, nargs="*", default=None, help=text)
         elif field.annotation in (bool, bool | None):  # `--kv-rotate`, `--kv-rotate false`
-            serve.add_argument(flag, nargs="?", const="true", default=None, help=field.description)
+            serve.add_argument(flag, nargs="?", const="true", default=None, help=text)
         else:
             kind = field.annotation if field.annotation in (int, float) else str
-            serve.add_argument(flag, type=kind, default=None, help=field.description)
+            serve.add_argument(flag, type=kind, default=None, help=text)
     serve.add_argument(
         "--no-ui", dest="ui", action="store_const", const="false", help="same as --ui false"
     )

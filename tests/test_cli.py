@@ -258,3 +258,15 @@ def test_serve_takes_the_packed_cache_settings():
     assert settings().kv_rotate is None and settings().kv_group_size == 64
     with pytest.raises(ValidationError, match="32, 64, 128"):
         settings("--kv-group-size", "48")
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "chat", "calibrate", "eval"])
+def test_every_command_prints_its_help(command, capsys):
+    """--help renders every flag's text (argparse %-formats it: a stray "%" in a settings
+    description once broke `serve --help`)."""
+    from server.cli import build_parser
+
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args([command, "--help"])
+    assert done.value.code == 0
+    assert "--" in capsys.readouterr().out
