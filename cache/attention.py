@@ -201,8 +201,7 @@ class ScoredAttention:
             return (*sdpa_with_scores(queries, keys, values, scale, mask, self.backend), None)
         gs, k_bits, v_bits = fmt.group_size, fmt.key_bits, fmt.value_bits or fmt.key_bits
         if self.quantized_path == "dequantize":
-            k = mx.dequantize(*keys, group_size=gs, bits=k_bits)
-            v = mx.dequantize(*values, group_size=gs, bits=v_bits)
+            [(k, v, _)] = unpacked([(keys, values, fmt)])
             return self.attend_part(queries, k, v, DENSE, scale, mask)
         pick = {"group_size": gs, "bits": k_bits, "value_bits": v_bits}
         if select_backend(self.backend, queries, keys[0], mask, **pick) == "reference":

@@ -115,7 +115,7 @@ class QuantizedH2OKVCache(H2OKVCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Centre the keys (the first tokens fix the centre), keep sinks dense, store all."""
-        if self.positions is None:  # a cache restored from before centring has no centre
+        if self.positions is None:  # the first tokens (a restored cache keeps its own)
             self._start(keys, values)
         if self.key_center is not None:
             keys = keys - self.key_center

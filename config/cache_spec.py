@@ -280,7 +280,7 @@ class CacheSpec:
     mixed: str = DEFAULT_MIXED  # h2o-mixed layout
     group_size: int = DEFAULT_GROUP_SIZE  # quantized policies
     # h2o-q8/h2o-q4/h2o-mixed k8v4: Hadamard-rotate K/V before packing. None: rotate
-    # 4-bit keys (h2o-q4) where the head dim allows (cache.factory.make_cache decides).
+    # 4-bit keys, i.e. h2o-q4 (cache.factory.rotates_by_default, applied in make_cache).
     rotate: bool | None = None
     kvarn: str = DEFAULT_KVARN  # kvarn, h2o-kvarn: KVARN_PRESETS key
     kvarn_strategy: str = "requantize"  # h2o-kvarn: KVARN_STRATEGIES key

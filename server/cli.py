@@ -11,6 +11,7 @@ import argparse
 import sys
 import time
 from importlib.metadata import entry_points
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -27,6 +28,9 @@ from config.cache_spec import (
     SCORE_RULES,
     CacheSpec,
 )
+
+if TYPE_CHECKING:  # pydantic-settings loads only for `serve`
+    from config.settings import ServerSettings
 
 COMMAND_GROUP = "h2o_server.commands"
 
@@ -314,7 +318,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve_settings(args: argparse.Namespace):
+def serve_settings(args: argparse.Namespace) -> ServerSettings:
     """ServerSettings from `serve`'s flags, which override H2O_* environment variables,
     which override the defaults (pydantic's ValidationError on a bad value)."""
     from config.settings import ServerSettings
