@@ -59,6 +59,7 @@ bench: setup
 	$(PY) -m bench.rules_grid --out docs/rules.md
 	$(PY) -m bench.sliding_layers --out docs/sliding_layers.md
 	$(PY) -m bench.layer_budgets --out docs/layer_budgets.md
+	$(PY) -m bench.equal_bytes --out docs/equal_bytes.md
 	$(PY) -m bench.soak --requests 200 --clients 16 --out docs/soak.md
 	$(PY) -m bench.recall_grid --out docs/recall.md
 	$(PY) -m bench.context_wall --out docs/context_wall.md

@@ -1,0 +1,104 @@
+"""Which policy loses least in the same memory: perplexity at equal bytes per conversation.
+
+`auto` (cache/budget.py) walks a ladder of policies by the share of --kv-budget
+each conversation gets. This measures the rungs against each other where the
+choice is made: for each share, every candidate gets the largest max_kv that
+fits it exactly as `serve` sizes it (`max_kv_within`, layer profile included),
+then autoregressive perplexity on held-out essays (tokens from `--offset`) is
+compared with the full cache.
+
+    python -m bench.equal_bytes --out docs/equal_bytes.md     # ~25 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from bench.report import command, machine, publish
+
+# label -> CacheSpec fields: the rungs `auto` may pick below the whole-context ones
+CANDIDATES: dict[str, dict] = {
+    "h2o-merge": {"policy": "h2o-merge"},
+    "h2o-q8": {"policy": "h2o-q8"},
+    "h2o-q4 g32": {"policy": "h2o-q4", "group_size": 32},
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--share", nargs="+", default=["3MB", "12MB"], help="bytes per conversation")
+    p.add_argument("--cases", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--samples", type=int, default=3)
+    p.add_argument("--offset", type=int, default=100_000, help="essay tokens skipped first")
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def sized(model, model_name: str, share: int, fields: dict) -> dict:
+    """`fields` with the max_kv (and layer shares) `serve` would give them within `share`."""
+    from cache.budget import Budget, fit_spec
+    from server.layer_budgets import load_layer_profile
+    from server.models import kv_shape, served_model_id
+
+    profile, _ = load_layer_profile("auto", model, served_model_id(model_name))
+    shares_for = None if profile is None else profile.shares
+    policy, rest = fields["policy"], {k: v for k, v in fields.items() if k != "policy"}
+    spec = fit_spec(kv_shape(model), Budget(share, 1), policy, shares_for=shares_for, **rest)
+    return {**fields, "max_kv": spec.max_kv, "layer_shares": spec.layer_shares}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from bench.eval_cli import _load
+    from bench.ppl import nll_autoregressive, nll_one_shot, sample_windows
+    from cache.budget import parse_bytes
+
+    began = time.time()
+    model, tokenizer = _load(args.model)
+    tokens = sample_windows(tokenizer, args.samples, args.seq_len, offset=args.offset)
+    full = nll_one_shot(model, tokens).mean().exp().item()
+    rows = []
+    for share_text in args.share:
+        share = parse_bytes(share_text)
+        for label in args.cases:
+            kwargs = sized(model, args.model, share, CANDIDATES[label])
+            t0 = time.perf_counter()
+            ppl = nll_autoregressive(model, tokens, kwargs).mean().exp().item()
+            rows.append((share_text, label, kwargs, ppl, time.perf_counter() - t0))
+            print(f"{share_text} {label} max_kv {kwargs['max_kv']}: {ppl:.3f}", flush=True)
+
+    lines = [
+        "| share per conversation | policy | max_kv | compression | perplexity | vs full | "
+        "eval s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for share_text, label, kwargs, ppl, secs in rows:
+        profiled = " (layer profile)" if kwargs["layer_shares"] else ""
+        lines.append(
+            f"| {share_text} | {label}{profiled} | {kwargs['max_kv']} | "
+            f"{args.seq_len / kwargs['max_kv']:.1f}x | {ppl:.3f} | {100 * (ppl / full - 1):+.1f}% "
+            f"| {secs:.0f} |"
+        )
+    lines += ["", f"Full cache: {full:.3f}. {time.time() - began:.0f} s in all."]
+    publish(
+        "Policies at equal bytes per conversation",
+        f"Model `{args.model}`, autoregressive (32-token prefill, then one token per step), "
+        f"{args.samples} essay samples of {args.seq_len} tokens from token {args.offset} on. "
+        "Each policy gets the largest max_kv that fits the share, as `serve` sizes it "
+        "(cache/budget.py, the model's layer profile where the policy has one). "
+        "`eval s` is the time of the whole perplexity run on this machine (packed caches "
+        f"decode slower on CPU: docs/quantized.md). Machine: {machine()}.",
+        command("bench.equal_bytes", argv),
+        lines,
+        args.out,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
