@@ -48,9 +48,9 @@ H2O_BOOKKEEPING = 8  # float32 score + int32 position, per KV head and token
 ADAPTIVE_BOOKKEEPING = 1  # h2o-ada: a uint8 head id per slot (cache/adaptive.py)
 MERGING_BOOKKEEPING = 4  # h2o-merge: a float32 count per slot (cache/merging.py)
 FULL_CACHE_STEP = 256  # mlx-lm KVCache.step
-AUTO_FLOOR = 256  # `auto` switches to 8-bit below this many dense tokens
-AUTO_DENSE = "h2o-merge"  # what `auto` picks when the context does not fit packed
-AUTO_QUANTIZED = "h2o-q8"  # what `auto` picks below AUTO_FLOOR
+# What `auto` picks when the context does not fit packed: at equal bytes 8-bit H2O
+# holds 3.3x dense H2O's tokens at no measurable loss per token (docs/equal_bytes.md).
+AUTO_BOUNDED = "h2o-q8"
 MIN_MAX_KV = 16
 MAX_TOKENS = 2**24  # where max_kv_within stops looking (sliding layers alone never fill up)
 _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
@@ -288,16 +288,14 @@ def max_kv_within(
 
 def auto_policy(shape: ModelShape, budget: Budget) -> str:
     """full when the model's whole context fits, else kvarn when it fits packed (nothing
-    forgotten, within ~0.5% of full), else dense H2O that merges what it evicts (the
-    least loss at high compression, docs/rules.md), else 8-bit H2O below AUTO_FLOOR."""
+    forgotten, within ~0.5% of full), else 8-bit H2O: in the same bytes it keeps more
+    than dense or merging H2O, and loses less (docs/equal_bytes.md)."""
     share = budget.per_session
     if share >= session_bytes(shape, "full", shape.context):
         return "full"
     if share >= session_bytes(shape, "kvarn", shape.context):
         return "kvarn"
-    if share >= session_bytes(shape, AUTO_DENSE, AUTO_FLOOR):
-        return AUTO_DENSE
-    return AUTO_QUANTIZED
+    return AUTO_BOUNDED
 
 
 def fit_spec(

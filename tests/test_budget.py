@@ -55,10 +55,11 @@ def test_auto_policy():
     assert big.policy == "full" and big.max_kv == 8192
     packed = fit_spec(SMOLLM2_CPU, Budget(512 * 2**20, 8))  # all 8192 tokens fit packed
     assert packed.policy == "kvarn" and packed.max_kv == 8192
-    mid = fit_spec(SMOLLM2_CPU, Budget(256 * 2**20, 8))
-    assert mid.policy == "h2o-merge" and 256 <= mid.max_kv < 8192
-    assert (mid.max_kv + 1) * bytes_per_token(SMOLLM2_CPU, "h2o-merge") <= 32 * 2**20
-    small = fit_spec(SMOLLM2_CPU, Budget(8 * 2**20, 2))  # dense would hold < 256 tokens
+    mid = fit_spec(SMOLLM2_CPU, Budget(256 * 2**20, 8))  # bounded: 8-bit H2O, sized to fit
+    assert mid.policy == "h2o-q8" and 1024 <= mid.max_kv < 8192
+    assert session_bytes(SMOLLM2_CPU, "h2o-q8", mid.max_kv) <= 32 * 2**20
+    assert session_bytes(SMOLLM2_CPU, "h2o-q8", mid.max_kv + 1) > 32 * 2**20
+    small = fit_spec(SMOLLM2_CPU, Budget(8 * 2**20, 2))  # dense H2O would hold < 100 tokens
     assert small.policy == "h2o-q8" and small.max_kv >= 256
 
 

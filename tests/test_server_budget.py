@@ -90,7 +90,7 @@ def test_auto_under_a_small_budget_bounds_every_session(tmp_path):
         )  # fmt: skip
         assert r.usage.prompt_tokens > 800 and r.choices[0].message.content
         s = api.sessions()["long"]
-        assert s["policy"] == "h2o-q8"  # dense H2O would hold fewer than 256 tokens
+        assert s["policy"] == "h2o-q8"  # what `auto` bounds a conversation with
         # longer than even the largest layer of the profile: every layer evicts
         assert s["stored_tokens"] <= largest_layer(s) < s["logical_tokens"]
         assert s["evictions"] > 0 and s["bytes"] <= BUDGET // 2
