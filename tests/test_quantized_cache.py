@@ -186,6 +186,32 @@ def test_a_prompt_attends_to_the_packed_cache_unpacked(layout):
     assert packed.evicted > 0
 
 
+@pytest.mark.parametrize("layout", list(PROMPT_LAYOUTS))
+def test_a_decode_step_takes_one_softmax_over_every_part(layout):
+    """One query over several parts (dense sinks + packed, or a mixed cache's two widths,
+    rotated or not): the single softmax over all their logits gives the per-part merge's
+    output and logits, and hands over its probabilities (softmax of those logits)."""
+    rng = np.random.default_rng(5)
+    c = PROMPT_LAYOUTS[layout]()
+    joint, per_part = ScoredAttention(), ScoredAttention(quantized_path="dequantize")
+    steps = 0
+    for n_new in [20, *[1] * 12]:
+        k, v = random_kv(rng, n_new)
+        q = mx.array(rng.standard_normal((B, N_Q, n_new, D)).astype(np.float32))
+        keys, values = c.update_and_fetch(k, v)
+        mask = c.make_mask(n_new)
+        out, logits, probs = joint.attend(q, keys, values, c, D**-0.5, mask)
+        want, want_logits, _ = per_part.attend(q, keys, values, c, D**-0.5, mask)
+        np.testing.assert_allclose(np.array(out), np.array(want), atol=1e-5, rtol=1e-4)
+        np.testing.assert_allclose(np.array(logits), np.array(want_logits), atol=1e-4, rtol=1e-4)
+        if n_new == 1 and len(c.kv_segments(keys, values)) > 1:
+            steps += 1
+            expected = mx.softmax(logits, axis=-1, precise=True)
+            np.testing.assert_allclose(np.array(probs), np.array(expected), atol=1e-6)
+        c.update_scores(logits, probs)
+    assert steps > 0 and c.evicted > 0
+
+
 def test_dense_recent_mixed_quantizes_each_token_once():
     """Its old segment's values are exactly what h2o-q8 packs for the same tokens: no second
     rounding. (Values: h2o-q8 stores its keys centred, cache/quantized.py.)"""
