@@ -9,8 +9,9 @@ from kernels/ (`sdpa_with_scores` for dense parts; for packed parts the fused
 `quantized_sdpa_with_scores`, or mx.dequantize and the dense kernel when the
 `dequantize` path is chosen) on the backend it was configured with, and merges
 parts by log-sum-exp; one decode query over dense and mx.quantize parts on the
-reference backend takes a single softmax over all their logits instead. A prompt (more than one query) reads packed parts (either kind)
-dequantized once per call, as one dense part, through the dense kernel: a matmul
+reference backend takes a single softmax over all their logits instead. A prompt
+(more than one query) reads packed parts (either kind) dequantized once per call,
+as one dense part, through the dense kernel: a matmul
 kernel beats the packed one there (1024-token prefill of rotated h2o-q4 on CPU:
 21 s -> 4.2 s, dense h2o 4.0 s).
 One instance, `ATTENTION`, serves the router; `configure` sets its backend (from
