@@ -55,6 +55,7 @@ bench: setup
 	$(PY) -m bench.server_ttft --turns 6 --out docs/server_ttft.md
 	$(PY) -m bench.kernel_speed --out docs/kernel_speed.md
 	$(PY) -m bench.quantized --out docs/quantized.md
+	$(PY) -m bench.decode_parts --rounds 10 --out docs/decode_parts.md
 	$(PY) -m bench.edit_reuse --out docs/edit_reuse.md
 	$(PY) -m bench.rules_grid --out docs/rules.md
 	$(PY) -m bench.sliding_layers --out docs/sliding_layers.md
