@@ -36,7 +36,7 @@ from kernels import (
 )
 from kernels.hadamard import rotate
 from kernels.kvarn import TileFormat, dequantize_storage, kvarn_sdpa_with_scores
-from kernels.reference import bias_as_mask, expand_mask
+from kernels.reference import bias_as_mask, expand_mask, packed_matmul
 
 QUANTIZED_PATHS = ("fused", "dequantize")
 QUERY_BLOCK = 128  # prompt queries attended at once by a scored layer (bounds its memory)
@@ -175,17 +175,18 @@ class ScoredAttention:
         dense or mx.quantize-packed, each on the reference backend, the fused path."""
         if queries.shape[2] != 1 or self.quantized_path != "fused":
             return False
-        for keys, _, fmt in parts:
-            if fmt.tile is not None:
-                return False
-            pick = {}
-            if fmt.packed:
-                keys = keys[0]
-                pick = {"group_size": fmt.group_size, "bits": fmt.key_bits}
-                pick["value_bits"] = fmt.value_bits or fmt.key_bits
-            if select_backend(self.backend, queries, keys, None, **pick) != "reference":
-                return False
-        return True
+        return all(
+            fmt.tile is None and self._backend(queries, keys, fmt, None) == "reference"
+            for keys, _, fmt in parts
+        )
+
+    def _backend(self, queries: mx.array, keys, fmt: KVFormat, mask) -> str:
+        """The kernel backend for one dense or mx.quantize-packed part."""
+        if not fmt.packed:
+            return select_backend(self.backend, queries, keys, mask)
+        v_bits = fmt.value_bits or fmt.key_bits
+        pick = {"group_size": fmt.group_size, "bits": fmt.key_bits, "value_bits": v_bits}
+        return select_backend(self.backend, queries, keys[0], mask, **pick)
 
     def __call__(self, queries: mx.array, keys, values, cache, scale: float, mask=None):
         """(out, logits): attention over the cache's parts, scores not folded in."""
@@ -201,7 +202,7 @@ class ScoredAttention:
         """
         if bias is not None:
             dense = not fmt.packed and fmt.tile is None and not fmt.rotated
-            if not dense or select_backend(self.backend, queries, keys, mask) != "reference":
+            if not dense or self._backend(queries, keys, fmt, mask) != "reference":
                 L_q, L_k = queries.shape[2], seq_length(keys)
                 mask = bias_as_mask(mask, bias, queries.shape[1], L_q, L_k)
                 bias = None
@@ -217,15 +218,14 @@ class ScoredAttention:
             )
             return rotate(out), logits, probs
         if not fmt.packed:
-            if select_backend(self.backend, queries, keys, mask) == "reference":
+            if self._backend(queries, keys, fmt, mask) == "reference":
                 return reference.sdpa_with_probs(queries, keys, values, scale, mask, bias)
             return (*sdpa_with_scores(queries, keys, values, scale, mask, self.backend), None)
         gs, k_bits, v_bits = fmt.group_size, fmt.key_bits, fmt.value_bits or fmt.key_bits
         if self.quantized_path == "dequantize":
             [(k, v, _)] = unpacked([(keys, values, fmt)])
             return self.attend_part(queries, k, v, DENSE, scale, mask)
-        pick = {"group_size": gs, "bits": k_bits, "value_bits": v_bits}
-        if select_backend(self.backend, queries, keys[0], mask, **pick) == "reference":
+        if self._backend(queries, keys, fmt, mask) == "reference":
             return reference.quantized_sdpa_with_probs(
                 queries, keys, values, scale, mask, gs, k_bits, v_bits
             )
@@ -271,7 +271,7 @@ def _joint_decode(queries: mx.array, parts: list, scale: float):
     for keys, _, fmt in parts:
         q_part = rotate(q) if fmt.rotated else q  # q.k is unchanged by rotating both
         if fmt.packed:
-            logits.append(_packed_matmul(q_part, keys, True, fmt.group_size, fmt.key_bits))
+            logits.append(packed_matmul(q_part, keys, True, fmt.group_size, fmt.key_bits))
         else:
             logits.append(q_part @ keys.astype(mx.float32).swapaxes(-1, -2))
     scores = mx.concatenate(logits, axis=-1)
@@ -281,7 +281,7 @@ def _joint_decode(queries: mx.array, parts: list, scale: float):
         p = probs[..., start : start + part_logits.shape[-1]]
         start += part_logits.shape[-1]
         if fmt.packed:
-            o = _packed_matmul(p, values, False, fmt.group_size, fmt.value_bits or fmt.key_bits)
+            o = packed_matmul(p, values, False, fmt.group_size, fmt.value_bits or fmt.key_bits)
         else:
             o = p @ values.astype(mx.float32)
         o = rotate(o) if fmt.rotated else o  # the rotation is its own inverse
@@ -289,15 +289,6 @@ def _joint_decode(queries: mx.array, parts: list, scale: float):
     shape = (B, n_q, L, scores.shape[-1])
     out = out.reshape(B, n_q, L, D).astype(queries.dtype)
     return out, scores.reshape(shape), probs.reshape(shape)
-
-
-def _packed_matmul(x: mx.array, packed, transpose: bool, group_size: int, bits: int):
-    """x times mx.quantize's (words, scales, biases), in float32."""
-    words, scales, biases = packed
-    f32 = mx.float32
-    return mx.quantized_matmul(
-        x, words, scales.astype(f32), biases.astype(f32), transpose, group_size, bits
-    )
 
 
 def _mask_rows(mask, L: int, n_keys: int, start: int, stop: int):

@@ -114,6 +114,17 @@ def _f32(x: mx.array) -> mx.array:
 QuantizedTensor = tuple[mx.array, mx.array, mx.array]
 
 
+def packed_matmul(
+    x: mx.array, packed: QuantizedTensor, transpose: bool, group_size: int, bits: int
+) -> mx.array:
+    """x times mx.quantize's (weights, scales, biases), with float32 scales and biases
+    (the oracle stays in float32 whatever the cache dtype)."""
+    w, scales, biases = packed
+    return mx.quantized_matmul(
+        x, w, _f32(scales), _f32(biases), transpose=transpose, group_size=group_size, bits=bits
+    )
+
+
 def quantized_sdpa_with_scores(
     q: mx.array,
     k_q: QuantizedTensor,
@@ -148,26 +159,13 @@ def quantized_sdpa_with_probs(
 ) -> tuple[mx.array, mx.array, mx.array]:
     """`quantized_sdpa_with_scores` plus the softmax probabilities (see sdpa_with_probs)."""
     B, n_q, L_q, D = q.shape
-    k_w, k_scales, k_biases = k_q
-    v_w, v_scales, v_biases = v_q
-    n_kv, L_k = k_w.shape[1], k_w.shape[2]
+    n_kv, L_k = k_q[0].shape[1], k_q[0].shape[2]
     rep = n_q // n_kv
-    # Float32 scales/biases keep the oracle in float32 whatever the cache dtype.
     qg = (_f32(q) * scale).reshape(B, n_kv, rep * L_q, D)
-    scores = mx.quantized_matmul(
-        qg, k_w, _f32(k_scales), _f32(k_biases), transpose=True, group_size=group_size, bits=bits
-    )
+    scores = packed_matmul(qg, k_q, True, group_size, bits)
     scores = _apply_mask(scores, mask, B, n_kv, rep, L_q, L_k)
     probs = mx.softmax(scores, axis=-1, precise=True)
-    out = mx.quantized_matmul(
-        probs,
-        v_w,
-        _f32(v_scales),
-        _f32(v_biases),
-        transpose=False,
-        group_size=group_size,
-        bits=value_bits or bits,
-    )
+    out = packed_matmul(probs, v_q, False, group_size, value_bits or bits)
     out = out.reshape(B, n_q, L_q, D)
     if out.dtype != q.dtype:
         out = out.astype(q.dtype)
