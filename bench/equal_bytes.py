@@ -39,14 +39,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def sized(model, model_name: str, share: int, fields: dict) -> dict:
-    """`fields` with the max_kv (and layer shares) `serve` would give them within `share`."""
+def sized(model, shares_for, share: int, fields: dict) -> dict:
+    """`fields` with the max_kv (and layer shares) `serve` would give them within `share`;
+    `shares_for(policy)`: the model's layer profile, as `serve` loads it (or None)."""
     from cache.budget import Budget, fit_spec
-    from server.layer_budgets import load_layer_profile
-    from server.models import kv_shape, served_model_id
+    from server.models import kv_shape
 
-    profile, _ = load_layer_profile("auto", model, served_model_id(model_name))
-    shares_for = None if profile is None else profile.shares
     policy, rest = fields["policy"], {k: v for k, v in fields.items() if k != "policy"}
     spec = fit_spec(kv_shape(model), Budget(share, 1), policy, shares_for=shares_for, **rest)
     return {**fields, "max_kv": spec.max_kv, "layer_shares": spec.layer_shares}
@@ -57,16 +55,20 @@ def main(argv: list[str] | None = None) -> int:
     from bench.eval_cli import _load
     from bench.ppl import nll_autoregressive, nll_one_shot, sample_windows
     from cache.budget import parse_bytes
+    from server.layer_budgets import load_layer_profile
+    from server.models import served_model_id
 
     began = time.time()
     model, tokenizer = _load(args.model)
+    profile, _ = load_layer_profile("auto", model, served_model_id(args.model))
+    shares_for = None if profile is None else profile.shares
     tokens = sample_windows(tokenizer, args.samples, args.seq_len, offset=args.offset)
     full = nll_one_shot(model, tokens).mean().exp().item()
     rows = []
     for share_text in args.share:
         share = parse_bytes(share_text)
         for label in args.cases:
-            kwargs = sized(model, args.model, share, CANDIDATES[label])
+            kwargs = sized(model, shares_for, share, CANDIDATES[label])
             t0 = time.perf_counter()
             ppl = nll_autoregressive(model, tokens, kwargs).mean().exp().item()
             rows.append((share_text, label, kwargs, ppl, time.perf_counter() - t0))
