@@ -28,8 +28,12 @@ def _rows(part) -> int:
 
 
 class BatchedCache:
-    def __init__(self, parts: list):
+    def __init__(self, parts: list, masks: dict | None = None):
         self.parts = parts
+        # Padding masks by (rows, new tokens, keys): every layer of a forward pass has the
+        # same, so batch_caches shares one dict and each is built once, not once per layer.
+        self.masks = {} if masks is None else masks
+        self.whole = len(parts) == 1  # one part is the batch: no slicing, no concatenation
         # (part, first row, end row): fixed for the forward pass this object serves
         self.spans: list[tuple[object, int, int]] = []
         start = 0
@@ -40,11 +44,16 @@ class BatchedCache:
     @property
     def offset(self) -> mx.array:
         """Per-row positions: RoPE takes an array of offsets, one per batch row."""
+        if self.whole and isinstance(self.parts[0], BatchKVCache):
+            return self.parts[0].offset
         return mx.concatenate(
             [p.offset if isinstance(p, BatchKVCache) else mx.array([p.offset]) for p in self.parts]
         )
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[list, list]:
+        if self.whole:
+            k, v = self.parts[0].update_and_fetch(keys, values)
+            return [k], [v]
         fetched = [p.update_and_fetch(keys[a:b], values[a:b]) for p, a, b in self.spans]
         return [k for k, _ in fetched], [v for _, v in fetched]
 
@@ -60,21 +69,28 @@ class BatchedCache:
         for (part, a, b), k, v in zip(self.spans, keys, values, strict=True):
             part_mask = mask
             if isinstance(part, BatchKVCache):  # its rows' left padding is never attended
-                n = queries.shape[2]
-                part_mask = create_causal_mask(
-                    n, offset=k.shape[2] - n, left_padding=part.left_padding
-                )
-            out.append(attend_part(queries[a:b], k, v, part, part_mask))
-        return mx.concatenate(out, axis=0)
+                part_mask = self._padding_mask(part, a, b, queries.shape[2], k.shape[2])
+            out.append(attend_part(queries if self.whole else queries[a:b], k, v, part, part_mask))
+        return out[0] if self.whole else mx.concatenate(out, axis=0)
+
+    def _padding_mask(self, part: BatchKVCache, a: int, b: int, n: int, n_keys: int) -> mx.array:
+        # A slab's left padding is alike in every layer (KVSlab), so is its mask.
+        key = (a, b, n, n_keys)
+        if key not in self.masks:
+            self.masks[key] = create_causal_mask(
+                n, offset=n_keys - n, left_padding=part.left_padding
+            )
+        return self.masks[key]
 
 
 def batch_caches(sessions: list[list], slab: KVSlab | None = None) -> list[BatchedCache]:
     """Per-layer BatchedCaches: the slab's rows first (if any), then each session's caches."""
     layers = [list(layer) for layer in zip(*sessions, strict=True)]
+    masks: dict = {}  # one forward pass: its layers share padding masks
     if slab is None or not slab.members:
-        return [BatchedCache(parts) for parts in layers]
+        return [BatchedCache(parts, masks) for parts in layers]
     layers = layers or [[] for _ in slab.layers]  # every decoding session is in the slab
-    return [BatchedCache([s, *parts]) for s, parts in zip(slab.layers, layers, strict=True)]
+    return [BatchedCache([s, *parts], masks) for s, parts in zip(slab.layers, layers, strict=True)]
 
 
 class KVSlab:

@@ -259,3 +259,33 @@ def test_plain_sessions_share_a_slab_and_get_their_caches_back(default_model, es
                 rk, rv = theirs.keys_and_values()
                 np.testing.assert_allclose(np.array(k), np.array(rk), atol=1e-4)
                 np.testing.assert_allclose(np.array(v), np.array(rv), atol=1e-4)
+
+
+def test_a_slab_step_builds_its_padding_mask_once_and_matches_mlx_lm(default_model, monkeypatch):
+    """One decode step over a left-padded slab: the same logits as mlx-lm's own
+    BatchKVCache path, with one padding mask for all layers (not one per layer)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    import cache.batch as batch
+    from cache.router import install_router
+
+    model, _ = default_model
+    install_router(model)  # as make_cache does: a BatchedCache is attended part by part
+    slab = batch.KVSlab()
+    slab.layers = [BatchKVCache(left_padding=[0, 3]) for _ in model.layers]
+    slab.members = ["a", "b"]
+    prompt = mx.array([[5, 6, 7, 8, 9, 10], [0, 0, 0, 11, 12, 13]])
+    model(prompt, cache=slab.layers)
+    y = mx.array([[21], [22]])
+    direct = model(y, cache=slab.layers)
+    for layer in slab.layers:
+        layer.trim(1)
+    built = []
+    create = batch.create_causal_mask
+    monkeypatch.setattr(
+        batch, "create_causal_mask", lambda *a, **k: built.append(1) or create(*a, **k)
+    )
+    ours = model(y, cache=batch.batch_caches([], slab))
+    assert len(built) == 1
+    np.testing.assert_allclose(np.array(ours), np.array(direct), atol=1e-4)
