@@ -52,6 +52,7 @@ bench: setup
 	$(PY) -m bench.decode_speed --context 2048 --rounds 5 --steps 32 --out docs/decode_speed.md
 	$(PY) -m bench.memory --out docs/memory.md
 	$(PY) -m bench.server_load --out docs/server_load.md
+	$(PY) -m bench.server_load --skip-long --streams 1 4 --rounds 2 --max-tokens 256 --out docs/server_load_replies.md
 	$(PY) -m bench.server_ttft --turns 6 --out docs/server_ttft.md
 	$(PY) -m bench.kernel_speed --out docs/kernel_speed.md
 	$(PY) -m bench.quantized --out docs/quantized.md
