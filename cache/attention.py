@@ -264,8 +264,7 @@ def _joint_decode(queries: mx.array, parts: list, scale: float):
     and the merge (~15% of a packed layer's attention on CPU), and exports no
     probabilities, so the score rule would take a softmax again."""
     B, n_q, L, D = queries.shape
-    first = parts[0][0]
-    n_kv = (first[0] if isinstance(first, (list, tuple)) else first).shape[1]
+    n_kv = _leading(parts[0][0]).shape[1]
     q = (queries.astype(mx.float32) * scale).reshape(B, n_kv, (n_q // n_kv) * L, D)
     logits = []
     for keys, _, fmt in parts:
@@ -315,9 +314,12 @@ def configure(backend: str | None = None, quantized_path: str | None = None) -> 
 
 def seq_length(x) -> int:
     """Sequence length of dense keys or packed key parts (0 for None)."""
-    if x is None:
-        return 0
-    return (x[0] if isinstance(x, (list, tuple)) else x).shape[2]
+    return 0 if x is None else _leading(x).shape[2]
+
+
+def _leading(x) -> mx.array:
+    """Dense keys, or packed keys' words: either is [B, n_kv_heads, L, ...]."""
+    return x[0] if isinstance(x, (list, tuple)) else x
 
 
 def merge_parts(parts: list[tuple[mx.array, mx.array]], dtype: mx.Dtype):
