@@ -67,36 +67,30 @@ def main(argv: list[str] | None = None) -> int:
     shares_for = None if profile is None else profile.shares
     tokens = sample_windows(tokenizer, args.samples, args.seq_len, offset=args.offset)
     full = nll_one_shot(model, tokens).mean().exp().item()
-    rows = []
+    lines = [
+        "| share per conversation | policy | max_kv | compression | perplexity | vs full | "
+        "eval s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for share_text in args.share:
         share = parse_bytes(share_text)
         for label in args.cases:
             try:
                 kwargs = sized(model, shares_for, share, CANDIDATES[label])
             except ValueError as e:  # the share is below the policy's fixed pools
-                rows.append((share_text, label, None, str(e), 0.0))
+                lines.append(f"| {share_text} | {label} | does not fit: {e} | | | | |")
                 print(f"{share_text} {label}: {e}", flush=True)
                 continue
             t0 = time.perf_counter()
             ppl = nll_autoregressive(model, tokens, kwargs).mean().exp().item()
-            rows.append((share_text, label, kwargs, ppl, time.perf_counter() - t0))
+            secs = time.perf_counter() - t0
             print(f"{share_text} {label} max_kv {kwargs['max_kv']}: {ppl:.3f}", flush=True)
-
-    lines = [
-        "| share per conversation | policy | max_kv | compression | perplexity | vs full | "
-        "eval s |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for share_text, label, kwargs, ppl, secs in rows:
-        if kwargs is None:
-            lines.append(f"| {share_text} | {label} | does not fit: {ppl} | | | | |")
-            continue
-        profiled = " (layer profile)" if kwargs["layer_shares"] else ""
-        lines.append(
-            f"| {share_text} | {label}{profiled} | {kwargs['max_kv']} | "
-            f"{args.seq_len / kwargs['max_kv']:.1f}x | {ppl:.3f} | {100 * (ppl / full - 1):+.1f}% "
-            f"| {secs:.0f} |"
-        )
+            profiled = " (layer profile)" if kwargs["layer_shares"] else ""
+            lines.append(
+                f"| {share_text} | {label}{profiled} | {kwargs['max_kv']} | "
+                f"{args.seq_len / kwargs['max_kv']:.1f}x | {ppl:.3f} | "
+                f"{100 * (ppl / full - 1):+.1f}% | {secs:.0f} |"
+            )
     lines += ["", f"Full cache: {full:.3f}. {time.time() - began:.0f} s in all."]
     publish(
         "Policies at equal bytes per conversation",
