@@ -1,9 +1,14 @@
 """Shared fixtures. pytest is an entry point: OpenBLAS is loaded before any test imports MLX."""
 
+import os
+
 import pytest
 
 from config.blas import preload_openblas
 
+# MLX's CUDA backend runs float32 matmuls in TF32 (~1e-3 relative) unless told not to;
+# the tests compare kernels at float32 tolerances. No effect on CPU or Metal.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 preload_openblas()  # pytest imports no MLX before conftest; test modules come after
 
 
