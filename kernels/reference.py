@@ -120,9 +120,24 @@ def packed_matmul(
     """x times mx.quantize's (weights, scales, biases), with float32 scales and biases
     (the oracle stays in float32 whatever the cache dtype)."""
     w, scales, biases = packed
+    if _on_cuda():
+        # MLX 0.32.4's CUDA quantized_matmul returned all zeros for these batched packed
+        # K/V (an H100, 2026-11-25); dequantized, the same attention matched the CUDA kernel.
+        dense = mx.dequantize(w, _f32(scales), _f32(biases), group_size=group_size, bits=bits)
+        return x @ (dense.swapaxes(-1, -2) if transpose else dense)
     return mx.quantized_matmul(
         x, w, _f32(scales), _f32(biases), transpose=transpose, group_size=group_size, bits=bits
     )
+
+
+def _on_cuda() -> bool:
+    """Whether MLX computes on its CUDA backend here (never raises on CPU-only builds)."""
+    if mx.default_device() != mx.gpu:
+        return False
+    try:
+        return bool(mx.cuda.is_available())
+    except AttributeError:  # builds without the CUDA backend
+        return False
 
 
 def quantized_sdpa_with_scores(

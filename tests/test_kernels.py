@@ -167,6 +167,24 @@ def test_quantized_reference_long_cache_half_precision():
     assert_close(out, want_out, 1e-3, "out")
 
 
+@pytest.mark.parametrize("transpose", [True, False])
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (8, 64)])
+def test_packed_matmul_on_cuda_dequantizes_to_the_same_product(
+    monkeypatch, transpose, bits, group_size
+):
+    """On CUDA the reference dequantizes instead of calling mx.quantized_matmul (which
+    returned zeros for batched packed K/V there): both routes give one product."""
+    rng = np.random.default_rng(1)
+    x = mx.array(rng.standard_normal((2, 3, 5, 64 if transpose else 40), dtype=np.float32))
+    w = mx.array(rng.standard_normal((2, 3, 40, 64), dtype=np.float32))
+    packed = quantize(w, group_size, bits)
+    direct = reference.packed_matmul(x, packed, transpose, group_size, bits)
+    monkeypatch.setattr(reference, "_on_cuda", lambda: True)
+    dequantized = reference.packed_matmul(x, packed, transpose, group_size, bits)
+    assert dequantized.shape == direct.shape == (2, 3, 5, 40 if transpose else 64)
+    assert_close(dequantized, direct, 1e-4, "product")
+
+
 # --- every kernel backend present against the reference --------------------------------
 
 # The Metal/CUDA launch code and kernel bodies, run on CPU fibers with the host dialect:
