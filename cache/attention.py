@@ -26,14 +26,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from kernels import (
-    AUTO,
-    check_backend,
-    quantized_sdpa_with_scores,
-    reference,
-    sdpa_with_scores,
-    select_backend,
-)
+from kernels import AUTO, check_backend, get_backend, reference, select_backend
 from kernels.hadamard import rotate
 from kernels.kvarn import TileFormat, dequantize_storage, kvarn_sdpa_with_scores
 from kernels.reference import bias_as_mask, expand_mask, packed_matmul
@@ -218,20 +211,20 @@ class ScoredAttention:
             )
             return rotate(out), logits, probs
         if not fmt.packed:
-            if self._backend(queries, keys, fmt, mask) == "reference":
+            name = self._backend(queries, keys, fmt, mask)
+            if name == "reference":
                 return reference.sdpa_with_probs(queries, keys, values, scale, mask, bias)
-            return (*sdpa_with_scores(queries, keys, values, scale, mask, self.backend), None)
+            return (*get_backend(name).dense(queries, keys, values, scale, mask), None)
         gs, k_bits, v_bits = fmt.group_size, fmt.key_bits, fmt.value_bits or fmt.key_bits
         if self.quantized_path == "dequantize":
             [(k, v, _)] = unpacked([(keys, values, fmt)])
             return self.attend_part(queries, k, v, DENSE, scale, mask)
-        if self._backend(queries, keys, fmt, mask) == "reference":
+        name = self._backend(queries, keys, fmt, mask)  # a GPU kernel only where k_bits == v_bits
+        if name == "reference":
             return reference.quantized_sdpa_with_probs(
                 queries, keys, values, scale, mask, gs, k_bits, v_bits
             )
-        out, logits = quantized_sdpa_with_scores(
-            queries, keys, values, scale, mask, gs, k_bits, value_bits=v_bits, backend=self.backend
-        )
+        out, logits = get_backend(name).quantized(queries, keys, values, scale, mask, gs, k_bits)
         return out, logits, None
 
 

@@ -107,9 +107,13 @@ class H2OKVCache:
         if self.positions is None or end > self.positions.shape[-1]:
             self._grow(keys, values, end)
         # Free slots already hold score 0 and these tokens' positions.
-        stored, fresh = tree_flatten((self.keys, self.values)), tree_flatten((keys, values))
-        for (_, buf), (_, new) in zip(stored, fresh, strict=True):
-            buf[:, :, self._len : end] = new
+        if isinstance(keys, mx.array):  # dense: no tree walk, once per layer and step
+            self.keys[:, :, self._len : end] = keys
+            self.values[:, :, self._len : end] = values
+        else:
+            stored, fresh = tree_flatten((self.keys, self.values)), tree_flatten((keys, values))
+            for (_, buf), (_, new) in zip(stored, fresh, strict=True):
+                buf[:, :, self._len : end] = new
         self._len = end
         self.offset += n_new
         return self._fetch()
@@ -307,6 +311,8 @@ class H2OKVCache:
         n = self._len
         if n == self.positions.shape[-1]:
             return self.keys, self.values
+        if isinstance(self.keys, mx.array):
+            return self.keys[:, :, :n], self.values[:, :, :n]
         return tree_map(lambda a: a[:, :, :n], (self.keys, self.values))
 
     def _kv_state(self) -> tuple:

@@ -7,6 +7,7 @@ so both dialects are driven exactly alike.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -163,7 +164,7 @@ class DecodeKernels:
             *quantization.items(),
         ]
         threads = 32 * N_WARPS
-        inputs = [q, *kv, mask_array, mx.array([scale], dtype=mx.float32)]
+        inputs = [q, *kv, mask_array, _scale_input(scale)]
         scores_shape = (B, n_q, L_q, L_k)
         if not split:
             out, scores = kernel(
@@ -224,11 +225,22 @@ def _mask_supported(mask: object, full_shape: tuple[int, int, int, int]) -> bool
     return all(m in (1, f) for m, f in zip(shape, full_shape, strict=True))
 
 
+@functools.cache
+def _scale_input(scale: float) -> mx.array:
+    # One array per scale for the process: a decode step calls the kernel once per layer,
+    # and a fresh array each time was one more host-to-device copy per call.
+    return mx.array([scale], dtype=mx.float32)
+
+
+@functools.cache
+def _mask_placeholder() -> mx.array:
+    # The kernels always take a mask input; without a mask this one is never read.
+    return mx.zeros((1, 1, 1, 1), dtype=mx.bool_)
+
+
 def _mask_input(mask: object, full_shape: tuple[int, int, int, int]) -> tuple[mx.array, int]:
     """The mask as a 4-D input (broadcast views cost no copy: the kernel reads strides)."""
     if mask is None or isinstance(mask, str):
-        mode = MASK_NONE if mask is None else MASK_CAUSAL
-        # The kernels always take a mask input; this placeholder is never read.
-        return mx.zeros((1, 1, 1, 1), dtype=mx.bool_), mode
+        return _mask_placeholder(), MASK_NONE if mask is None else MASK_CAUSAL
     mode = MASK_BOOL if mask.dtype == mx.bool_ else MASK_ADDITIVE
     return mx.broadcast_to(mask, full_shape), mode
