@@ -98,7 +98,9 @@ def synthetic_model(shape: str, dtype: mx.Dtype) -> llama.Model:
     return model
 
 
-def speeds(model, context: mx.array, steps: int, cache_kwargs: dict | None) -> dict:
+def speeds(
+    model, context: mx.array, steps: int, cache_kwargs: dict | None, pipelined: bool = False
+) -> dict:
     """Prefill and decode tok/s (wall and CPU time) of one fresh cache."""
     if cache_kwargs is None:
         uninstall_router(model)  # mlx-lm exactly as it ships
@@ -117,10 +119,19 @@ def speeds(model, context: mx.array, steps: int, cache_kwargs: dict | None) -> d
     logits = model(token, cache=caches)  # warm-up step, not timed
     mx.eval(logits)
     wall, cpu = time.perf_counter(), time.process_time()
-    for _ in range(steps):
+    if pipelined:  # as mlx-lm's generate_step and the server: build step n+1, then wait for n
         token = mx.argmax(logits[:, -1], axis=-1).reshape(1, 1)
-        logits = model(token, cache=caches)
-        mx.eval(logits)
+        for _ in range(steps):
+            following = mx.argmax(model(token, cache=caches)[:, -1], axis=-1).reshape(1, 1)
+            mx.async_eval(following)
+            token.item()
+            token = following
+        token.item()
+    else:
+        for _ in range(steps):
+            token = mx.argmax(logits[:, -1], axis=-1).reshape(1, 1)
+            logits = model(token, cache=caches)
+            mx.eval(logits)
     decode = (steps / (time.perf_counter() - wall), steps / (time.process_time() - cpu))
     return {
         "prefill": prefill[0],
@@ -147,6 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path, default=None, help="write a markdown report here")
     p.add_argument("--policies", nargs="+", help="only these policies' rows (and their bases)")
+    p.add_argument(
+        "--pipelined",
+        action="store_true",
+        help="decode as generate_step and the server do: the next step is queued "
+        "(mx.async_eval) before waiting for this one, so host work overlaps the device's",
+    )
     args = p.parse_args(argv)
 
     configure(backend=args.kernel)
@@ -167,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     tps: dict[str, list[dict]] = {label: [] for label, _, _ in grid}
     for r in range(args.rounds):
         for label, kwargs, _ in grid:
-            tps[label].append(speeds(model, context, args.steps, kwargs))
+            tps[label].append(speeds(model, context, args.steps, kwargs, args.pipelined))
             print(f"round {r + 1}: {label}: {tps[label][-1]}", file=sys.stderr)
 
     rows = [
@@ -185,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     publish(
         "Prefill and decode speed by cache policy",
         f"{what}, {args.context} tokens of context (prefilled in 512-token passes), "
-        f"{args.steps} timed decode steps, {args.rounds} interleaved rounds, scored attention "
+        f"{args.steps} timed decode steps{' (pipelined)' if args.pipelined else ''}, "
+        f"{args.rounds} interleaved rounds, scored attention "
         f"on kernel backend `{args.kernel}`; ratio = median of per-round ratios. "
         f"Machine: {machine()}.",
         command("bench.decode_speed", argv),
