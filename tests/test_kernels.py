@@ -659,6 +659,29 @@ def recorded_kernel_texts(dialect: str, dtype) -> list[str]:
     return texts
 
 
+def test_kernel_variants_differ_whenever_input_dtypes_do():
+    """mx.fast caches a kernel by name and template arguments only: two calls whose
+    inputs differ in any dtype (mask, K/V, scales) must differ in those too."""
+    seen: dict[tuple, tuple] = {}
+
+    def make_kernel(name, input_names, output_names, src):
+        def kernel(*, inputs, template, output_shapes, output_dtypes, **_):
+            key = (name, tuple((k, str(v)) for k, v in template))
+            dtypes = tuple(x.dtype for x in inputs)
+            assert seen.setdefault(key, dtypes) == dtypes, f"{name}: one variant, two input sets"
+            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+
+        return kernel
+
+    kernels = launch.DecodeKernels("cuda", make_kernel)
+    q, k, v, m = make_inputs(64, 64, 3, mask="additive")
+    for mask_dtype, kv_dtype in itertools.product([mx.float32, mx.float16], repeat=2):
+        kk, vv = k.astype(kv_dtype), v.astype(kv_dtype)
+        kernels.dense(q, kk, vv, 0.1, m.astype(mask_dtype))
+        kernels.quantized(q, quantize(kk, 64, 8), quantize(vv, 64, 8), 0.1, m.astype(mask_dtype))
+    assert len(seen) == 8  # dense and quantized x 2 mask dtypes x 2 K/V (scale) dtypes
+
+
 @pytest.mark.skipif(emulator.compiler() is None, reason="needs a host C++ compiler")
 @pytest.mark.parametrize("dialect", ["metal", "cuda"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])

@@ -156,15 +156,16 @@ class DecodeKernels:
         quantized = bool(quantization)
         split = n_blocks > 1
         kernel = self._pass1(quantized, split)
+        inputs = [q, *kv, mask_array, _scale_input(scale)]
         template = [
             ("T", q.dtype),
             ("HEAD_DIM", D),
             ("N_WARPS", N_WARPS),
             ("MASK_MODE", mask_mode),
             *quantization.items(),
+            *_input_dtypes(inputs),
         ]
         threads = 32 * N_WARPS
-        inputs = [q, *kv, mask_array, _scale_input(scale)]
         scores_shape = (B, n_q, L_q, L_k)
         if not split:
             out, scores = kernel(
@@ -223,6 +224,16 @@ def _mask_supported(mask: object, full_shape: tuple[int, int, int, int]) -> bool
         return False
     shape = (1,) * (4 - mask.ndim) + tuple(mask.shape)
     return all(m in (1, f) for m, f in zip(shape, full_shape, strict=True))
+
+
+def _input_dtypes(inputs: list[mx.array]) -> list[tuple[str, mx.Dtype]]:
+    """Every input's dtype as a template argument (the body never reads them).
+
+    mx.fast caches a compiled kernel by its name and template arguments, not by its
+    inputs' dtypes: without these, a call with float16 scales or an additive float16
+    mask would run a kernel compiled earlier for float32 ones, reading the wrong width.
+    """
+    return [(f"INPUT{i}_T", x.dtype) for i, x in enumerate(inputs)]
 
 
 @functools.cache
