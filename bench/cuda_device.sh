@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The CUDA checks and GPU timings on a lent NVIDIA machine (no network there; the device
+# tool's calls carry at most 64 MiB, and MLX's CUDA wheel is ~90 MB, so it travels in
+# two calls). Used for docs/gpu.md.
+#
+#   here:          bash bench/cuda_device.sh prepare     # .gpu1/ and .gpu2/ (git-ignored)
+#   device call 1: bash bench/cuda_device.sh stage       # carry .gpu1
+#   device call 2: bash bench/cuda_device.sh run         # carry .gpu2, within 30 s of call 1
+set -u
+MLX=0.32.4 MLX_LM=0.32.2 SITE=/tmp/site
+case "${1:-}" in
+prepare)
+    set -e
+    tmp=$(mktemp -d)
+    pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_35_x86_64 -d "$tmp" "mlx==$MLX" "mlx-cuda-13==$MLX" "mlx-lm==$MLX_LM"
+    mkdir -p "$tmp/x" .gpu1 .gpu2
+    (cd "$tmp/x" && unzip -q ../mlx_cuda_13-*.whl && tar cf - . | xz -9 -T2 >../cuda.tar.xz)
+    split -b 38M -d "$tmp/cuda.tar.xz" "$tmp/cuda.tar.xz.part"
+    mv "$tmp/cuda.tar.xz.part00" .gpu1/ && mv "$tmp"/cuda.tar.xz.part0[1-9] "$tmp"/*.whl .gpu2/
+    grep -qx '/.gpu[12]/' .git/info/exclude || printf '/.gpu1/\n/.gpu2/\n' >>.git/info/exclude
+    rm -rf "$tmp" ;;
+stage)
+    mkdir -p /tmp/parts && cp .gpu1/* /tmp/parts/ ;;
+run)
+    export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 MLX_ENABLE_TF32=0 OUT=${OUT:-/tmp/out}
+    mkdir -p "$OUT"
+    # The MLX wheels first: the CUDA archive then lays libmlx.so into the same mlx/ folder.
+    python3 -m pip install -q --no-index --no-deps --no-compile --target $SITE .gpu2/*.whl &&
+        cat /tmp/parts/cuda.tar.xz.part* .gpu2/cuda.tar.xz.part* | xz -d | tar x -C $SITE || exit 1
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    # NVRTC compiles every kernel variant on first use (1-8 s each): the whole file takes
+    # longer than one call, so the CUDA cases go in groups.
+    timeout -s INT 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+        -k "float64 or cuda" >"$OUT/tests.txt" 2>&1
+    tail -3 "$OUT/tests.txt"
+    decode="-m bench.decode_speed --synthetic llama-1b --dtype bfloat16 --kernel cuda
+        --context 2048 --rounds 3 --steps 32 --pipelined --policies h2o h2o-q8"
+    timeout 120 python3 $decode --out "$OUT/decode.md" >/dev/null 2>&1
+    MLX_USE_CUDA_GRAPHS=0 timeout 120 python3 $decode --out "$OUT/decode_no_graphs.md" >/dev/null 2>&1
+    timeout 60 python3 -m bench.kernel_speed --backends cuda --out "$OUT/kernel_speed.md" \
+        >/dev/null 2>&1
+    tail -n 9 "$OUT"/decode*.md ;;
+*)
+    echo "usage: $0 prepare|stage|run" >&2
+    exit 2 ;;
+esac
