@@ -17,7 +17,8 @@ prepare)
     mkdir -p "$tmp/x" .gpu1 .gpu2
     (cd "$tmp/x" && unzip -q ../mlx_cuda_13-*.whl && tar cf - . | xz -9 -T2 >../cuda.tar.xz)
     split -b 38M -d "$tmp/cuda.tar.xz" "$tmp/cuda.tar.xz.part"
-    mv "$tmp/cuda.tar.xz.part00" .gpu1/ && mv "$tmp"/cuda.tar.xz.part0[1-9] "$tmp"/*.whl .gpu2/
+    mv "$tmp/cuda.tar.xz.part00" .gpu1/
+    mv "$tmp"/cuda.tar.xz.part0[1-9] "$tmp"/mlx-[0-9]*.whl "$tmp"/mlx_lm-*.whl .gpu2/  # not the CUDA wheel
     grep -qx '/.gpu[12]/' .git/info/exclude || printf '/.gpu1/\n/.gpu2/\n' >>.git/info/exclude
     rm -rf "$tmp" ;;
 stage)

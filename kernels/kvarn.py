@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from kernels.hadamard import rotate
-from kernels.reference import Mask, _apply_mask, sdpa_with_scores
+from kernels.reference import Mask, _apply_mask, on_cuda, sdpa_with_scores
 
 KVarNTiles = list[
     mx.array
@@ -84,7 +84,7 @@ def kvarn_sdpa_with_scores(
     oracle for the packed path, and the 'dequantize' attention path).
     """
     q_rot = rotate(q.astype(mx.float32))
-    if dequantize or keys[1] is None:
+    if dequantize or keys[1] is None or on_cuda():  # on_cuda: see kernels.reference
         out, scores = sdpa_with_scores(q_rot, *dequantize_storage(keys, values, fmt), scale, mask)
         return rotate(out).astype(q.dtype), scores
     return _packed(q_rot, keys, values, scale, mask, fmt, q.dtype)

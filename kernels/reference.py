@@ -120,7 +120,7 @@ def packed_matmul(
     """x times mx.quantize's (weights, scales, biases), with float32 scales and biases
     (the oracle stays in float32 whatever the cache dtype)."""
     w, scales, biases = packed
-    if _on_cuda():
+    if on_cuda():
         # MLX 0.32.4's CUDA quantized_matmul returned all zeros for these batched packed
         # K/V (an H100, 2026-11-25); dequantized, the same attention matched the CUDA kernel.
         dense = mx.dequantize(w, _f32(scales), _f32(biases), group_size=group_size, bits=bits)
@@ -130,8 +130,12 @@ def packed_matmul(
     )
 
 
-def _on_cuda() -> bool:
-    """Whether MLX computes on its CUDA backend here (never raises on CPU-only builds)."""
+def on_cuda() -> bool:
+    """Whether MLX computes on its CUDA backend here (never raises on CPU-only builds).
+
+    There, packed attention avoids mx.quantized_matmul on batched packed K/V (see
+    packed_matmul); kernels/kvarn.py reads its tiles dequantized for the same reason.
+    """
     if mx.default_device() != mx.gpu:
         return False
     try:

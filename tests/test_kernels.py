@@ -179,7 +179,7 @@ def test_packed_matmul_on_cuda_dequantizes_to_the_same_product(
     w = mx.array(rng.standard_normal((2, 3, 40, 64), dtype=np.float32))
     packed = quantize(w, group_size, bits)
     direct = reference.packed_matmul(x, packed, transpose, group_size, bits)
-    monkeypatch.setattr(reference, "_on_cuda", lambda: True)
+    monkeypatch.setattr(reference, "on_cuda", lambda: True)
     dequantized = reference.packed_matmul(x, packed, transpose, group_size, bits)
     assert dequantized.shape == direct.shape == (2, 3, 5, 40 if transpose else 64)
     assert_close(dequantized, direct, 1e-4, "product")
