@@ -115,7 +115,9 @@ def test_calibration_measures_each_layer_alone(default_model):
     model, tokenizer = default_model
     window = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 12)[:96]
     roomy = calibrate(model, [window], "h2o", max_kv=128, chunk=16)
-    assert roomy == [0.0] * len(model.layers)  # nothing evicted: every row is the reference
+    # Nothing evicted: every row is the reference, up to the order of float sums in a
+    # batched pass (BLAS threading moved one layer by 1e-6 on a busy machine).
+    assert max(abs(s) for s in roomy) < 1e-5
     tight = calibrate(model, [window], "h2o", max_kv=16, chunk=16)
     assert any(abs(s) > 1e-3 for s in tight)
     tokens = mx.array([window])
