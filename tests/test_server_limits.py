@@ -92,21 +92,30 @@ def test_harmless_values_of_those_fields_are_accepted(api):
 def test_health_and_metrics_answer_during_a_long_prefill(api):
     """The worker spends seconds in one prefill; probes must not wait for it."""
     before = api.metrics()["h2o_prefill_tokens_total"]
-    long = [{"role": "user", "content": "word " * (CONTEXT - 200)}]
-    done = threading.Event()
+    # ~2000 tokens: seconds of prefill on 2 cores, far from the client's timeout.
+    long = [{"role": "user", "content": "word " * 2000}]
+    done, outcome = threading.Event(), []
 
     def prefill():
-        post(api, messages=long, max_tokens=1, kv_cache={"policy": "h2o"})
-        done.set()
+        try:
+            outcome.append(post(api, messages=long, max_tokens=1, kv_cache={"policy": "h2o"}))
+        except Exception as e:  # reported by the main thread
+            outcome.append(e)
+        finally:
+            done.set()  # always: a failed request must end the probing, not hang it
 
     threading.Thread(target=prefill, daemon=True).start()
     api.wait_for(lambda m: m["h2o_prefill_tokens_total"] > before, what="the prefill to start")
     slowest, answered = 0.0, 0
+    deadline = time.monotonic() + 300
     while not done.is_set():
+        assert time.monotonic() < deadline, "the prefill did not finish within 300 s"
         start = time.monotonic()
         assert api.get("/health").status_code == 200
         api.metrics()
         slowest = max(slowest, time.monotonic() - start)
         answered += 1
         time.sleep(0.05)
+    (reply,) = outcome
+    assert not isinstance(reply, Exception) and reply.status_code == 200, reply
     assert answered >= 5 and slowest < 0.5, (answered, slowest)
