@@ -57,6 +57,7 @@ bench: setup
 	$(PY) -m bench.kernel_speed --out docs/kernel_speed.md
 	$(PY) -m bench.quantized --out docs/quantized.md
 	$(PY) -m bench.decode_parts --rounds 10 --out docs/decode_parts.md
+	$(PY) -m bench.batch_scaling --out docs/batch_scaling.md
 	$(PY) -m bench.edit_reuse --out docs/edit_reuse.md
 	$(PY) -m bench.rules_grid --out docs/rules.md
 	$(PY) -m bench.sliding_layers --out docs/sliding_layers.md

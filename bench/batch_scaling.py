@@ -1,0 +1,125 @@
+"""What batching B decode rows into one forward pass buys on this machine, per cache.
+
+The server advances every decoding session in one forward pass per round
+(server/batcher.py); how much that gains over one stream is bounded by what the
+model's batched forward itself gains. This measures that bound without the server
+(no HTTP, tokenizer or sampling): B rows of `--context` tokens each, then greedy
+decode steps with the next step queued before waiting (as generate_step does).
+
+- `stock`: mlx-lm as it ships, the B rows in one KVCache (what mlx_lm.server's
+  BatchGenerator runs): the anchor's ceiling;
+- `h2o`: B separate h2o caches (max_kv 256, evicting) joined per layer by
+  cache/batch.py, as the server batches bounded sessions (each row attends its
+  own cache: one scored call per session and layer).
+
+Rounds interleave every (cache, B) pair, order reversed every other round; scaling =
+B x (B=1 step time) / (B step time), medians over rounds.
+
+    python -m bench.batch_scaling --out docs/batch_scaling.md     # ~5 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from bench.report import command, machine, publish
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--context", type=int, default=300, help="tokens per row before decoding")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from bench.text import essay_token_ids
+    from cache import install_router, make_cache, uninstall_router
+    from cache.batch import batch_caches
+    from server.models import load_model
+
+    model, tokenizer = load_model("default")
+    ids = essay_token_ids(tokenizer, args.context * max(args.rows))
+
+    def prompts(rows: int) -> mx.array:  # a different passage per row
+        n = args.context
+        return mx.array([ids[r * n : (r + 1) * n] for r in range(rows)])
+
+    def stock(rows: int):
+        uninstall_router(model)
+        caches = make_prompt_cache(model)
+        logits = model(prompts(rows), cache=caches)
+        return caches, logits
+
+    def h2o(rows: int):
+        install_router(model)
+        sessions = [make_cache(model, "h2o", max_kv=256) for _ in range(rows)]
+        for r, caches in enumerate(sessions):  # each session's prompt alone, as the server
+            last = model(prompts(rows)[r : r + 1], cache=caches)
+        mx.eval(last)
+        batched = batch_caches(sessions)
+        return batched, mx.concatenate([last] * rows) if rows > 1 else last
+
+    def step_seconds(make, rows: int) -> tuple[float, float]:
+        caches, logits = make(rows)
+        mx.eval(logits)
+        token = mx.argmax(logits[:, -1], axis=-1)[:, None]
+        mx.eval(model(token, cache=caches))  # warm-up, untimed
+        wall, cpu = time.perf_counter(), time.process_time()
+        for _ in range(args.steps):
+            following = mx.argmax(model(token, cache=caches)[:, -1], axis=-1)[:, None]
+            mx.async_eval(following)
+            mx.eval(token)
+            token = following
+        mx.eval(token)
+        n = args.steps
+        return (time.perf_counter() - wall) / n, (time.process_time() - cpu) / n
+
+    cases = {"stock mlx-lm (one KVCache)": stock, "h2o max_kv 256 (cache/batch.py)": h2o}
+    pairs = [(name, rows) for name in cases for rows in args.rows]
+    got: dict[tuple[str, int], list[tuple[float, float]]] = {pair: [] for pair in pairs}
+    for r in range(args.rounds):
+        for name, rows in pairs if r % 2 == 0 else pairs[::-1]:
+            got[name, rows].append(step_seconds(cases[name], rows))
+            wall, cpu = got[name, rows][-1]
+            print(f"round {r}: {name} B={rows}: {wall * 1e3:.1f} ms/step", file=sys.stderr)
+    install_router(model)
+
+    lines = [
+        "| cache | rows | ms per step (median) | tok/s | scaling vs 1 row (median) "
+        "| per-round scaling | CPU ms per step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in cases:
+        one = [w for w, _ in got[name, args.rows[0]]]
+        for rows in args.rows:
+            walls = [w for w, _ in got[name, rows]]
+            scaling = [rows * a / b for a, b in zip(one, walls, strict=True)]
+            step = statistics.median(walls)
+            lines.append(
+                f"| {name} | {rows} | {step * 1e3:.1f} | {rows / step:.1f} | "
+                f"{statistics.median(scaling):.2f}x | {', '.join(f'{x:.2f}' for x in scaling)} | "
+                f"{statistics.median(c for _, c in got[name, rows]) * 1e3:.1f} |"
+            )
+    publish(
+        "Batched decode: what one forward pass for B rows gains",
+        f"Default model (float32), {args.context} tokens per row, {args.steps} pipelined greedy "
+        f"steps per measurement, {args.rounds} interleaved rounds; scaling within each round "
+        f"against the same cache's {args.rows[0]}-row step. Machine: {machine()}.",
+        command("bench.batch_scaling", argv),
+        lines,
+        args.out,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
