@@ -95,6 +95,7 @@ def test_disconnect_stops_generation(api):
         "model": MODEL,
         "messages": [{"role": "user", "content": "Write a very long essay about rivers."}],
         "max_tokens": 4000,
+        "temperature": 0,  # greedy: a long reply, never an end-of-sequence first token
         "stream": True,
     }
     conn.request(
@@ -102,9 +103,12 @@ def test_disconnect_stops_generation(api):
     )
     r = conn.getresponse()
     assert r.status == 200
-    seen = b""
-    while seen.count(b"data:") < 4:
-        seen += r.read1(256)
+    seen, deadline = b"", time.monotonic() + 300
+    while seen.count(b"data:") < 4:  # the role chunk and three more events
+        part = r.read1(256)
+        assert part, f"the stream ended before it was cut: {seen!r}"  # EOF would spin forever
+        assert time.monotonic() < deadline, f"no tokens in 300 s: {seen!r}"
+        seen += part
     conn.close()  # the client goes away mid-stream
     deadline = time.monotonic() + 30
     while True:
