@@ -1,0 +1,194 @@
+"""Where h2o-kvarn k4v2's perplexity cost over dense H2O comes from (issue 12).
+
+Teacher-forced perplexity (one token per step, as bench.quantized) on essay windows
+that the other benchmarks do not use (token `--start` on), each variant against
+dense h2o, with the mean KL(dense h2o || variant) per step. Variants that change a
+knob go through make_cache; three counterfactuals patch the KVarN storage for the
+run only:
+- `exact-repack`: damaged tiles are re-packed from each survivor's original
+  (rotated) K/V kept aside, not from its dequantized copy: no compounding;
+- `value-group32`: values quantized in groups of 32 channels, not 64;
+- `clipped-values`: each value group's range clipped to whichever of 100-60% of
+  min-max leaves the least squared error (mx.quantize on the clipped group).
+
+    python -m bench.kvarn_ablation --out docs/kvarn_ablation.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from unittest import mock
+
+import mlx.core as mx
+
+import cache.factory
+import cache.kvarn
+import cache.kvarn_tiles
+from bench.quantized import teacher_forced
+from bench.report import command, machine, publish
+from bench.text import essay_token_ids
+from cache.h2o_kvarn import H2OKVarNCache
+from kernels.hadamard import rotate
+from server.models import load_model
+
+CLIP_RATIOS = (1.0, 0.9, 0.8, 0.7, 0.6)
+
+
+class ExactRepackCache(H2OKVarNCache):
+    """h2o-kvarn whose re-packed tiles start from the original K/V (kept dense aside)."""
+
+    shadow: list[mx.array] | None = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        new = [rotate(x).astype(mx.float32) for x in (keys, values)]
+        old = self.shadow
+        self.shadow = (
+            new if old is None else [mx.concatenate(p, axis=2) for p in zip(old, new, strict=True)]
+        )
+        return super().update_and_fetch(keys, values)
+
+    def _rebuild(self, order: mx.array, intact: mx.array) -> None:
+        self.shadow = [mx.take_along_axis(s, order[..., None], axis=2) for s in self.shadow]
+        self._originals = iter(self.shadow)
+        super()._rebuild(order, intact)
+
+    def _dense_slots(self, parts: list, order: mx.array) -> mx.array:
+        return next(self._originals)  # keys, then values, already in the kept order
+
+
+def clipped_quantize(x: mx.array, group_size: int, bits: int):
+    """mx.quantize of x, each group's range clipped to the ratio with the least error."""
+    groups = x.reshape(*x.shape[:-1], -1, group_size)
+    lo, hi = groups.min(-1, keepdims=True), groups.max(-1, keepdims=True)
+    mid, half = (lo + hi) / 2, (hi - lo) / 2
+    best = None
+    for r in CLIP_RATIOS:
+        clipped = mx.clip(groups, mid - r * half, mid + r * half).reshape(x.shape)
+        q = mx.quantize(clipped, group_size=group_size, bits=bits)
+        back = mx.dequantize(*q, group_size=group_size, bits=bits)
+        err = ((back - x) ** 2).reshape(groups.shape).sum(-1)
+        if best is not None:
+            better = err < best[0]
+            words = mx.repeat(better, group_size * bits // 32, axis=-1)
+            q = [
+                mx.where(m, a, b)
+                for m, a, b in zip((words, better, better), q, best[1], strict=True)
+            ]
+            err = mx.minimum(err, best[0])
+        best = (err, q)
+    return tuple(best[1])
+
+
+class _ClippingMx:
+    """The mx module as cache/kvarn_tiles.py sees it, with quantize clipped."""
+
+    quantize = staticmethod(clipped_quantize)
+
+    def __getattr__(self, name: str):
+        return getattr(mx, name)
+
+
+@contextmanager
+def clipped_values() -> Iterator[None]:
+    encode = cache.kvarn_tiles.encode_values
+
+    def clipped(v, fmt, iters=cache.kvarn_tiles.SINKHORN_ITERS):
+        with mock.patch.object(cache.kvarn_tiles, "mx", _ClippingMx()):
+            return encode(v, fmt, iters)
+
+    with (
+        mock.patch("cache.kvarn.encode_values", clipped),
+        mock.patch("cache.h2o_kvarn.encode_values", clipped),
+    ):
+        yield
+
+
+# name -> (label, make_cache kwargs, patch for the run)
+CASES = {
+    "h2o": ("h2o (dense)", {"policy": "h2o"}, nullcontext),
+    "h2o-evict64": ("h2o, 64 evicted at a time", {"policy": "h2o", "evict_batch": 64}, nullcontext),
+    "h2o-sink32": ("h2o, 32 sinks", {"policy": "h2o", "sink": 32}, nullcontext),
+    "k4v2": ("h2o-kvarn k4v2", {"policy": "h2o-kvarn"}, nullcontext),
+    "k4v4": ("h2o-kvarn k4v4", {"policy": "h2o-kvarn", "kvarn": "k4v4"}, nullcontext),
+    "k4v2-evict16": (
+        "h2o-kvarn k4v2, 16 evicted at a time",
+        {"policy": "h2o-kvarn", "evict_batch": 16},
+        nullcontext,
+    ),
+    "k4v2-sink32": ("h2o-kvarn k4v2, 32 sinks", {"policy": "h2o-kvarn", "sink": 32}, nullcontext),
+    "exact-repack": (
+        "h2o-kvarn k4v2, re-packed from the original K/V",
+        {"policy": "h2o-kvarn"},
+        lambda: mock.patch.object(cache.factory, "H2OKVarNCache", ExactRepackCache),
+    ),
+    "value-group32": (
+        "h2o-kvarn k4v2, value groups of 32",
+        {"policy": "h2o-kvarn"},
+        lambda: mock.patch.object(cache.kvarn, "value_group", lambda head_dim: 32),
+    ),
+    "clipped-values": (
+        "h2o-kvarn k4v2, values clipped for least error",
+        {"policy": "h2o-kvarn"},
+        clipped_values,
+    ),
+}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--start", type=int, default=30000, help="first essay token")
+    p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=512, help="tokens per window")
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--max-kv", type=int, default=256)
+    p.add_argument("--cases", default=",".join(CASES), help="the first is the baseline")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    names = args.cases.split(",")
+    model, tokenizer = load_model(args.model)
+    n = args.tokens
+    ids = essay_token_ids(tokenizer, args.start + n * args.windows)[args.start :]
+    ids = mx.array(ids).reshape(args.windows, n)
+    targets = ids[:, args.prompt :]
+    rows, base = [], None
+    for name in names:
+        label, kwargs, patch = CASES[name]
+        began = time.perf_counter()
+        with patch():
+            logprobs = teacher_forced(model, ids, args.prompt, {**kwargs, "max_kv": args.max_kv})
+        nll = -mx.take_along_axis(logprobs, targets[..., None], axis=-1).mean(axis=(1, 2))
+        per_window = [math.exp(x) for x in nll.tolist()]
+        ppl = math.exp(nll.mean().item())
+        if base is None:
+            base = (ppl, logprobs, per_window)
+        kl = (mx.exp(base[1]) * (base[1] - logprobs)).sum(-1).mean().item()
+        rel = [p / b - 1 for p, b in zip(per_window, base[2], strict=True)]
+        rows.append(
+            f"| {label} | {ppl:.3f} | {ppl / base[0] - 1:+.2%} | {kl:.4f} | "
+            f"{min(rel):+.2%} .. {max(rel):+.2%} | {time.perf_counter() - began:.0f} |"
+        )
+        print(rows[-1], flush=True)
+    intro = (
+        f"Model `{args.model}` (float32), {machine()}. {args.windows} essay windows of "
+        f"{n} tokens from token {args.start}, a {args.prompt}-token prompt, then teacher-forced "
+        f"one token per step; max_kv {args.max_kv}, heavy preset, default score rule."
+    )
+    body = [
+        f"| cache | perplexity | vs {CASES[names[0]][0]} | mean KL (nats/token) | "
+        "per-window range | seconds |",
+        "|---|---|---|---|---|---|",
+        *rows,
+    ]
+    publish("h2o-kvarn k4v2: where its cost comes from", intro, command(
+        "bench.kvarn_ablation", argv), body, args.out)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
