@@ -31,7 +31,6 @@ from config.cache_spec import (
     AUTO,
     DEFAULT_GROUP_SIZE,
     DEFAULT_KVARN,
-    H2O_KVARN_TILE,
     KVARN_PRESETS,
     KVARN_SCALE_BYTES,
     KVARN_SINK,
@@ -41,6 +40,7 @@ from config.cache_spec import (
     RECALL_BITS,
     CacheSpec,
     choose,
+    h2o_kvarn_tile,
     split_segments,
 )
 
@@ -134,7 +134,7 @@ def cache_bytes(shape: ModelShape, policy: str, max_kv: int, kvarn: str = DEFAUL
     if policy not in KVARN_POLICIES:
         raise ValueError(f"cache_bytes prices the kvarn policies, not {policy!r}")
     key_bits, value_bits = KVARN_PRESETS[kvarn]
-    tile = KVARN_TILE if policy == "kvarn" else H2O_KVARN_TILE
+    tile = KVARN_TILE if policy == "kvarn" else h2o_kvarn_tile(max_kv)
     dense_slot = 2 * shape.head_dim * shape.element_bytes
     if policy == "kvarn":
         front, tokens, book = KVARN_SINK, max_kv, 0

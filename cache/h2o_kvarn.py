@@ -1,8 +1,9 @@
 """H2OKVarNCache: the `h2o-kvarn` policy, H2O heavy-hitter eviction over KVarN storage.
 
 Storage is KVarNCache's (rotated tokens; dense front pool = H2O's sinks; packed tiles of
-64 tokens; dense tail of fewer than a tile), with H2O's per-slot scores and positions in
-slot order (a tail token that becomes part of a tile keeps its slot). When the cache
+64 tokens, 32 below max_kv 256 (config.cache_spec.h2o_kvarn_tile); dense tail of fewer
+than a tile), with H2O's per-slot scores and positions in slot order (a tail token that
+becomes part of a tile keeps its slot). When the cache
 holds more than max_size tokens, tokens leave by one of two rules (`strategy`):
 
 - "requantize" (default): token-level H2O. The kept slots are exactly dense H2O's for
@@ -19,7 +20,9 @@ Measured (default model, essays, max_kv 256, 2 x 512 tokens; docs/quantized.md),
 perplexity vs dense h2o: whole tiles +5.6-6.4%; re-packing every 16 evicted tokens
 +3.0%, every 64 (a tile's worth) +1.95%; moving value rows packed with per-token scales
 only (no channel factor) +3.4%. Re-packing compounds error, so it should be rare:
-the default evicts a tile's worth at a time.
+the default evicts a tile's worth at a time. On other text (docs/kvarn_ablation.md,
+8 x 512 tokens) k4v2 is +1.9%: re-packing from the original K/V gives the same KL, so
+at a tile per eviction what is left is the 2-bit value grid (k4v4: +1.2%).
 """
 
 from __future__ import annotations
@@ -33,9 +36,9 @@ from cache.kvarn_tiles import encode_keys, encode_values
 from cache.scores import ScoreRule, make_score_rule
 from config.cache_spec import (
     DEFAULT_SCORE,
-    H2O_KVARN_TILE,
     KVARN_STRATEGIES,
     choose,
+    h2o_kvarn_tile,
     split_segments,
 )
 from kernels.kvarn import dequantize_keys, dequantize_values
@@ -48,7 +51,7 @@ class H2OKVarNCache(KVarNCache):
         key_bits: int = 4,
         value_bits: int = 2,
         *,
-        tile: int = H2O_KVARN_TILE,
+        tile: int | None = None,
         sink: int | None = None,
         heavy: int | None = None,
         recent: int | None = None,
@@ -58,6 +61,7 @@ class H2OKVarNCache(KVarNCache):
         head_dim: int | None = None,
     ):
         budget = split_segments(max_size, sink=sink, heavy=heavy, recent=recent)
+        tile = tile or h2o_kvarn_tile(budget.max_size)
         super().__init__(key_bits, value_bits, tile=tile, sink=budget.sink, head_dim=head_dim)
         choose("h2o-kvarn strategy", strategy, KVARN_STRATEGIES)
         if strategy == "tile" and budget.heavy < tile:

@@ -18,10 +18,12 @@ from pydantic import ValidationError
 from config.blas import preload_openblas
 from config.cache_spec import (
     DEFAULT_GROUP_SIZE,
+    DEFAULT_KVARN,
     DEFAULT_MAX_KV,
     DEFAULT_POLICY,
     DEFAULT_PRESET,
     DEFAULT_SCORE,
+    KVARN_PRESETS,
     POLICIES,
     PRESETS,
     QUANT_GROUP_SIZES,
@@ -94,9 +96,17 @@ def _add_cache_flags(p: argparse.ArgumentParser) -> None:
         choices=QUANT_GROUP_SIZES,
         help="packed policies: one scale and bias per this many values",
     )
+    g.add_argument(
+        "--kvarn",
+        default=DEFAULT_KVARN,
+        choices=list(KVARN_PRESETS),
+        help="kvarn, h2o-kvarn: key and value bits",
+    )
 
 
-SPEC_FLAGS = ("preset", "score", "sink", "heavy", "recent", "evict_batch", "rotate", "group_size")
+SPEC_FLAGS = (
+    "preset", "score", "sink", "heavy", "recent", "evict_batch", "rotate", "group_size", "kvarn",
+)  # fmt: skip
 
 
 def _cache_spec(args: argparse.Namespace, model) -> CacheSpec:

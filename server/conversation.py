@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cache import cache_usage
+from cache.budget import KVARN_POLICIES
 from config.cache_spec import CacheSpec
 from server.claims import Claim
 from server.spill import SpilledSession
@@ -51,6 +52,7 @@ class Session:
             "layer_max_kv": self.spec.layer_sizes() or None,
             "preset": self.spec.preset,
             "score": self.spec.score,
+            "kvarn": self.spec.kvarn if self.spec.policy in KVARN_POLICIES else None,
             "logical_tokens": seen,
             "stored_tokens": stored,
             "bytes": nbytes,

@@ -74,6 +74,7 @@ class Engine:
             score=settings.score,
             rotate=settings.kv_rotate,
             group_size=settings.kv_group_size,
+            kvarn=settings.kvarn,
         )
         make_cache(model, spec)  # fails now, not on the first request, if the policy cannot run
         spill_budget = (
@@ -95,7 +96,7 @@ class Engine:
             settings.max_sessions,
             spec.policy,
             spec.max_kv,
-            session_bytes(shape, spec.policy, spec.max_kv, spec.group_size) / 2**20,
+            session_bytes(shape, spec.policy, spec.max_kv, spec.group_size, spec.kvarn) / 2**20,
             len(shape.windows),
             shape.layers,
             layer_budgets,
@@ -126,6 +127,7 @@ class Engine:
             score=options.score or self.spec.score,
             rotate=self.spec.rotate,
             group_size=self.spec.group_size,
+            kvarn=options.kvarn or self.spec.kvarn,
         )
 
     def prompt_limit(self, spec: CacheSpec) -> int | None:

@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from config.cache_spec import PolicyName, PresetName, ScoreRuleName
+from config.cache_spec import KVarNPresetName, PolicyName, PresetName, ScoreRuleName
 from server.jobs import SamplingParams
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
@@ -42,6 +42,7 @@ class CacheOptions(Request):
     max_kv: int | None = Field(None, ge=16)
     preset: PresetName | None = None
     score: ScoreRuleName | None = None
+    kvarn: KVarNPresetName | None = None
 
 
 class StreamOptions(Request):

@@ -22,6 +22,7 @@ class SessionFigures(BaseModel):
     layer_max_kv: list[int] | None = None
     preset: str
     score: str
+    kvarn: str | None = None  # kvarn / h2o-kvarn: the key and value bits (k4v2, k4v4, k2v2)
     logical_tokens: int  # tokens the conversation has seen
     stored_tokens: int  # tokens its largest layer cache holds (fewer after eviction)
     bytes: int

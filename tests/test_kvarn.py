@@ -135,10 +135,13 @@ def test_kvarn_bytes_match_the_budget_formula(tokens, preset):
     assert c.nbytes == cache_bytes(shape, "kvarn", tokens, preset)
 
 
-def test_h2o_kvarn_bytes_peak_at_the_budget_formula():
+@pytest.mark.parametrize("max_kv, tile", [(128, 32), (256, 64)])
+def test_h2o_kvarn_bytes_peak_at_the_budget_formula(max_kv, tile):
+    """Below max_kv 256 the tile is 32 tokens (a 64-token tile is half the heavy hitters
+    there); the budget prices whichever tile the cache takes."""
     rng = np.random.default_rng(5)
-    max_kv = 256
     c = H2OKVarNCache(max_kv, head_dim=D)
+    assert c.tile == tile
     peak = 0
     for _ in range(700):
         c.update_and_fetch(*random_kv(rng, 1))

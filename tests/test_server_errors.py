@@ -23,6 +23,7 @@ CASES = {
     "logit_bias out of vocab": {**OK, "logit_bias": {"99999999": 5}},
     "logit_bias out of range": {**OK, "logit_bias": {"5": 500}},
     "unknown kv policy": {**OK, "kv_cache": {"policy": "lru"}},
+    "unknown kvarn bits": {**OK, "kv_cache": {"policy": "kvarn", "kvarn": "k3v1"}},
     "image content": {
         **OK,
         "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],

@@ -128,6 +128,16 @@ def test_disconnect_stops_generation(api):
     )
 
 
+def test_kv_cache_picks_the_kvarn_bits(api):
+    key = f"kvarn-{uuid.uuid4().hex[:8]}"
+    options = {"policy": "h2o-kvarn", "max_kv": 128, "kvarn": "k4v4"}
+    reply = chat(api, [{"role": "user", "content": "Hi"}], max_tokens=4,
+                 extra_body={"prompt_cache_key": key, "kv_cache": options})  # fmt: skip
+    assert reply.choices[0].message.content
+    session = api.sessions()[key]
+    assert (session["policy"], session["max_kv"], session["kvarn"]) == ("h2o-kvarn", 128, "k4v4")
+
+
 def test_delete_session(api):
     key = f"del-{uuid.uuid4().hex[:8]}"
     chat(api, [{"role": "user", "content": "Hi"}], key=key, max_tokens=4)
