@@ -111,6 +111,11 @@ def clipped_values() -> Iterator[None]:
 # name -> (label, make_cache kwargs, patch for the run)
 CASES = {
     "h2o": ("h2o (dense)", {"policy": "h2o"}, nullcontext),
+    "h2o-evict32": (
+        "h2o, 32 evicted at a time",
+        {"policy": "h2o", "evict_batch": 32},
+        nullcontext,
+    ),
     "h2o-evict64": ("h2o, 64 evicted at a time", {"policy": "h2o", "evict_batch": 64}, nullcontext),
     "h2o-sink32": ("h2o, 32 sinks", {"policy": "h2o", "sink": 32}, nullcontext),
     "k4v2": ("h2o-kvarn k4v2", {"policy": "h2o-kvarn"}, nullcontext),
