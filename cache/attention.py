@@ -13,7 +13,8 @@ reference backend takes a single softmax over all their logits instead. A prompt
 (more than one query) reads packed parts (either kind) dequantized once per call,
 as one dense part, through the dense kernel: a matmul
 kernel beats the packed one there (1024-token prefill of rotated h2o-q4 on CPU:
-21 s -> 4.2 s, dense h2o 4.0 s).
+21 s -> 4.2 s, dense h2o 4.0 s). On a GPU a prompt over one dense part takes its
+output from one fused mx.fast SDPA call and its scores from a logits-only pass.
 One instance, `ATTENTION`, serves the router; `configure` sets its backend (from
 `--kernel` or H2O_KERNEL, read once) and quantized path.
 """
@@ -67,11 +68,19 @@ class ScoredAttention:
     """Attention for layers whose cache scores keys: the output, with the scores folded in."""
 
     def __init__(
-        self, backend: str = AUTO, quantized_path: str = "fused", block: int = QUERY_BLOCK
+        self,
+        backend: str = AUTO,
+        quantized_path: str = "fused",
+        block: int = QUERY_BLOCK,
+        fused_prefill: bool | None = None,
     ):
         self.backend = AUTO
         self.quantized_path = "fused"
         self.block = block
+        # A prompt's output from one mx.fast SDPA call, its scores in a separate pass of
+        # query blocks. None: on a GPU, where that prefills 1.1-1.5x faster at the same
+        # peak (docs/gpu.md, H200); on the CPU the plain matmuls win (bench.prefill_paths).
+        self.fused_prefill = fused_prefill
         self.configure(backend, quantized_path)
 
     def configure(self, backend: str | None = None, quantized_path: str | None = None) -> None:
@@ -113,6 +122,8 @@ class ScoredAttention:
         # The one dense part (unpacked) holds a chunk's slots in arrival order: a block
         # sees exactly the first n_keys - L + stop of them, causally, and scores only those.
         prefix = scores_prefix and (mask is None or isinstance(mask, str))  # None or "causal"
+        if prefix and bias is None and archive is None and self._fuses_prefill():
+            return self._fused_prompt(queries, parts[0], cache, scale, mask)
         outs = []
         for start in range(0, L, self.block):
             stop = min(start + self.block, L)
@@ -133,6 +144,28 @@ class ScoredAttention:
             outs.append(out)
         cache.evict_if_full()
         return mx.concatenate(outs, axis=2)
+
+    def _fuses_prefill(self) -> bool:
+        if self.fused_prefill is not None:
+            return self.fused_prefill
+        return mx.default_device() == mx.gpu
+
+    def _fused_prompt(self, queries: mx.array, part, cache, scale: float, mask) -> mx.array:
+        """A prompt chunk's output from one fused attention call over the dense part;
+        its scores from query blocks of logits alone (no block of them times V)."""
+        k, v, _ = part
+        out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+        L, n_keys = queries.shape[2], seq_length(k)
+        for start in range(0, L, self.block):
+            stop = min(start + self.block, L)
+            seen = n_keys - L + stop
+            q = queries[:, :, start:stop]
+            logits, probs = reference.logits_and_probs(q, k[:, :, :seen], scale, mask)
+            cache.add_scores(logits, probs)
+            # Evaluated now, this block's logits and probabilities are freed.
+            mx.eval([x for x in (None if start else out, cache.scores) if x is not None])
+        cache.evict_if_full()
+        return out
 
     def _with_archive(self, queries, out, logits, archive, scale: float) -> mx.array:
         """`out` merged with attention over `archive` (keys, values, format), every key of

@@ -58,6 +58,30 @@ def sdpa_with_probs(
 
     Score rules that need probabilities take these instead of a second softmax.
     """
+    B, n_q, L_q, _ = q.shape
+    scores, probs = _grouped_probs(q, k, scale, mask, bias)
+    out = ((probs if v.dtype == mx.float32 else probs.astype(v.dtype)) @ v).reshape(
+        B, n_q, L_q, v.shape[-1]
+    )
+    if out.dtype != q.dtype:
+        out = out.astype(q.dtype)
+    shape = (B, n_q, L_q, k.shape[2])
+    return out, scores.reshape(shape), probs.reshape(shape)
+
+
+def logits_and_probs(
+    q: mx.array, k: mx.array, scale: float, mask: Mask = None, bias: mx.array | None = None
+) -> tuple[mx.array, mx.array]:
+    """`sdpa_with_probs`'s logits and probabilities without the output: the score pass of
+    a prompt whose output a fused attention call computes (cache/attention.py)."""
+    B, n_q, L_q, _ = q.shape
+    scores, probs = _grouped_probs(q, k, scale, mask, bias)
+    shape = (B, n_q, L_q, k.shape[2])
+    return scores.reshape(shape), probs.reshape(shape)
+
+
+def _grouped_probs(q, k, scale: float, mask: Mask, bias) -> tuple[mx.array, mx.array]:
+    """float32 logits and softmax laid out [B, n_kv, rep * L_q, L_k]."""
     B, n_q, L_q, D = q.shape
     n_kv, L_k = k.shape[1], k.shape[2]
     rep = n_q // n_kv
@@ -67,14 +91,7 @@ def sdpa_with_probs(
     if bias is not None:  # broadcast over query rows: never [L_q, L_k] per head
         scores = scores + bias[:, :, None, :]
     scores = _apply_mask(scores, mask, B, n_kv, rep, L_q, L_k)
-    probs = mx.softmax(scores, axis=-1, precise=True)
-    out = ((probs if v.dtype == mx.float32 else probs.astype(v.dtype)) @ v).reshape(
-        B, n_q, L_q, v.shape[-1]
-    )
-    if out.dtype != q.dtype:
-        out = out.astype(q.dtype)
-    shape = (B, n_q, L_q, L_k)
-    return out, scores.reshape(shape), probs.reshape(shape)
+    return scores, mx.softmax(scores, axis=-1, precise=True)
 
 
 def _apply_mask(
