@@ -47,7 +47,10 @@ run)
     decode="-m bench.decode_speed --synthetic llama-1b --dtype bfloat16 --kernel cuda
         --context 2048 --rounds 3 --steps 32 --pipelined --policies h2o h2o-q8"
     MLX_USE_CUDA_GRAPHS=0 timeout 120 python3 $decode --out "$OUT/decode_no_graphs.md" >/dev/null 2>&1
-    tail -n 9 "$OUT"/decode*.md ;;
+    # A prompt's scored attention, matmul vs fused output (TF32 at MLX's default, as served).
+    MLX_ENABLE_TF32=1 timeout 120 python3 -m bench.prefill_paths --synthetic llama-1b \
+        --dtype bfloat16 --context 4096 --blocks 128 512 --out "$OUT/prefill_paths.md" >/dev/null 2>&1
+    tail -n 9 "$OUT"/decode*.md "$OUT/prefill_paths.md" ;;
 *)
     echo "usage: $0 prepare|stage|install|run" >&2
     exit 2 ;;
