@@ -78,7 +78,7 @@ class ScoredAttention:
         self.quantized_path = "fused"
         self.block = block
         # A prompt's output from one mx.fast SDPA call, its scores in a separate pass of
-        # query blocks. None: on a GPU, where that prefills 1.1-1.5x faster at the same
+        # query blocks. None: on a GPU, where that prefills 1.09-1.47x faster at the same
         # peak (docs/gpu.md, H200); on the CPU the plain matmuls win (bench.prefill_paths).
         self.fused_prefill = fused_prefill
         self.configure(backend, quantized_path)
