@@ -1,12 +1,18 @@
-"""Packed decode with one softmax over every part vs a softmax per part merged by log-sum-exp.
+"""Packed decode variants, A/B on the same caches: one softmax over every part vs a softmax
+per part merged by log-sum-exp (`--compare parts`), and 8-bit keys read as bytes vs
+mx.quantized_matmul (`--compare bytes`).
 
 Packed H2O caches attend in parts (the dense sink pool, the packed rest; a mixed
 cache's two widths). cache/attention.py takes one softmax over all parts' logits
 for a decode query on the reference backend (`_joint_decode`); the alternative is
-each part on its own, merged by log-sum-exp. Both run on the SAME caches after one
-prompt, alternating every round (A, B, B, A, ...), wall and process CPU time.
+each part on its own, merged by log-sum-exp. On the CPU the reference reads 8-bit
+keys of one group per row as bytes in a dense matmul (kernels/reference.py,
+`_byte_matmul_t`); the alternative is MLX's quantized_matmul. Both variants run on
+the SAME caches after one prompt, alternating every round (A, B, B, A, ...), wall
+and process CPU time.
 
     python -m bench.decode_parts --out docs/decode_parts.md     # ~4 min on 2 cores
+    python -m bench.decode_parts --compare bytes --out docs/decode_bytes.md
 """
 
 from __future__ import annotations
@@ -24,6 +30,18 @@ CASES = {  # label -> make_cache kwargs
     "h2o-q8, max_kv 861": {"policy": "h2o-q8", "max_kv": 861},
     "h2o-q4 rotated, group 32, max_kv 256": {"policy": "h2o-q4", "max_kv": 256, "group_size": 32},
 }
+BYTE_CASES = {  # caches with 8-bit keys of one group per row (head dim 64, group 64)
+    "h2o-q8, max_kv 256": {"policy": "h2o-q8", "max_kv": 256},
+    "h2o-q8, max_kv 861": {"policy": "h2o-q8", "max_kv": 861},
+    "h2o-mixed k8v4, max_kv 256": {"policy": "h2o-mixed", "max_kv": 256},
+}
+# --compare -> (title, variant A, variant B, cases); the ratio is A / B
+COMPARISONS = {
+    "parts": ("Packed decode: one softmax over every part vs per part", "one softmax",
+              "per part", CASES),
+    "bytes": ("8-bit keys: read as bytes vs mx.quantized_matmul", "bytes",
+              "quantized_matmul", BYTE_CASES),
+}  # fmt: skip
 
 
 def timed(model, caches, y, steps: int) -> tuple[float, float, object]:
@@ -42,57 +60,67 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--compare", choices=list(COMPARISONS), default="parts")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    title, name_a, name_b, cases = COMPARISONS[args.compare]
 
     import mlx.core as mx
 
     from bench.text import essay_token_ids
     from cache import make_cache
     from cache.attention import ScoredAttention
+    from kernels import reference
     from server.models import load_model
 
     model, tokenizer = load_model("default")
     prompt = mx.array(essay_token_ids(tokenizer, args.context)[: args.context])[None]
-    joint = ScoredAttention._joint_softmax
+    joint, as_bytes = ScoredAttention._joint_softmax, reference._byte_matmul_t
 
     def per_part(self, queries, parts) -> bool:
         return False
 
+    def quantized_matmul(x, packed):
+        return mx.quantized_matmul(x, *packed, transpose=True, group_size=x.shape[-1], bits=8)
+
+    def use(name: str) -> None:
+        ScoredAttention._joint_softmax = per_part if name == "per part" else joint
+        reference._byte_matmul_t = quantized_matmul if name == "quantized_matmul" else as_bytes
+
     lines = [
-        "| cache | one softmax tok/s | per part tok/s | ratio (median) | per-round ratios "
+        f"| cache | {name_a} tok/s | {name_b} tok/s | ratio (median) | per-round ratios "
         "| CPU-time ratio (median) |",
         "|---|---|---|---|---|---|",
     ]
     try:
-        for label, kwargs in CASES.items():
+        for label, kwargs in cases.items():
             caches = make_cache(model, **kwargs)
             for start in range(0, args.context, 512):
                 logits = model(prompt[:, start : start + 512], cache=caches)
                 mx.eval(logits)
             y = mx.argmax(logits[:, -1], axis=-1)[:, None]
-            got: dict[str, list[tuple[float, float]]] = {"joint": [], "per part": []}
+            got: dict[str, list[tuple[float, float]]] = {name_a: [], name_b: []}
             for r in range(args.rounds):
-                for name in ("joint", "per part") if r % 2 == 0 else ("per part", "joint"):
-                    ScoredAttention._joint_softmax = joint if name == "joint" else per_part
+                for name in (name_a, name_b) if r % 2 == 0 else (name_b, name_a):
+                    use(name)
                     wall, cpu, y = timed(model, caches, y, args.steps)
                     got[name].append((wall, cpu))
-            ratios = [a[0] / b[0] for a, b in zip(got["joint"], got["per part"], strict=True)]
-            cpu = [a[1] / b[1] for a, b in zip(got["joint"], got["per part"], strict=True)]
+            ratios = [a[0] / b[0] for a, b in zip(got[name_a], got[name_b], strict=True)]
+            cpu = [a[1] / b[1] for a, b in zip(got[name_a], got[name_b], strict=True)]
             lines.append(
-                f"| {label} | {statistics.median(w for w, _ in got['joint']):.2f} | "
-                f"{statistics.median(w for w, _ in got['per part']):.2f} | "
+                f"| {label} | {statistics.median(w for w, _ in got[name_a]):.2f} | "
+                f"{statistics.median(w for w, _ in got[name_b]):.2f} | "
                 f"{statistics.median(ratios):.3f} | {', '.join(f'{x:.2f}' for x in ratios)} | "
                 f"{statistics.median(cpu):.3f} |"
             )
             print(lines[-1], file=sys.stderr, flush=True)
     finally:
-        ScoredAttention._joint_softmax = joint
+        ScoredAttention._joint_softmax, reference._byte_matmul_t = joint, as_bytes
     publish(
-        "Packed decode: one softmax over every part vs per part",
+        title,
         f"Default model, {args.context}-token prompt in 512-token chunks, then "
         f"{args.rounds} rounds of {args.steps} greedy decode steps per variant on the same "
-        "caches, alternating which goes first; ratio = one softmax / per part. "
+        f"caches, alternating which goes first; ratio = {name_a} / {name_b}. "
         f"Machine: {machine()}.",
         command("bench.decode_parts", argv),
         lines,

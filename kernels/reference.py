@@ -142,9 +142,26 @@ def packed_matmul(
         # K/V (an H100, 2026-11-25); dequantized, the same attention matched the CUDA kernel.
         dense = mx.dequantize(w, _f32(scales), _f32(biases), group_size=group_size, bits=bits)
         return x @ (dense.swapaxes(-1, -2) if transpose else dense)
+    if transpose and bits == 8 and scales.shape[-1] == 1 and mx.default_device() == mx.cpu:
+        return _byte_matmul_t(x, packed)
     return mx.quantized_matmul(
         x, w, _f32(scales), _f32(biases), transpose=transpose, group_size=group_size, bits=bits
     )
+
+
+def _byte_matmul_t(x: mx.array, packed: QuantizedTensor) -> mx.array:
+    """x @ dequantize(packed)^T for 8-bit rows of one group each, without MLX's CPU
+    quantized_matmul, which takes 4-5x a dense product for a decode query's few rows
+    (3 rows x 256 keys: 245 vs 55 us): the words read as bytes (mx.quantize's element
+    order) in one dense matmul, scale and bias folded in after, as
+    x . (s w + b) = s (x . w) + b sum(x). Several groups per row cost more ops than
+    they save, so those keep quantized_matmul."""
+    words, scales, biases = packed
+    x32 = _f32(x)
+    codes = words.view(mx.uint8).astype(mx.float32)  # [..., N, K]
+    s, b = (_f32(a).swapaxes(-1, -2) for a in (scales, biases))  # [..., 1, N]
+    out = (x32 @ codes.swapaxes(-1, -2)) * s + x32.sum(-1, keepdims=True) * b
+    return out if out.dtype == x.dtype else out.astype(x.dtype)
 
 
 def on_cuda() -> bool:
