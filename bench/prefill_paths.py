@@ -59,13 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     for block in args.blocks:
         variants[f"h2o, matmul output, block {block}"] = (False, block)
         variants[f"h2o, fused output, block {block}"] = (True, block)
-    default_fused, default_block = ATTENTION._fuses_prefill(), ATTENTION.block
-    prefill_seconds(model, context[:512], None, max_kv)  # warm-up: kernels, allocator
-    times = {label: [] for label in variants}
-    for _ in range(args.rounds):
-        for label, variant in variants.items():
-            times[label].append(prefill_seconds(model, context, variant, max_kv))
-    ATTENTION.fused_prefill, ATTENTION.block = None, default_block
+    default_fused, saved = ATTENTION._fuses_prefill(), (ATTENTION.fused_prefill, ATTENTION.block)
+    try:
+        prefill_seconds(model, context[:512], None, max_kv)  # warm-up: kernels, allocator
+        times = {label: [] for label in variants}
+        for _ in range(args.rounds):
+            for label, variant in variants.items():
+                times[label].append(prefill_seconds(model, context, variant, max_kv))
+    finally:
+        ATTENTION.fused_prefill, ATTENTION.block = saved
     lines = [
         "| prefill | tok/s | vs stock (wall / CPU) | MLX peak MiB |",
         "|---|---|---|---|",
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Synthetic `{args.synthetic}` ({args.dtype}), {args.context} tokens in 512-token "
         f"chunks, h2o max_kv {max_kv}, {args.rounds} interleaved rounds; ratios are medians "
         f"of per-round ratios. Default here: fused output {default_fused}, block "
-        f"{default_block}. {machine()}."
+        f"{saved[1]}. {machine()}."
     )
     publish(
         "Prefill paths with score export",

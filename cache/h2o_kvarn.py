@@ -61,7 +61,7 @@ class H2OKVarNCache(KVarNCache):
         head_dim: int | None = None,
     ):
         budget = split_segments(max_size, sink=sink, heavy=heavy, recent=recent)
-        tile = tile or h2o_kvarn_tile(budget.max_size)
+        tile = h2o_kvarn_tile(budget.max_size) if tile is None else tile
         super().__init__(key_bits, value_bits, tile=tile, sink=budget.sink, head_dim=head_dim)
         choose("h2o-kvarn strategy", strategy, KVARN_STRATEGIES)
         if strategy == "tile" and budget.heavy < tile:
