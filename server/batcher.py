@@ -8,18 +8,20 @@ Each round, on the worker thread:
    and one attention call per layer for all of them. A session joins when its
    prompt is in, if the slab's padding stays under half of it, and leaves
    (its rows written back) when its request ends;
-2. while that computes, prompts are prefilled in passes of one chunk per waiting
-   request, at most `prefill_budget` tokens this round when anyone is decoding
-   (one pass, every waiting request's next chunk, when nobody is), so a
-   decoding stream never waits for a whole long prompt. Requests whose caches
-   are plain (mlx-lm's KVCache) share one forward pass per chunk, right-padded
-   and trimmed back, as mlx-lm's own server prefills a batch; the others go one
-   by one. Chunks are whole `prefill_step` pieces of a request's prompt, never
-   cut by the budget: H2O evicts after each chunk, so a request's cache must not
-   depend on the load;
-3. last round's draws, which were this round's inputs, are read and become
-   the replies' Deltas (building a step while the previous one computes is what
-   mlx-lm's generate_step does too).
+2. while that computes, last round's draws, which were this round's inputs, are
+   read and become the replies' Deltas (building a step while the previous one
+   computes is what mlx-lm's generate_step does too). `decode` ends here, so
+   the caller can send them before the prefill below: a stream's token never
+   waits for other requests' prompts;
+3. `prefill`: prompts are prefilled in passes of one chunk per waiting request,
+   at most `prefill_budget` tokens this round when anyone is decoding (one
+   pass, every waiting request's next chunk, when nobody is), so a decoding
+   stream never waits for a whole long prompt. Requests whose caches are plain
+   (mlx-lm's KVCache) share one forward pass per chunk, right-padded and
+   trimmed back, as mlx-lm's own server prefills a batch; the others go one by
+   one. Chunks are whole `prefill_step` pieces of a request's prompt, never cut
+   by the budget: H2O evicts after each chunk, so a request's cache must not
+   depend on the load.
 A generation whose sampling, reading or prefill raises fails alone; a forward
 pass that raises fails the rows it carried.
 """
@@ -48,6 +50,7 @@ class Round:
     outcomes: list[tuple[Generation, Delta | Exception]] = field(default_factory=list)
     prefill_tokens: int = 0
     decode_seconds: float = 0.0
+    decoding: list[Generation] = field(default_factory=list)  # still decoding after it
 
 
 class Batcher:
@@ -59,16 +62,21 @@ class Batcher:
         self.slab = KVSlab()  # plain sessions decoding together (members: Generations)
 
     def run(self, gens: list[Generation]) -> Round:
+        """One whole round: `decode`, then `prefill`, their outcomes together."""
+        done = self.decode(gens)
+        filled = self.prefill(gens, decoding=bool(done.decoding))
+        done.outcomes += filled.outcomes
+        done.prefill_tokens = filled.prefill_tokens
+        return done
+
+    def decode(self, gens: list[Generation]) -> Round:
+        """Launch this round's decode pass over every decoding generation, then read last
+        round's draws into Deltas (the pass computes meanwhile)."""
         done = Round()
-        decoding = [g for g in gens if not g.prefilling]
         t0 = time.perf_counter()
-        decoding, draws = self._decode(decoding, done) if decoding else ([], [])
-        t1 = time.perf_counter()
-        waiting = [g for g in gens if g.prefilling]
-        budget = self.prefill_budget if decoding else None
-        done.prefill_tokens = self._prefill(waiting, budget, done)
-        t2 = time.perf_counter()
-        for g, draw in zip(decoding, draws, strict=True):
+        rows = [g for g in gens if not g.prefilling]
+        rows, draws = self._decode(rows, done) if rows else ([], [])
+        for g, draw in zip(rows, draws, strict=True):
             if g.sampled is not None:
                 try:
                     done.outcomes.append((g, g.read()))
@@ -80,7 +88,17 @@ class Batcher:
                 self.leave(g)
             else:
                 g.sampled, g.next_input = draw, draw[0]
-        done.decode_seconds = (t1 - t0) + (time.perf_counter() - t2)
+                done.decoding.append(g)
+        done.decode_seconds = time.perf_counter() - t0
+        return done
+
+    def prefill(self, gens: list[Generation], decoding: bool) -> Round:
+        """Prefill the waiting generations among `gens`: within `prefill_budget` tokens
+        while others decode (`decoding`), else one pass over every waiting request."""
+        done = Round()
+        waiting = [g for g in gens if g.prefilling]
+        budget = self.prefill_budget if decoding else None
+        done.prefill_tokens = self._prefill(waiting, budget, done)
         return done
 
     def leave(self, g: Generation, broken: bool = False) -> None:

@@ -263,7 +263,8 @@ class Worker:
             self._pending -= 1
 
     def _round(self) -> None:
-        """Cancel what was abandoned, then one Batcher round over every active generation."""
+        """Cancel what was abandoned, then one Batcher round over every active generation:
+        the decode pass, its tokens sent, then prompts prefilled while they stream out."""
         for job, gen in list(self._active):
             if job.cancelled.is_set():  # a draw not yet read was never fed: nothing to undo
                 self._finish(job, gen)
@@ -271,10 +272,17 @@ class Worker:
         if not self._active:
             return
         jobs = {gen: job for job, gen in self._active}
-        done = self.batcher.run(list(jobs))
-        self.metrics.add("prefill_tokens_total", done.prefill_tokens)
-        self.metrics.add("decode_seconds_total", done.decode_seconds)
-        for gen, outcome in done.outcomes:
+        decoded = self.batcher.decode(list(jobs))
+        self.metrics.add("decode_seconds_total", decoded.decode_seconds)
+        self._deliver(jobs, decoded.outcomes)
+        still = [gen for _, gen in self._active]
+        filled = self.batcher.prefill(still, decoding=bool(decoded.decoding))
+        self.metrics.add("prefill_tokens_total", filled.prefill_tokens)
+        self._deliver(jobs, filled.outcomes)
+
+    def _deliver(self, jobs: dict[Generation, Job], outcomes: list) -> None:
+        """Each outcome to its request: a Delta (and Finished after the last), or a 500."""
+        for gen, outcome in outcomes:
             job = jobs[gen]
             if isinstance(outcome, Exception):
                 log.error("generation failed", exc_info=outcome)

@@ -19,7 +19,7 @@ from cache import H2OKVCache, make_cache
 from config.cache_spec import CacheSpec
 from server.batcher import Batcher
 from server.generation import Generation
-from server.jobs import SamplingParams
+from server.jobs import Delta, SamplingParams
 from server.sessions import Session
 
 STEPS = 24
@@ -178,6 +178,30 @@ class CountingModel:
     def __call__(self, inputs, cache=None):
         self.shapes.append(tuple(inputs.shape))
         return self.model(inputs, cache=cache)
+
+
+def test_a_round_reads_its_tokens_before_any_prefill(default_model, requests):
+    """`decode` hands out last round's draws before `prefill` runs, so the worker can
+    send a stream's token without waiting for another request's prompt chunk."""
+    model, tokenizer = default_model
+    batcher = Batcher(model, prefill_step=64, prefill_budget=64)
+    (_, s1, p1), (_, s2, p2) = requests[:2]
+    first = start(model, tokenizer, s1, p1)
+    while first.prefilling or first.sampled is None:  # prefilled, one draw launched
+        batcher.run([first])
+    late = start(model, tokenizer, s2, p2)
+    waiting = len(late.pending)
+
+    decoded = batcher.decode([first, late])
+    assert [g for g, _ in decoded.outcomes] == [first]
+    delta = decoded.outcomes[0][1]
+    assert isinstance(delta, Delta) and len(delta.logprobs) == 1  # one token read
+    assert decoded.decoding == [first]
+    assert len(late.pending) == waiting and decoded.prefill_tokens == 0
+
+    filled = batcher.prefill([first, late], decoding=True)
+    assert filled.prefill_tokens == 64 and len(late.pending) == waiting - 64  # one chunk
+    assert filled.outcomes == [] and first.sampled is not None  # its draw is not read twice
 
 
 def test_plain_sessions_prefill_in_one_pass(default_model, essay_text):
