@@ -11,9 +11,14 @@ tokens would have had (ToMe's proportional attention; CaM and D2O merge evicted 
 this spirit). Without that bias merging is worse than
 dropping: a merged slot would get one token's share for many tokens' content.
 
-Which tokens leave is H2O's choice, unchanged (the score rule, sinks and the recent
-window); only what happens to them differs. The counts are one more float32 per slot,
-kept in step with the slots by every gather, and saved with the cache.
+Who leaves is ranked by what merging would lose: a middle token's rank under the score
+rule (as H2O's) times its distance (1 - cosine) to the nearest middle key ranked at
+least as high. A token that a more important slot already repeats costs little to fold
+into it, so it goes before a distinct token ranked a little higher; of two alike tokens
+the lower-ranked leaves, never both for repeating each other. Sinks and the recent window
+stay protected. On held-out essays (max_kv 128, profiled layers) this took 16x from 0.45
+to about 0.40 of a sliding window's increase (README). The counts are one more float32
+per slot, kept in step with the slots by every gather, and saved with the cache.
 """
 
 from __future__ import annotations
@@ -49,6 +54,22 @@ class MergingH2OKVCache(H2OKVCache):
         H2OKVCache.state.fset(self, (*rest, meta))
 
     # ------------------------------------------------------------------ internals
+
+    def _eviction_ranks(self, pos: mx.array) -> mx.array:
+        """H2O's ranks, each middle one times the distance to the nearest middle key ranked
+        at least as high (a tie goes to the lower slot index): what merging it would lose."""
+        ranks = super()._eviction_ranks(pos)
+        n = pos.shape[-1]
+        middle = (pos >= self.sink) & (pos < self.seen - self.recent)
+        unit = _unit(self.keys[:, :, :n].astype(mx.float32))
+        similarity = unit @ unit.swapaxes(-1, -2)  # [B, H, slot, other slot]
+        mine, theirs = ranks[..., :, None], ranks[..., None, :]
+        slot = mx.arange(n)
+        higher = (theirs > mine) | ((theirs == mine) & (slot[None, :] < slot[:, None]))
+        nearest = mx.where(middle[:, :, None, :] & higher, similarity, -mx.inf).max(axis=-1)
+        # The top-ranked slot has no one above it (-inf): the largest distance, 2.
+        distance = mx.clip(1.0 - nearest, 1e-3, 2.0)
+        return mx.where(middle, ranks * distance, ranks)
 
     def _grow(self, keys, values, needed: int) -> None:
         counts = self.counts

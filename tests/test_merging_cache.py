@@ -59,17 +59,59 @@ def test_nothing_is_lost_every_token_lives_in_one_slot(rule):
     assert mx.all(counts >= 1).item()
 
 
-def test_the_same_tokens_leave_as_under_plain_h2o_on_the_first_eviction():
-    """Who leaves is H2O's choice: one eviction after the same prompt keeps the same
-    positions (later ones differ, since merged slots then attract their own attention)."""
-    plain, merging = H2OKVCache(16, **SEGMENTS), MergingH2OKVCache(16, **SEGMENTS)
-    for c in (plain, merging):
-        feed(c, 1, steps=[40])
+def overfull(seed: int, n: int = 20, score: str = "attn") -> MergingH2OKVCache:
+    """A cache holding n > max_kv random tokens, not yet evicted."""
+    rng = np.random.default_rng(seed)
+    c = MergingH2OKVCache(16, **SEGMENTS, score=score)
+    k, v = (mx.array(rng.standard_normal((1, N_KV, n, DIM), np.float32)) for _ in range(2))
+    c.update_and_fetch(k, v)
+    return c
 
-    def kept(c):
-        return np.sort(np.array(held(c, c.positions)), axis=-1)
 
-    assert (kept(plain) == kept(merging)).all()
+def test_leavers_are_the_lowest_score_times_distance_to_a_higher_ranked_key():
+    """Brute-force oracle: a middle token's worth is its rank times 1 - the cosine to the
+    nearest middle key ranked at least as high; the lowest leave, sinks and recent stay."""
+    c = overfull(6)
+    n = c._len
+    rng = np.random.default_rng(7)
+    c.scores[..., :n] = mx.array(rng.uniform(0.1, 1.0, (1, N_KV, n)).astype(np.float32))
+    rank = np.array(c.scores[0, :, :n])
+    keys = np.array(c.keys[0, :, :n])
+    pos = np.arange(n)
+    middle = (pos >= c.sink) & (pos < n - c.recent)
+    keep_middle = c.max_size + 1 - c.evict_batch - int((~middle).sum())
+    c.evict_if_full()
+    for h in range(N_KV):
+        unit = keys[h] / np.linalg.norm(keys[h], axis=-1, keepdims=True)
+        worth = {}
+        for i in pos[middle]:
+            above = [
+                j
+                for j in pos[middle]
+                if rank[h, j] > rank[h, i] or (rank[h, j] == rank[h, i] and j < i)
+            ]
+            nearest = max((unit[i] @ unit[j] for j in above), default=-np.inf)
+            worth[i] = rank[h, i] * np.clip(1 - nearest, 1e-3, 2.0)
+        best = sorted(worth, key=worth.get)[-keep_middle:]
+        expected = sorted([*pos[~middle], *best])
+        assert sorted(np.array(held(c, c.positions)[0, h]).tolist()) == expected
+
+
+def test_a_token_a_higher_ranked_slot_repeats_is_merged_into_it_first():
+    """Of two middle keys pointing the same way, the lower-ranked one is redundant: it
+    leaves first, even when ranked above every other middle token, and folds into its
+    twin; plain H2O would keep both and drop distinct tokens instead."""
+    c = overfull(8)
+    n = c._len
+    twin, kept = 5, 4  # middle slots (positions 2..11); `kept` ranks highest
+    c.keys[:, :, twin] = 2.0 * c.keys[:, :, kept]
+    scores = np.full((1, N_KV, n), 0.5, np.float32)
+    scores[..., kept], scores[..., twin] = 1.0, 0.9
+    c.scores[..., :n] = mx.array(scores)
+    c.evict_if_full()
+    pos = held(c, c.positions)
+    assert not mx.any(pos == twin).item() and mx.all(mx.any(pos == kept, axis=-1)).item()
+    assert mx.all(mx.where(pos == kept, held(c, c.counts), 0).sum(-1) >= 2).item()
 
 
 def test_a_slot_of_count_c_attends_like_c_copies_of_its_token():
