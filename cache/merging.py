@@ -89,7 +89,7 @@ class MergingH2OKVCache(H2OKVCache):
         super()._gather(idx, capacity)
 
     def _evict(self) -> None:
-        """H2O's choice of who leaves; the leavers are folded into their nearest kept slot."""
+        """The lowest-worth middle tokens leave, folded into their nearest kept slot."""
         n = self._len
         kept, gone = self._eviction_split()
         keep = kept.shape[-1]
