@@ -427,9 +427,12 @@ class H2OKVCache:
 
     def _eviction_ranks(self, pos: mx.array) -> mx.array:
         """What eviction keeps the top of: middle tokens by score, sinks and recent at +inf."""
-        middle = (pos >= self.sink) & (pos < self.seen - self.recent)
         value = self.score_rule.rank(self.scores[..., : self._len], pos, self.seen)
-        return mx.where(middle, value, mx.inf)
+        return mx.where(self._in_middle(pos), value, mx.inf)
+
+    def _in_middle(self, pos: mx.array) -> mx.array:
+        """Which of these positions are neither sinks nor in the recent window."""
+        return (pos >= self.sink) & (pos < self.seen - self.recent)
 
 
 def gather_slots(buf: mx.array, idx: mx.array, capacity: int) -> mx.array:

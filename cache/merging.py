@@ -60,7 +60,7 @@ class MergingH2OKVCache(H2OKVCache):
         at least as high (a tie goes to the lower slot index): what merging it would lose."""
         ranks = super()._eviction_ranks(pos)
         n = pos.shape[-1]
-        middle = (pos >= self.sink) & (pos < self.seen - self.recent)
+        middle = self._in_middle(pos)
         unit = _unit(self.keys[:, :, :n].astype(mx.float32))
         similarity = unit @ unit.swapaxes(-1, -2)  # [B, H, slot, other slot]
         mine, theirs = ranks[..., :, None], ranks[..., None, :]
@@ -107,7 +107,7 @@ class MergingH2OKVCache(H2OKVCache):
         kept_k, kept_v = self.keys[:, :, :keep], self.values[:, :, :keep]
         similarity = _unit(gone_k) @ _unit(kept_k).swapaxes(-1, -2)  # [B, H, gone, keep]
         kept_pos = self.positions[:, :, None, :keep]
-        open_slot = (kept_pos >= self.sink) & (kept_pos < self.seen - self.recent)
+        open_slot = self._in_middle(kept_pos)
         into = mx.argmax(mx.where(open_slot, similarity, -mx.inf), axis=-1)  # [B, H, gone]
         # A head with no middle slot kept (heavy 0) drops its leavers, as plain H2O does.
         weight = mx.where(open_slot.any(axis=-1)[..., None], gone_c, 0.0)

@@ -134,7 +134,7 @@ class RecallH2OKVCache(H2OKVCache):
         )
         pooled = _at_positions(sliding_max(by_pos, RECALL_KERNEL), self.archived_positions)
         # Worth a slot only above the cache's weakest middle token (which it may displace).
-        middle = (held_pos >= self.sink) & (held_pos < self.seen - self.recent)
+        middle = self._in_middle(held_pos)
         held_worth = _at_positions(by_pos, held_pos)
         floor = mx.where(middle, held_worth, mx.inf).min(axis=-1, keepdims=True)
         k = min(self.recall, A)
