@@ -131,8 +131,8 @@ class AdaptiveH2OKVCache(H2OKVCache):
         H, n = self.n_heads, self._len
         keep = H * (self.max_size + 1 - self.evict_batch)
         pos, heads = self.positions[..., :n], self.heads[..., :n]
-        middle = (pos >= self.sink) & (pos < self.offset - self.recent)
-        value = self.score_rule.rank(self.scores[..., :n], pos, self.offset)
+        middle = self._in_middle(pos)
+        value = self.score_rule.rank(self.scores[..., :n], pos, self.seen)
         guard = int(self.floor * self.heavy)
         if guard:
             value = mx.where(self._best_of_each_head(value, heads, middle, guard), mx.inf, value)

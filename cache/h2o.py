@@ -449,4 +449,9 @@ def turn_keys(rope, keys: mx.array, delta: mx.array) -> mx.array:
     """keys [B, H, n, D] each rotated by its own `delta` [B, H, n] positions through `rope`."""
     B, H, n, D = keys.shape
     flat = keys.reshape(B * H * n, 1, 1, D)  # one row per key: RoPE takes one offset per row
-    return rope(flat, offset=delta.reshape(-1)).reshape(B, H, n, D).astype(keys.dtype)
+    # On the CPU stream: MLX 0.32.4's CUDA RoPE turns rows by negative per-row offsets
+    # wrongly (errors of 4-8 on an H100, docs/gpu.md), and re-indexing turns keys back.
+    # It runs once per wall / 8 tokens at most.
+    with mx.stream(mx.cpu):
+        turned = rope(flat, offset=delta.reshape(-1))
+    return turned.reshape(B, H, n, D).astype(keys.dtype)
