@@ -139,8 +139,8 @@ class MergingH2OKVCache(H2OKVCache):
         )
         total = kept_w + add_w
 
-        # A key takes the mean direction at the mean length of its tokens: a plain mean of
-        # keys that point apart is shorter, and would cool the logits of every merged slot.
+        # A key takes the weighted mean direction at the weighted mean length: a plain mean
+        # of keys that point apart is shorter, and would cool the logits of every merged slot.
         key = (kept_w * kept_k + add_k) / total
         length = (kept_w * _length(kept_k) + add_len) / total
         key = key * length / mx.maximum(_length(key), 1e-12)
