@@ -160,3 +160,26 @@ def test_gemma_section_spliced_into_an_existing_report():
     once = splice(report, ["## Gemma 3 270M: one", "", "a", ""])
     assert once == "# R\n\n## (c) x\n\nc\n\n## Gemma 3 270M: one\n\na\n\n## (d) Throughput\n\nd\n"
     assert splice(once, ["## Gemma 3 270M: two", ""]) == once.replace("one\n\na\n", "two\n")
+
+
+def test_results_rule_grid_section_from_records():
+    """bench.results' table (e): both grid commands parse, and each rule's ratio to rotating."""
+    from bench import results
+    from server.cli import build_parser
+
+    steps = dict(results.plan(long_chunked=False))
+    for name in ("rules", "rules_merge"):
+        build_parser().parse_args(steps[name])  # a typo in a step would cost a whole run
+    assert "--layer-budgets" in steps["rules_merge"] and "h2o-merge" in steps["rules_merge"]
+    rows = [{"policy": "full", "score": None, "max_kv": None, "seq_len": 1024, "ppl": 20.0,
+             "samples": 3}]  # fmt: skip
+    rows += [
+        {"policy": "rotating", "score": None, "max_kv": 64, "seq_len": 1024, "ppl": 30.0},
+        {"policy": "h2o", "score": "attn", "max_kv": 64, "seq_len": 1024, "ppl": 27.0},
+        {"policy": "h2o-merge", "score": "mean", "layers": "profiled", "max_kv": 64,
+         "seq_len": 1024, "ppl": 23.0},
+    ]  # fmt: skip
+    text = "\n".join(results.rules_section(rows, ["h2o-server eval ppl x"]))
+    # rotating +50%; h2o +35% is 0.70 of it, h2o-merge +15% is 0.30
+    assert "| 64 | 1024 | 16x | +50.0% | +35.0% (0.70) | +15.0% (0.30) |" in text
+    assert "max_kv 64, 1024 tokens (16x): h2o-merge mean profiled, 0.30" in text
