@@ -47,7 +47,7 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
-# Regenerates every report in docs/ (about 3.5 hours on 2 CPU cores).
+# Regenerates every report in docs/ (about 4.5 hours on 2 CPU cores).
 bench: setup
 	$(PY) -m bench.decode_speed --context 2048 --rounds 5 --steps 32 --out docs/decode_speed.md
 	$(PY) -m bench.memory --out docs/memory.md
