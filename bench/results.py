@@ -128,7 +128,7 @@ def plan(long_chunked: bool, g: dict = SCALE) -> list[tuple[str, list[str]]]:
         f"--max-kv {' '.join(g['rules_kv'])} --seq-len {' '.join(g['rules_seqs'])} "
         f"--samples {g['rules_samples']} --full-one-shot"
     )
-    steps.append(("rules", f"eval ppl --policy full rotating h2o --score attn mean {rules}"))
+    steps.append(("rules", f"eval ppl --policy full rotating h2o --score mean {rules}"))
     # h2o-merge, the best rule, with each layer's max_kv from the model's layer profile
     steps.append(
         ("rules_merge", f"eval ppl --policy h2o-merge --layer-budgets auto --score mean {rules}")
@@ -415,13 +415,13 @@ def rules_section(rows: list[dict], cmds: list[str]) -> list[str]:
         "## (e) Eviction beyond H2O: rule x max_kv x sequence length",
         "",
         f"{rows[0]['samples']} samples of {seqs[-1]} tokens (shorter lengths are their "
-        "prefixes). `h2o attn` is the paper's rule; `mean` divides each key's accumulated "
+        "prefixes). `h2o mean` is H2O whose `mean` rule divides each key's accumulated "
         "attention by the queries that have seen it; `h2o-merge` evicts by `mean` and merges "
         "each leaver into its nearest kept key instead of dropping it, with each layer's "
         "max_kv from the model's layer profile (`profiled`). In parentheses: the increase "
         "over the full cache as a share of the rotating window's at the same max_kv and "
-        "length (the goal: <= 0.4 at 16x, <= 0.3 at 8x, no loss at 4x). More rules "
-        "(`tova`, `snap`, `h2o-ada`): [rules.md](rules.md).",
+        "length (the goal: <= 0.4 at 16x, <= 0.3 at 8x, no loss at 4x). The paper's `attn` "
+        "rule and more (`tova`, `snap`, `h2o-ada`): [rules.md](rules.md).",
         "",
         *[f"`{c}`" + "  " for c in cmds],
         "",
