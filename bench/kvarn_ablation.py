@@ -3,11 +3,15 @@
 Teacher-forced perplexity (one token per step, as bench.quantized) on essay windows
 that the other benchmarks do not use (token `--start` on), each variant against
 dense h2o, with the mean KL(dense h2o || variant) per step. Variants that change a
-knob go through make_cache; three counterfactuals patch the KVarN storage for the
-run only:
+knob go through make_cache; counterfactuals patch the KVarN storage for the run
+only:
 - `exact-repack`: damaged tiles are re-packed from each survivor's original
   (rotated) K/V kept aside, not from its dequantized copy: no compounding;
 - `value-group32`: values quantized in groups of 32 channels, not 64;
+- `mx-grids`: keys and values on mx.quantize's grids (min..max moved to put a
+  level on 0), not fitted per group (cache/kvarn_tiles.py, fit_quantize);
+- `ls-values`: values on the least-squares grid without the unit-gain rescale;
+- `gain-keys`: keys rescaled to unit gain as well;
 - `clipped-values`: each value group's range clipped to whichever of 100-60% of
   min-max leaves the least squared error (mx.quantize on the clipped group).
 
@@ -21,6 +25,7 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 from unittest import mock
 
@@ -33,6 +38,7 @@ from bench.quantized import teacher_forced
 from bench.report import command, machine, publish
 from bench.text import essay_token_ids
 from cache.h2o_kvarn import H2OKVarNCache
+from cache.kvarn_tiles import fit_quantize, quantize_keys, quantize_values
 from kernels.hadamard import rotate
 from server.models import load_model
 
@@ -84,26 +90,16 @@ def clipped_quantize(x: mx.array, group_size: int, bits: int):
     return tuple(best[1])
 
 
-class _ClippingMx:
-    """The mx module as cache/kvarn_tiles.py sees it, with quantize clipped."""
-
-    quantize = staticmethod(clipped_quantize)
-
-    def __getattr__(self, name: str):
-        return getattr(mx, name)
+def _quantizers(keys, values):
+    """Run with these quantizers for KVarN's key and value tiles (mx.quantize's signature)."""
+    return lambda: _patched(keys, values)
 
 
 @contextmanager
-def clipped_values() -> Iterator[None]:
-    encode = cache.kvarn_tiles.encode_values
-
-    def clipped(v, fmt, iters=cache.kvarn_tiles.SINKHORN_ITERS):
-        with mock.patch.object(cache.kvarn_tiles, "mx", _ClippingMx()):
-            return encode(v, fmt, iters)
-
+def _patched(keys, values) -> Iterator[None]:
     with (
-        mock.patch("cache.kvarn.encode_values", clipped),
-        mock.patch("cache.h2o_kvarn.encode_values", clipped),
+        mock.patch.object(cache.kvarn_tiles, "quantize_keys", keys),
+        mock.patch.object(cache.kvarn_tiles, "quantize_values", values),
     ):
         yield
 
@@ -136,10 +132,25 @@ CASES = {
         {"policy": "h2o-kvarn"},
         lambda: mock.patch.object(cache.kvarn, "value_group", lambda head_dim: 32),
     ),
+    "mx-grids": (
+        "h2o-kvarn k4v2, mx.quantize's grids (before)",
+        {"policy": "h2o-kvarn"},
+        _quantizers(mx.quantize, mx.quantize),
+    ),
+    "ls-values": (
+        "h2o-kvarn k4v2, values least squares, not at unit gain",
+        {"policy": "h2o-kvarn"},
+        _quantizers(fit_quantize, fit_quantize),
+    ),
+    "gain-keys": (
+        "h2o-kvarn k4v2, keys at unit gain too",
+        {"policy": "h2o-kvarn"},
+        _quantizers(partial(fit_quantize, unit_gain=True), quantize_values),
+    ),
     "clipped-values": (
         "h2o-kvarn k4v2, values clipped for least error",
         {"policy": "h2o-kvarn"},
-        clipped_values,
+        _quantizers(quantize_keys, clipped_quantize),
     ),
 }  # fmt: skip
 

@@ -15,7 +15,7 @@ import cache  # noqa: F401  (registers the cache classes with mlx-lm)
 from cache import ATTENTION, H2OKVarNCache, H2OKVCache, KVarNCache, QuantizedH2OKVCache, make_cache
 from cache.attention import ScoredAttention
 from cache.budget import ModelShape, cache_bytes, max_kv_within
-from cache.kvarn_tiles import imbalance, sinkhorn
+from cache.kvarn_tiles import fit_quantize, imbalance, pack_codes, sinkhorn
 from cache.router import uninstall_router
 from config.cache_spec import KVARN_PRESETS
 from kernels.hadamard import hadamard_block, rotate, rotation_matrix
@@ -86,6 +86,46 @@ def test_sinkhorn_reduces_tile_imbalance():
     y = mx.array(rng.standard_normal((5, 64, 128)).astype(np.float32))
     r, c = sinkhorn(y)
     assert np.all(np.array(imbalance(y / r / c)) <= np.array(imbalance(y)) + 1e-6)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_fitted_grid_packs_like_mx_quantize_with_less_error(bits):
+    rng = np.random.default_rng(4)
+    x = mx.array(rng.standard_normal((512, 64)).astype(np.float32))
+    words, scales, biases = fit_quantize(x, 64, bits)
+    ref = mx.quantize(x, group_size=64, bits=bits)
+    assert [a.shape for a in (words, scales, biases)] == [a.shape for a in ref]
+    assert words.dtype == ref[0].dtype == mx.uint32
+    # mx.dequantize reads the words: codes land in mx.quantize's bit layout.
+    codes = mx.array(rng.integers(0, 2**bits, (3, 64)).astype(np.float32))
+    ones = mx.ones((3, 1))
+    unpacked = mx.dequantize(pack_codes(codes, bits), ones, 0 * ones, group_size=64, bits=bits)
+    assert np.array_equal(np.array(unpacked), np.array(codes))
+
+    def error(packed):
+        back = mx.dequantize(*packed, group_size=64, bits=bits)
+        return float(((back - x) ** 2).mean())
+
+    assert error((words, scales, biases)) < 0.95 * error(ref)
+
+
+def test_unit_gain_values_are_not_shrunk():
+    """A value grid at unit gain reads back with no shrink along each group, where the
+    least-squares grid reads it ~8% short at 2 bits (the bias attention sums up)."""
+    rng = np.random.default_rng(5)
+    x = mx.array((rng.standard_normal((512, 64)) * 3 + 1).astype(np.float32))
+
+    def gain(unit_gain: bool) -> np.ndarray:
+        back = mx.dequantize(*fit_quantize(x, 64, 2, unit_gain=unit_gain), group_size=64, bits=2)
+        centred = x - x.mean(-1, keepdims=True)
+        g = ((back - x.mean(-1, keepdims=True)) * centred).sum(-1) / (centred**2).sum(-1)
+        return np.array(g)
+
+    assert np.allclose(gain(True), 1.0, atol=1e-3)
+    assert gain(False).mean() < 0.95
+    # The group mean is kept either way.
+    back = mx.dequantize(*fit_quantize(x, 64, 2, unit_gain=True), group_size=64, bits=2)
+    assert_close(back.mean(-1), x.mean(-1), 1e-4)
 
 
 @pytest.mark.parametrize("key_bits, value_bits", [(4, 2), (4, 4), (2, 2), (8, 8)])
