@@ -12,6 +12,8 @@ only:
   level on 0), not fitted per group (cache/kvarn_tiles.py, fit_quantize);
 - `ls-values`: values on the least-squares grid without the unit-gain rescale;
 - `gain-keys`: keys rescaled to unit gain as well;
+- `no-sinkhorn`: tiles packed without Sinkhorn balancing (rotation and fitted
+  grids only);
 - `clipped-values`: each value group's range clipped to whichever of 100-60% of
   min-max leaves the least squared error (mx.quantize on the clipped group).
 
@@ -32,6 +34,7 @@ from unittest import mock
 import mlx.core as mx
 
 import cache.factory
+import cache.h2o_kvarn
 import cache.kvarn
 import cache.kvarn_tiles
 from bench.quantized import teacher_forced
@@ -104,6 +107,19 @@ def _patched(keys, values) -> Iterator[None]:
         yield
 
 
+@contextmanager
+def _sinkhorn_iters(iters: int) -> Iterator[None]:
+    """h2o-kvarn's tiles balanced with `iters` Sinkhorn rounds (0: not at all)."""
+    keys, values = cache.h2o_kvarn.encode_keys, cache.h2o_kvarn.encode_values
+    with (
+        mock.patch.object(cache.h2o_kvarn, "encode_keys", lambda k, fmt, _: keys(k, fmt, iters)),
+        mock.patch.object(
+            cache.h2o_kvarn, "encode_values", lambda v, fmt, _: values(v, fmt, iters)
+        ),
+    ):
+        yield
+
+
 # name -> (label, make_cache kwargs, patch for the run)
 CASES = {
     "h2o": ("h2o (dense)", {"policy": "h2o"}, nullcontext),
@@ -146,6 +162,11 @@ CASES = {
         "h2o-kvarn k4v2, keys at unit gain too",
         {"policy": "h2o-kvarn"},
         _quantizers(partial(fit_quantize, unit_gain=True), quantize_values),
+    ),
+    "no-sinkhorn": (
+        "h2o-kvarn k4v2, tiles not Sinkhorn-balanced",
+        {"policy": "h2o-kvarn"},
+        lambda: _sinkhorn_iters(0),
     ),
     "clipped-values": (
         "h2o-kvarn k4v2, values clipped for least error",
