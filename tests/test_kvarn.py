@@ -123,7 +123,7 @@ def test_unit_gain_values_are_not_shrunk():
 
     assert np.allclose(gain(True), 1.0, atol=1e-3)
     assert gain(False).mean() < 0.95
-    # The group mean is kept either way.
+    # The group mean is kept.
     back = mx.dequantize(*fit_quantize(x, 64, 2, unit_gain=True), group_size=64, bits=2)
     assert_close(back.mean(-1), x.mean(-1), 1e-4)
 
