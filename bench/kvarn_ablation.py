@@ -93,13 +93,9 @@ def clipped_quantize(x: mx.array, group_size: int, bits: int):
     return tuple(best[1])
 
 
-def _quantizers(keys, values):
-    """Run with these quantizers for KVarN's key and value tiles (mx.quantize's signature)."""
-    return lambda: _patched(keys, values)
-
-
 @contextmanager
-def _patched(keys, values) -> Iterator[None]:
+def _quantized_with(keys, values) -> Iterator[None]:
+    """KVarN's key and value tiles packed by these (mx.quantize's signature) for the run."""
     with (
         mock.patch.object(cache.kvarn_tiles, "quantize_keys", keys),
         mock.patch.object(cache.kvarn_tiles, "quantize_values", values),
@@ -151,17 +147,17 @@ CASES = {
     "mx-grids": (
         "h2o-kvarn k4v2, mx.quantize's grids (before)",
         {"policy": "h2o-kvarn"},
-        _quantizers(mx.quantize, mx.quantize),
+        partial(_quantized_with, mx.quantize, mx.quantize),
     ),
     "ls-values": (
         "h2o-kvarn k4v2, values least squares, not at unit gain",
         {"policy": "h2o-kvarn"},
-        _quantizers(fit_quantize, fit_quantize),
+        partial(_quantized_with, fit_quantize, fit_quantize),
     ),
     "gain-keys": (
         "h2o-kvarn k4v2, keys at unit gain too",
         {"policy": "h2o-kvarn"},
-        _quantizers(partial(fit_quantize, unit_gain=True), quantize_values),
+        partial(_quantized_with, partial(fit_quantize, unit_gain=True), quantize_values),
     ),
     "no-sinkhorn": (
         "h2o-kvarn k4v2, tiles not Sinkhorn-balanced",
@@ -171,7 +167,7 @@ CASES = {
     "clipped-values": (
         "h2o-kvarn k4v2, values clipped for least error",
         {"policy": "h2o-kvarn"},
-        _quantizers(quantize_keys, clipped_quantize),
+        partial(_quantized_with, quantize_keys, clipped_quantize),
     ),
 }  # fmt: skip
 

@@ -80,6 +80,7 @@ def fit_quantize(
     top = 2**bits - 1
     g = x.reshape(*x.shape[:-1], -1, group_size)
     mean = g.mean(-1, keepdims=True)
+    dev = g - mean
     lo = g.min(-1, keepdims=True)
     step = mx.maximum((g.max(-1, keepdims=True) - lo) / top, _MIN_STD)
     offset = lo
@@ -87,14 +88,16 @@ def fit_quantize(
         codes = mx.clip(mx.round((g - offset) / step), 0, top)
         centred = codes - codes.mean(-1, keepdims=True)
         var = (centred * centred).mean(-1, keepdims=True)
-        fitted = (centred * (g - mean)).mean(-1, keepdims=True) / mx.maximum(var, 1e-12)
+        fitted = (centred * dev).mean(-1, keepdims=True) / mx.maximum(var, 1e-12)
         step = mx.where(var > 0, mx.maximum(fitted, _MIN_STD), step)  # one code: keep it
         offset = mean - step * codes.mean(-1, keepdims=True)
     codes = mx.clip(mx.round((g - offset) / step), 0, top)
     if unit_gain:
         centred = codes - codes.mean(-1, keepdims=True)
-        signal = ((g - mean) ** 2).sum(-1, keepdims=True)
-        gain = step * (centred * (g - mean)).sum(-1, keepdims=True) / mx.maximum(signal, 1e-12)
+        signal = (dev * dev).sum(-1, keepdims=True)
+        gain = step * (centred * dev).sum(-1, keepdims=True) / mx.maximum(signal, 1e-12)
+        # A group read back far below its own size (one or two codes) is left at most
+        # doubled, not blown up.
         step = mx.where(signal > 0, step / mx.maximum(gain, 0.5), step)
         offset = mean - step * codes.mean(-1, keepdims=True)
     return pack_codes(codes.reshape(x.shape), bits), step[..., 0], offset[..., 0]
