@@ -12,8 +12,9 @@ only:
   level on 0), not fitted per group (cache/kvarn_tiles.py, fit_quantize);
 - `ls-values`: values on the least-squares grid without the unit-gain rescale;
 - `gain-keys`: keys rescaled to unit gain as well;
-- `no-sinkhorn`: tiles packed without Sinkhorn balancing (rotation and fitted
-  grids only);
+- `sinkhorn`: tiles Sinkhorn-balanced before packing, as kvarn's are (h2o-kvarn's
+  before: it packs unbalanced, config.cache_spec.H2O_KVARN_SINKHORN_ITERS);
+- `fit-1round`: the fitted grids refitted once, not FIT_ITERS times;
 - `clipped-values`: each value group's range clipped to whichever of 100-60% of
   min-max leaves the least squared error (mx.quantize on the clipped group).
 
@@ -34,14 +35,13 @@ from unittest import mock
 import mlx.core as mx
 
 import cache.factory
-import cache.h2o_kvarn
 import cache.kvarn
 import cache.kvarn_tiles
 from bench.quantized import teacher_forced
 from bench.report import command, machine, publish
 from bench.text import essay_token_ids
 from cache.h2o_kvarn import H2OKVarNCache
-from cache.kvarn_tiles import fit_quantize, quantize_keys, quantize_values
+from cache.kvarn_tiles import SINKHORN_ITERS, fit_quantize, quantize_keys, quantize_values
 from kernels.hadamard import rotate
 from server.models import load_model
 
@@ -103,19 +103,6 @@ def _quantized_with(keys, values) -> Iterator[None]:
         yield
 
 
-@contextmanager
-def _sinkhorn_iters(iters: int) -> Iterator[None]:
-    """h2o-kvarn's tiles balanced with `iters` Sinkhorn rounds (0: not at all)."""
-    keys, values = cache.h2o_kvarn.encode_keys, cache.h2o_kvarn.encode_values
-    with (
-        mock.patch.object(cache.h2o_kvarn, "encode_keys", lambda k, fmt, _: keys(k, fmt, iters)),
-        mock.patch.object(
-            cache.h2o_kvarn, "encode_values", lambda v, fmt, _: values(v, fmt, iters)
-        ),
-    ):
-        yield
-
-
 # name -> (label, make_cache kwargs, patch for the run)
 CASES = {
     "h2o": ("h2o (dense)", {"policy": "h2o"}, nullcontext),
@@ -159,10 +146,23 @@ CASES = {
         {"policy": "h2o-kvarn"},
         partial(_quantized_with, partial(fit_quantize, unit_gain=True), quantize_values),
     ),
-    "no-sinkhorn": (
-        "h2o-kvarn k4v2, tiles not Sinkhorn-balanced",
+    "sinkhorn": (
+        "h2o-kvarn k4v2, tiles Sinkhorn-balanced (before)",
         {"policy": "h2o-kvarn"},
-        lambda: _sinkhorn_iters(0),
+        lambda: mock.patch.object(
+            cache.factory,
+            "H2OKVarNCache",
+            partial(H2OKVarNCache, sinkhorn_iters=SINKHORN_ITERS),
+        ),
+    ),
+    "fit-1round": (
+        "h2o-kvarn k4v2, grids refitted once",
+        {"policy": "h2o-kvarn"},
+        partial(
+            _quantized_with,
+            partial(fit_quantize, iters=1),
+            partial(fit_quantize, iters=1, unit_gain=True),
+        ),
     ),
     "clipped-values": (
         "h2o-kvarn k4v2, values clipped for least error",

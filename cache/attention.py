@@ -29,7 +29,7 @@ from mlx.utils import tree_map
 
 from kernels import AUTO, check_backend, get_backend, reference, select_backend
 from kernels.hadamard import rotate
-from kernels.kvarn import TileFormat, dequantize_storage, kvarn_sdpa_with_scores
+from kernels.kvarn import TileFormat, dequantize_storage, kvarn_sdpa_with_probs
 from kernels.reference import bias_as_mask, expand_mask, packed_matmul
 
 QUANTIZED_PATHS = ("fused", "dequantize")
@@ -221,8 +221,8 @@ class ScoredAttention:
     def attend_part(self, queries, keys, values, fmt: KVFormat, scale: float, mask=None, bias=None):
         """One part, dense or packed in `fmt`: (out, logits, probs or None).
 
-        The reference kernels hand back their probabilities; the GPU decode kernels
-        and KVarN's tile kernel export logits only (rules take a softmax there). Only
+        The reference kernels (KVarN's too) hand back their probabilities; the GPU
+        decode kernels export logits only (rules take a softmax there). Only
         the dense reference kernel takes `bias` itself; for the others it is folded
         into the mask.
         """
@@ -234,10 +234,7 @@ class ScoredAttention:
                 bias = None
         if fmt.tile is not None:  # KVarN: rotates the query in and the output back itself
             dequantize = self.quantized_path == "dequantize"
-            out, logits = kvarn_sdpa_with_scores(
-                queries, keys, values, scale, mask, fmt.tiles, dequantize
-            )
-            return out, logits, None
+            return kvarn_sdpa_with_probs(queries, keys, values, scale, mask, fmt.tiles, dequantize)
         if fmt.rotated:  # any backend's kernel on rotated storage: rotate in, rotate out once
             out, logits, probs = self.attend_part(
                 rotate(queries), keys, values, unrotated(fmt), scale, mask

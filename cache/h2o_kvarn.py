@@ -8,10 +8,9 @@ holds more than max_size tokens, tokens leave by one of two rules (`strategy`):
 
 - "requantize" (default): token-level H2O. The kept slots are exactly dense H2O's for
   the same scores. Tiles that lost no token keep their bytes; the survivors of damaged
-  tiles are dequantized, laid out after the intact tiles and packed again (Sinkhorn
-  and all) in full tiles, the rest joining the dense tail. Keys cannot move packed
-  (one group per channel spans a tile's tokens), and values lose their per-tile
-  Sinkhorn channel factor if they do.
+  tiles are dequantized, laid out after the intact tiles and packed again in full
+  tiles, the rest joining the dense tail. Keys cannot move packed (one group per
+  channel spans a tile's tokens), and values would lose their per-tile factor.
 - "tile": a tile leaves whole: tiles wholly outside the recent window rank by the sum
   of their tokens' scores and the lowest go. Nothing is re-packed, but heavy hitters
   leave with their tile's weak tokens.
@@ -23,6 +22,12 @@ only (no channel factor) +3.4%. Re-packing compounds error, so it should be rare
 the default evicts a tile's worth at a time. On other text (docs/kvarn_ablation.md,
 8 x 512 tokens) k4v2 is +1.9%: re-packing from the original K/V gives the same KL, so
 at a tile per eviction what is left is the 2-bit value grid (k4v4: +1.2%).
+
+Tiles are packed without Sinkhorn balancing (`sinkhorn_iters`, default
+config.cache_spec.H2O_KVARN_SINKHORN_ITERS = 0; the factors are stored as ones): on the
+fitted grids the rotation already evens the channels and unbalanced tiles lose no
+accuracy under eviction (KL to dense H2O 0.0159 vs 0.0161, 0.0123 vs 0.0126 on two
+window sets, docs/kvarn_ablation.md), while an eviction re-packs twice as fast.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from cache.kvarn_tiles import encode_keys, encode_values
 from cache.scores import ScoreRule, make_score_rule
 from config.cache_spec import (
     DEFAULT_SCORE,
+    H2O_KVARN_SINKHORN_ITERS,
     KVARN_STRATEGIES,
     choose,
     h2o_kvarn_tile,
@@ -59,10 +65,18 @@ class H2OKVarNCache(KVarNCache):
         evict_batch: int | None = None,
         strategy: str = "requantize",
         head_dim: int | None = None,
+        sinkhorn_iters: int = H2O_KVARN_SINKHORN_ITERS,
     ):
         budget = split_segments(max_size, sink=sink, heavy=heavy, recent=recent)
         tile = h2o_kvarn_tile(budget.max_size) if tile is None else tile
-        super().__init__(key_bits, value_bits, tile=tile, sink=budget.sink, head_dim=head_dim)
+        super().__init__(
+            key_bits,
+            value_bits,
+            tile=tile,
+            sink=budget.sink,
+            head_dim=head_dim,
+            sinkhorn_iters=sinkhorn_iters,
+        )
         choose("h2o-kvarn strategy", strategy, KVARN_STRATEGIES)
         if strategy == "tile" and budget.heavy < tile:
             raise ValueError(f"tile eviction needs a heavy budget of at least one tile ({tile})")

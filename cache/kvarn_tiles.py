@@ -35,6 +35,8 @@ def imbalance(x: mx.array) -> mx.array:
 def sinkhorn(x: mx.array, iters: int = SINKHORN_ITERS) -> tuple[mx.array, mx.array]:
     """Row factors [..., R, 1] and column factors [..., 1, C] with x / r / c balanced."""
     x = x.astype(mx.float32)
+    if iters == 0:  # unbalanced: unit factors
+        return mx.ones((*x.shape[:-1], 1)), mx.ones((*x.shape[:-2], 1, x.shape[-1]))
     # Factors are updated in log space, but exp runs on the factor vectors only: on
     # this CPU an elementwise exp over a whole tile costs as much as the rest together.
     log_r = mx.zeros((*x.shape[:-1], 1))

@@ -149,6 +149,9 @@ KVARN_STRATEGIES: dict[str, str] = {
     "tile": "whole tiles leave, lowest summed score first",
 }
 KVARN_SCALE_BYTES = 2  # float16 scales, biases and Sinkhorn factors
+# h2o-kvarn packs without Sinkhorn balancing: on its fitted grids unbalanced tiles are as
+# good under eviction and evictions re-pack twice as fast (docs/kvarn_ablation.md).
+H2O_KVARN_SINKHORN_ITERS = 0
 
 DEFAULT_POLICY = "h2o"
 DEFAULT_PRESET = "heavy"

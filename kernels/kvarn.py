@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from kernels.hadamard import rotate
-from kernels.reference import Mask, _apply_mask, on_cuda, sdpa_with_scores
+from kernels.reference import Mask, _apply_mask, on_cuda, sdpa_with_probs
 
 KVarNTiles = list[
     mx.array
@@ -67,7 +67,7 @@ def dequantize_values(v: KVarNTiles, fmt: TileFormat) -> mx.array:
     return x * channel_scale[..., None, :].astype(mx.float32)
 
 
-def kvarn_sdpa_with_scores(
+def kvarn_sdpa_with_probs(
     q: mx.array,
     keys: list,
     values: list,
@@ -75,8 +75,8 @@ def kvarn_sdpa_with_scores(
     mask: Mask,
     fmt: TileFormat,
     dequantize: bool = False,
-) -> tuple[mx.array, mx.array]:
-    """`sdpa_with_scores` over KVarN storage; q and the output in the model's frame.
+) -> tuple[mx.array, mx.array, mx.array]:
+    """`sdpa_with_probs` over KVarN storage; q and the output in the model's frame.
 
     keys/values: [front, tiles, tail] with front/tail dense arrays or None and tiles a
     KVarNTiles list or None. The query is rotated once on the way in and the output once
@@ -85,8 +85,9 @@ def kvarn_sdpa_with_scores(
     """
     q_rot = rotate(q.astype(mx.float32))
     if dequantize or keys[1] is None or on_cuda():  # on_cuda: see kernels.reference
-        out, scores = sdpa_with_scores(q_rot, *dequantize_storage(keys, values, fmt), scale, mask)
-        return rotate(out).astype(q.dtype), scores
+        dense = dequantize_storage(keys, values, fmt)
+        out, scores, probs = sdpa_with_probs(q_rot, *dense, scale, mask)
+        return rotate(out).astype(q.dtype), scores, probs
     return _packed(q_rot, keys, values, scale, mask, fmt, q.dtype)
 
 
@@ -103,7 +104,7 @@ def dequantize_storage(keys: list, values: list, fmt: TileFormat) -> tuple[mx.ar
     return dense[0], dense[1]
 
 
-def _packed(q_rot, keys, values, scale, mask, fmt: TileFormat, dtype) -> tuple[mx.array, mx.array]:
+def _packed(q_rot, keys, values, scale, mask, fmt: TileFormat, dtype):
     (k_front, k_tiles, k_tail), (v_front, v_tiles, v_tail) = keys, values
     B, n_q, L_q, D = q_rot.shape
     n_kv, n_tiles, t = k_tiles[0].shape[1], k_tiles[0].shape[2], fmt.tile
@@ -151,4 +152,5 @@ def _packed(q_rot, keys, values, scale, mask, fmt: TileFormat, dtype) -> tuple[m
     if v_tail is not None:
         out = out + probs[..., b:] @ v_tail.astype(mx.float32)
     out = rotate(out.reshape(B, n_q, L_q, D))
-    return out.astype(dtype), scores.reshape(B, n_q, L_q, L_k)
+    shape = (B, n_q, L_q, L_k)
+    return out.astype(dtype), scores.reshape(shape), probs.reshape(shape)

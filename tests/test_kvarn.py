@@ -17,9 +17,9 @@ from cache.attention import ScoredAttention
 from cache.budget import ModelShape, cache_bytes, max_kv_within
 from cache.kvarn_tiles import fit_quantize, imbalance, pack_codes, sinkhorn
 from cache.router import uninstall_router
-from config.cache_spec import KVARN_PRESETS
+from config.cache_spec import H2O_KVARN_SINKHORN_ITERS, KVARN_PRESETS
 from kernels.hadamard import hadamard_block, rotate, rotation_matrix
-from kernels.kvarn import kvarn_sdpa_with_scores
+from kernels.kvarn import kvarn_sdpa_with_probs
 from kernels.reference import sdpa_with_scores
 from kernels.src import EMULATOR_DIALECT, emulator, launch
 
@@ -137,10 +137,10 @@ def test_packed_attention_equals_attention_on_dequantized_tiles(key_bits, value_
     assert c.n_tiles() == 3 and c.size() == 8 + 3 * 32 + 8
     q = mx.array(rng.standard_normal((B, N_Q, 2, D)).astype(np.float32))
     fmt = c.fmt
-    packed = kvarn_sdpa_with_scores(q, keys, values, 0.125, "causal", fmt)
-    oracle = kvarn_sdpa_with_scores(q, keys, values, 0.125, "causal", fmt, dequantize=True)
-    assert_close(packed[1], oracle[1], 1e-4)
-    assert_close(packed[0], oracle[0], 1e-4)
+    packed = kvarn_sdpa_with_probs(q, keys, values, 0.125, "causal", fmt)
+    oracle = kvarn_sdpa_with_probs(q, keys, values, 0.125, "causal", fmt, dequantize=True)
+    for got, want in zip(packed, oracle, strict=True):  # output, logits, probabilities
+        assert_close(got, want, 1e-4)
 
 
 def test_quantization_error_shrinks_with_the_widths():
@@ -302,6 +302,23 @@ def test_save_load_round_trip(tmp_path, make):
     got = ATTENTION(q, *loaded.update_and_fetch(k, v), loaded, 0.125)
     assert_close(got[0], want[0], 1e-6)
     assert_close(got[1], want[1], 1e-6)
+
+
+@pytest.mark.parametrize("iters", [None, 4])
+def test_h2o_kvarn_packs_unbalanced_unless_asked(tmp_path, iters):
+    """h2o-kvarn's tiles carry unit Sinkhorn factors by default (H2O_KVARN_SINKHORN_ITERS);
+    with rounds asked for they are balanced, and the knob survives save/load."""
+    rng = np.random.default_rng(11)
+    knob = {} if iters is None else {"sinkhorn_iters": iters}
+    c = H2OKVarNCache(96, **SEGMENTS, tile=32, head_dim=D, **knob)
+    c.update_and_fetch(*random_kv(rng, 80))
+    factors = [c.tiles[0][3], c.tiles[1][3]]  # keys' token factor, values' channel factor
+    unit = all(bool(mx.all(f == 1).item()) for f in factors)
+    assert unit == (iters is None)
+    path = str(tmp_path / "h2o_kvarn.safetensors")
+    save_prompt_cache(path, [c])
+    (loaded,) = load_prompt_cache(path)
+    assert loaded.sinkhorn_iters == c.sinkhorn_iters == (iters or H2O_KVARN_SINKHORN_ITERS)
 
 
 def test_bad_head_dims_fail_at_creation():
