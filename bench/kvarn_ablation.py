@@ -7,13 +7,13 @@ knob go through make_cache; counterfactuals patch the KVarN storage for the run
 only:
 - `exact-repack`: damaged tiles are re-packed from each survivor's original
   (rotated) K/V kept aside, not from its dequantized copy: no compounding;
-- `value-group32`: values quantized in groups of 32 channels, not 64;
+- `value-group64`: values quantized in groups of 64 channels, not 32 (before);
 - `mx-grids`: keys and values on mx.quantize's grids (min..max moved to put a
   level on 0), not fitted per group (cache/kvarn_tiles.py, fit_quantize);
 - `ls-values`: values on the least-squares grid without the unit-gain rescale;
 - `gain-keys`: keys rescaled to unit gain as well;
-- `sinkhorn`: tiles Sinkhorn-balanced before packing, as kvarn's are (h2o-kvarn's
-  before: it packs unbalanced, config.cache_spec.H2O_KVARN_SINKHORN_ITERS);
+- `no-sinkhorn`: tiles packed without Sinkhorn balancing (rotation and fitted
+  grids only);
 - `fit-1round`: the fitted grids refitted once, not FIT_ITERS times;
 - `clipped-values`: each value group's range clipped to whichever of 100-60% of
   min-max leaves the least squared error (mx.quantize on the clipped group).
@@ -35,13 +35,12 @@ from unittest import mock
 import mlx.core as mx
 
 import cache.factory
-import cache.kvarn
 import cache.kvarn_tiles
 from bench.quantized import teacher_forced
 from bench.report import command, machine, publish
 from bench.text import essay_token_ids
 from cache.h2o_kvarn import H2OKVarNCache
-from cache.kvarn_tiles import SINKHORN_ITERS, fit_quantize, quantize_keys, quantize_values
+from cache.kvarn_tiles import fit_quantize, quantize_keys, quantize_values
 from kernels.hadamard import rotate
 from server.models import load_model
 
@@ -126,10 +125,12 @@ CASES = {
         {"policy": "h2o-kvarn"},
         lambda: mock.patch.object(cache.factory, "H2OKVarNCache", ExactRepackCache),
     ),
-    "value-group32": (
-        "h2o-kvarn k4v2, value groups of 32",
+    "value-group64": (
+        "h2o-kvarn k4v2, value groups of 64 (before)",
         {"policy": "h2o-kvarn"},
-        lambda: mock.patch.object(cache.kvarn, "value_group", lambda head_dim: 32),
+        lambda: mock.patch.object(
+            cache.factory, "H2OKVarNCache", partial(H2OKVarNCache, value_group_size=64)
+        ),
     ),
     "mx-grids": (
         "h2o-kvarn k4v2, mx.quantize's grids (before)",
@@ -146,13 +147,11 @@ CASES = {
         {"policy": "h2o-kvarn"},
         partial(_quantized_with, partial(fit_quantize, unit_gain=True), quantize_values),
     ),
-    "sinkhorn": (
-        "h2o-kvarn k4v2, tiles Sinkhorn-balanced (before)",
+    "no-sinkhorn": (
+        "h2o-kvarn k4v2, tiles not Sinkhorn-balanced",
         {"policy": "h2o-kvarn"},
         lambda: mock.patch.object(
-            cache.factory,
-            "H2OKVarNCache",
-            partial(H2OKVarNCache, sinkhorn_iters=SINKHORN_ITERS),
+            cache.factory, "H2OKVarNCache", partial(H2OKVarNCache, sinkhorn_iters=0)
         ),
     ),
     "fit-1round": (

@@ -31,6 +31,7 @@ from config.cache_spec import (
     AUTO,
     DEFAULT_GROUP_SIZE,
     DEFAULT_KVARN,
+    H2O_KVARN_VALUE_GROUP,
     KVARN_PRESETS,
     KVARN_SCALE_BYTES,
     KVARN_SINK,
@@ -110,9 +111,10 @@ KVARN_POLICIES = ("kvarn", "h2o-kvarn")
 KVARN_REFERENCE_TOKENS = 8192  # bytes_per_token of the kvarn policies without a max_kv
 
 
-def value_group(head_dim: int) -> int:
-    """KVarN's value quantization group: the largest of 128/64/32 dividing the head dim."""
-    for g in (128, 64, 32):
+def value_group(head_dim: int, policy: str = "kvarn") -> int:
+    """KVarN's value quantization group: H2O_KVARN_VALUE_GROUP for h2o-kvarn, else the
+    largest of 128/64/32 dividing the head dim."""
+    for g in (H2O_KVARN_VALUE_GROUP,) if policy == "h2o-kvarn" else (128, 64, 32):
         if head_dim % g == 0:
             return g
     raise ValueError(
@@ -121,9 +123,10 @@ def value_group(head_dim: int) -> int:
     )
 
 
-def tile_nbytes(head_dim: int, tile: int, key_bits: int, value_bits: int) -> int:
-    """Bytes of one packed KVarN tile of one KV head: keys and values, words and every scale."""
-    d, s, g = head_dim, KVARN_SCALE_BYTES, value_group(head_dim)
+def tile_nbytes(head_dim: int, tile: int, key_bits: int, value_bits: int, group: int) -> int:
+    """Bytes of one packed KVarN tile of one KV head: keys and values, words and every scale
+    (values in groups of `group` channels)."""
+    d, s, g = head_dim, KVARN_SCALE_BYTES, group
     keys = d * tile * key_bits // 8 + 2 * d * s + tile * s  # + scale/bias per channel, token factor
     values = tile * d * value_bits // 8 + 2 * tile * (d // g) * s + d * s  # + channel factor
     return keys + values
@@ -143,7 +146,8 @@ def cache_bytes(shape: ModelShape, policy: str, max_kv: int, kvarn: str = DEFAUL
         book = H2O_BOOKKEEPING * tokens
     tiles = max(0, tokens - front) // tile
     tail_pool = tile if tokens > front else 0
-    packed = tiles * tile_nbytes(shape.head_dim, tile, key_bits, value_bits)
+    group = value_group(shape.head_dim, policy)
+    packed = tiles * tile_nbytes(shape.head_dim, tile, key_bits, value_bits, group)
     per_head = (front + tail_pool) * dense_slot + packed + book
     return shape.layers * shape.kv_heads * per_head
 

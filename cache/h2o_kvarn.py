@@ -22,12 +22,6 @@ only (no channel factor) +3.4%. Re-packing compounds error, so it should be rare
 the default evicts a tile's worth at a time. On other text (docs/kvarn_ablation.md,
 8 x 512 tokens) k4v2 is +1.9%: re-packing from the original K/V gives the same KL, so
 at a tile per eviction what is left is the 2-bit value grid (k4v4: +1.2%).
-
-Tiles are packed without Sinkhorn balancing (`sinkhorn_iters`, default
-config.cache_spec.H2O_KVARN_SINKHORN_ITERS = 0; the factors are stored as ones): on the
-fitted grids the rotation already evens the channels and unbalanced tiles lose no
-accuracy under eviction (KL to dense H2O 0.0159 vs 0.0161, 0.0123 vs 0.0126 on two
-window sets, docs/kvarn_ablation.md), while an eviction re-packs twice as fast.
 """
 
 from __future__ import annotations
@@ -37,11 +31,11 @@ import json
 import mlx.core as mx
 
 from cache.kvarn import KVarNCache
-from cache.kvarn_tiles import encode_keys, encode_values
+from cache.kvarn_tiles import SINKHORN_ITERS, encode_keys, encode_values
 from cache.scores import ScoreRule, make_score_rule
 from config.cache_spec import (
     DEFAULT_SCORE,
-    H2O_KVARN_SINKHORN_ITERS,
+    H2O_KVARN_VALUE_GROUP,
     KVARN_STRATEGIES,
     choose,
     h2o_kvarn_tile,
@@ -65,7 +59,8 @@ class H2OKVarNCache(KVarNCache):
         evict_batch: int | None = None,
         strategy: str = "requantize",
         head_dim: int | None = None,
-        sinkhorn_iters: int = H2O_KVARN_SINKHORN_ITERS,
+        sinkhorn_iters: int = SINKHORN_ITERS,
+        value_group_size: int = H2O_KVARN_VALUE_GROUP,
     ):
         budget = split_segments(max_size, sink=sink, heavy=heavy, recent=recent)
         tile = h2o_kvarn_tile(budget.max_size) if tile is None else tile
@@ -76,6 +71,7 @@ class H2OKVarNCache(KVarNCache):
             sink=budget.sink,
             head_dim=head_dim,
             sinkhorn_iters=sinkhorn_iters,
+            value_group_size=value_group_size,
         )
         choose("h2o-kvarn strategy", strategy, KVARN_STRATEGIES)
         if strategy == "tile" and budget.heavy < tile:

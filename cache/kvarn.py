@@ -35,17 +35,25 @@ from kernels.hadamard import hadamard_block, rotate
 from kernels.kvarn import TileFormat
 
 TILE_SIZES = (32, 64, 128)  # mx.quantize groups: the key group spans one tile
+VALUE_GROUPS = (32, 64, 128)  # mx.quantize groups along the head dim
 BITS = (2, 4, 8)
 
 
-def check_head_dim(head_dim: int) -> None:
-    """Raise a clear ValueError when KVarN cannot store this head dim."""
+def check_head_dim(head_dim: int, group: int | None = None) -> None:
+    """Raise a clear ValueError when KVarN cannot store this head dim (values in groups of
+    `group` channels, or the widest that fits)."""
     hadamard_block(head_dim)
     value_group(head_dim)
+    if group is not None and head_dim % group:
+        raise ValueError(f"head dim {head_dim} is not a multiple of the value group {group}")
 
 
 class KVarNCache:
     """Rotated K/V: dense front (sink) pool, Sinkhorn-balanced packed tiles, dense tail."""
+
+    # Channels per value scale; None: the widest that divides the head dim (also what
+    # caches saved before this was stored were packed with).
+    value_group_size: int | None = None
 
     def __init__(
         self,
@@ -56,6 +64,7 @@ class KVarNCache:
         sink: int = KVARN_SINK,
         head_dim: int | None = None,
         sinkhorn_iters: int = SINKHORN_ITERS,
+        value_group_size: int | None = None,
     ):
         """`head_dim`, when given, is checked now (else on the first tokens)."""
         if key_bits not in BITS or value_bits not in BITS:
@@ -64,8 +73,13 @@ class KVarNCache:
             raise ValueError(f"KVarN tile must be one of {TILE_SIZES} tokens, got {tile}")
         if sink < 0:
             raise ValueError(f"the sink pool cannot be negative, got {sink}")
+        if value_group_size not in (None, *VALUE_GROUPS):
+            raise ValueError(
+                f"KVarN value groups are {VALUE_GROUPS} channels, got {value_group_size}"
+            )
         if head_dim is not None:
-            check_head_dim(head_dim)
+            check_head_dim(head_dim, value_group_size)
+        self.value_group_size = value_group_size
         self.key_bits, self.value_bits, self.tile, self.sink = key_bits, value_bits, tile, sink
         self.sinkhorn_iters = sinkhorn_iters
         self.front = self.tail = None  # [k, v] dense pools [B, H, slots, D]
@@ -78,12 +92,13 @@ class KVarNCache:
     @property
     def fmt(self) -> TileFormat:
         d = self.front[0].shape[-1]
-        return TileFormat(self.tile, self.key_bits, self.value_bits, value_group(d))
+        group = self.value_group_size or value_group(d)
+        return TileFormat(self.tile, self.key_bits, self.value_bits, group)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Store N new tokens (rotated); full tiles leave the tail packed."""
         if self.front is None:
-            check_head_dim(keys.shape[-1])
+            check_head_dim(keys.shape[-1], self.value_group_size)
             shape = (*keys.shape[:2], self.sink, keys.shape[-1])
             self.front = [mx.zeros(shape, keys.dtype), mx.zeros(shape, values.dtype)]
         k, v = rotate(keys), rotate(values)
@@ -174,7 +189,7 @@ class KVarNCache:
 
     @property
     def meta_state(self) -> tuple[str]:
-        keys = ("key_bits", "value_bits", "tile", "sink", "sinkhorn_iters")
+        keys = ("key_bits", "value_bits", "tile", "sink", "sinkhorn_iters", "value_group_size")
         meta = {k: getattr(self, k) for k in keys}
         meta.update(n_front=self.n_front, n_tail=self.n_tail, offset=self.offset)
         return (json.dumps(meta),)

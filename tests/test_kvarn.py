@@ -4,6 +4,8 @@ Synthetic tensors and tiny random-weight models only; quality on the default mod
 is bench/quantized.py's (docs/quantized.md).
 """
 
+import json
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -15,9 +17,9 @@ import cache  # noqa: F401  (registers the cache classes with mlx-lm)
 from cache import ATTENTION, H2OKVarNCache, H2OKVCache, KVarNCache, QuantizedH2OKVCache, make_cache
 from cache.attention import ScoredAttention
 from cache.budget import ModelShape, cache_bytes, max_kv_within
-from cache.kvarn_tiles import fit_quantize, imbalance, pack_codes, sinkhorn
+from cache.kvarn_tiles import SINKHORN_ITERS, fit_quantize, imbalance, pack_codes, sinkhorn
 from cache.router import uninstall_router
-from config.cache_spec import H2O_KVARN_SINKHORN_ITERS, KVARN_PRESETS
+from config.cache_spec import H2O_KVARN_VALUE_GROUP, KVARN_PRESETS
 from kernels.hadamard import hadamard_block, rotate, rotation_matrix
 from kernels.kvarn import kvarn_sdpa_with_probs
 from kernels.reference import sdpa_with_scores
@@ -304,21 +306,45 @@ def test_save_load_round_trip(tmp_path, make):
     assert_close(got[1], want[1], 1e-6)
 
 
-@pytest.mark.parametrize("iters", [None, 4])
-def test_h2o_kvarn_packs_unbalanced_unless_asked(tmp_path, iters):
-    """h2o-kvarn's tiles carry unit Sinkhorn factors by default (H2O_KVARN_SINKHORN_ITERS);
-    with rounds asked for they are balanced, and the knob survives save/load."""
+@pytest.mark.parametrize("iters", [None, 0])
+def test_h2o_kvarn_balances_tiles_unless_asked_not_to(tmp_path, iters):
+    """h2o-kvarn's tiles are Sinkhorn-balanced by default; with no rounds they carry unit
+    factors (bench.kvarn_ablation's no-sinkhorn case), and the knob survives save/load."""
     rng = np.random.default_rng(11)
     knob = {} if iters is None else {"sinkhorn_iters": iters}
     c = H2OKVarNCache(96, **SEGMENTS, tile=32, head_dim=D, **knob)
     c.update_and_fetch(*random_kv(rng, 80))
     factors = [c.tiles[0][3], c.tiles[1][3]]  # keys' token factor, values' channel factor
     unit = all(bool(mx.all(f == 1).item()) for f in factors)
-    assert unit == (iters is None)
+    assert unit == (iters == 0)
     path = str(tmp_path / "h2o_kvarn.safetensors")
     save_prompt_cache(path, [c])
     (loaded,) = load_prompt_cache(path)
-    assert loaded.sinkhorn_iters == c.sinkhorn_iters == (iters or H2O_KVARN_SINKHORN_ITERS)
+    assert loaded.sinkhorn_iters == c.sinkhorn_iters == (SINKHORN_ITERS if iters is None else 0)
+
+
+def test_value_groups_per_policy_and_in_older_saved_caches():
+    """h2o-kvarn packs values in groups of H2O_KVARN_VALUE_GROUP channels, kvarn in the
+    widest that fits; an h2o-kvarn cache saved before the group was stored (when it
+    packed the widest) still reads as the widest."""
+    rng = np.random.default_rng(12)
+    dense, evicting = KVarNCache(sink=8, tile=32), H2OKVarNCache(96, **SEGMENTS, tile=32)
+    for c in (dense, evicting):
+        c.update_and_fetch(*random_kv(rng, 80))
+    assert dense.fmt.group_size == D and evicting.fmt.group_size == H2O_KVARN_VALUE_GROUP
+    assert evicting.tiles[1][1].shape[-1] == D // H2O_KVARN_VALUE_GROUP  # scales per token
+    # An h2o-kvarn cache saved before the group was stored (packed in groups of 64).
+    before = H2OKVarNCache(96, **SEGMENTS, tile=32, value_group_size=D)
+    before.update_and_fetch(*random_kv(rng, 80))
+    *arrays, meta = before.state
+    meta = json.loads(meta)
+    del meta["value_group_size"]
+    loaded = H2OKVarNCache.from_state((*arrays, json.dumps(meta)))
+    assert loaded.fmt.group_size == D
+    with pytest.raises(ValueError, match="value group"):
+        KVarNCache(head_dim=96, value_group_size=64)
+    with pytest.raises(ValueError, match="value groups"):
+        KVarNCache(value_group_size=16)
 
 
 def test_bad_head_dims_fail_at_creation():
