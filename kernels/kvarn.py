@@ -104,7 +104,9 @@ def dequantize_storage(keys: list, values: list, fmt: TileFormat) -> tuple[mx.ar
     return dense[0], dense[1]
 
 
-def _packed(q_rot, keys, values, scale, mask, fmt: TileFormat, dtype):
+def _packed(
+    q_rot, keys, values, scale, mask, fmt: TileFormat, dtype
+) -> tuple[mx.array, mx.array, mx.array]:
     (k_front, k_tiles, k_tail), (v_front, v_tiles, v_tail) = keys, values
     B, n_q, L_q, D = q_rot.shape
     n_kv, n_tiles, t = k_tiles[0].shape[1], k_tiles[0].shape[2], fmt.tile

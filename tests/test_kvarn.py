@@ -341,6 +341,11 @@ def test_value_groups_per_policy_and_in_older_saved_caches():
     del meta["value_group_size"]
     loaded = H2OKVarNCache.from_state((*arrays, json.dumps(meta)))
     assert loaded.fmt.group_size == D
+    q = mx.array(rng.standard_normal((B, N_Q, 1, D)).astype(np.float32))
+    k, v = random_kv(rng, 1)
+    want = ATTENTION(q, *before.update_and_fetch(k, v), before, 0.125)
+    got = ATTENTION(q, *loaded.update_and_fetch(k, v), loaded, 0.125)
+    assert_close(got[0], want[0], 1e-6)
     with pytest.raises(ValueError, match="value group"):
         KVarNCache(head_dim=96, value_group_size=64)
     with pytest.raises(ValueError, match="value groups"):
