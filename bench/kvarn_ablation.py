@@ -14,6 +14,7 @@ only:
 - `gain-keys`: keys rescaled to unit gain as well;
 - `no-sinkhorn`: tiles packed without Sinkhorn balancing (rotation and fitted
   grids only);
+- `repack-sinkhorn`: tiles re-packed at an eviction Sinkhorn-balanced too (before);
 - `fit-1round`: the fitted grids refitted once, not FIT_ITERS times;
 - `clipped-values`: each value group's range clipped to whichever of 100-60% of
   min-max leaves the least squared error (mx.quantize on the clipped group).
@@ -40,7 +41,7 @@ from bench.quantized import teacher_forced
 from bench.report import command, machine, publish
 from bench.text import essay_token_ids
 from cache.h2o_kvarn import H2OKVarNCache
-from cache.kvarn_tiles import fit_quantize, quantize_keys, quantize_values
+from cache.kvarn_tiles import SINKHORN_ITERS, fit_quantize, quantize_keys, quantize_values
 from kernels.hadamard import rotate
 from server.models import load_model
 
@@ -152,6 +153,15 @@ CASES = {
         {"policy": "h2o-kvarn"},
         lambda: mock.patch.object(
             cache.factory, "H2OKVarNCache", partial(H2OKVarNCache, sinkhorn_iters=0)
+        ),
+    ),
+    "repack-sinkhorn": (
+        "h2o-kvarn k4v2, re-packed tiles balanced too (before)",
+        {"policy": "h2o-kvarn"},
+        lambda: mock.patch.object(
+            cache.factory,
+            "H2OKVarNCache",
+            partial(H2OKVarNCache, repack_sinkhorn_iters=SINKHORN_ITERS),
         ),
     ),
     "fit-1round": (

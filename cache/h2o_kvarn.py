@@ -9,7 +9,9 @@ holds more than max_size tokens, tokens leave by one of two rules (`strategy`):
 - "requantize" (default): token-level H2O. The kept slots are exactly dense H2O's for
   the same scores. Tiles that lost no token keep their bytes; the survivors of damaged
   tiles are dequantized, laid out after the intact tiles and packed again in full
-  tiles, the rest joining the dense tail. Keys cannot move packed (one group per
+  tiles (without Sinkhorn rounds by default: `repack_sinkhorn_iters`,
+  config.cache_spec.H2O_KVARN_REPACK_SINKHORN_ITERS says why), the rest joining the
+  dense tail. Keys cannot move packed (one group per
   channel spans a tile's tokens), and values would lose their per-tile factor.
 - "tile": a tile leaves whole: tiles wholly outside the recent window rank by the sum
   of their tokens' scores and the lowest go. Nothing is re-packed, but heavy hitters
@@ -35,6 +37,7 @@ from cache.kvarn_tiles import SINKHORN_ITERS, encode_keys, encode_values
 from cache.scores import ScoreRule, make_score_rule
 from config.cache_spec import (
     DEFAULT_SCORE,
+    H2O_KVARN_REPACK_SINKHORN_ITERS,
     H2O_KVARN_VALUE_GROUP,
     KVARN_STRATEGIES,
     choose,
@@ -45,6 +48,8 @@ from kernels.kvarn import dequantize_keys, dequantize_values
 
 
 class H2OKVarNCache(KVarNCache):
+    repack_sinkhorn_iters: int = H2O_KVARN_REPACK_SINKHORN_ITERS  # also for older saves
+
     def __init__(
         self,
         max_size: int,
@@ -61,6 +66,7 @@ class H2OKVarNCache(KVarNCache):
         head_dim: int | None = None,
         sinkhorn_iters: int = SINKHORN_ITERS,
         value_group_size: int = H2O_KVARN_VALUE_GROUP,
+        repack_sinkhorn_iters: int = H2O_KVARN_REPACK_SINKHORN_ITERS,
     ):
         budget = split_segments(max_size, sink=sink, heavy=heavy, recent=recent)
         tile = h2o_kvarn_tile(budget.max_size) if tile is None else tile
@@ -82,6 +88,7 @@ class H2OKVarNCache(KVarNCache):
         self.evict_batch = evict_batch or max(1, min(tile, self.heavy))
         self.score_rule = make_score_rule(score) if isinstance(score, str) else score
         self.strategy = strategy
+        self.repack_sinkhorn_iters = repack_sinkhorn_iters
         self.scores = self.positions = None  # [B, H, size] per slot
         self.evicted = 0
 
@@ -139,7 +146,15 @@ class H2OKVarNCache(KVarNCache):
     @property
     def meta_state(self) -> tuple[str]:
         meta = json.loads(super().meta_state[0])
-        keys = ("max_size", "heavy", "recent", "evict_batch", "strategy", "evicted")
+        keys = (
+            "max_size",
+            "heavy",
+            "recent",
+            "evict_batch",
+            "strategy",
+            "evicted",
+            "repack_sinkhorn_iters",
+        )
         meta.update({k: getattr(self, k) for k in keys})
         meta.update(score=self.score_rule.name, score_knobs=self.score_rule.knobs())
         return (json.dumps(meta),)
@@ -202,8 +217,8 @@ class H2OKVarNCache(KVarNCache):
                 shape = (B, H, n_new - first, t, D)
                 k_new, v_new = (x[:, :, first * t : n_new * t].reshape(shape) for x in dense)
                 fresh = [
-                    encode_keys(k_new, fmt, self.sinkhorn_iters),
-                    encode_values(v_new, fmt, self.sinkhorn_iters),
+                    encode_keys(k_new, fmt, self.repack_sinkhorn_iters),
+                    encode_values(v_new, fmt, self.repack_sinkhorn_iters),
                 ]
             else:
                 fresh = [[None] * 4, [None] * 4]

@@ -153,6 +153,11 @@ KVARN_SCALE_BYTES = 2  # float16 scales, biases and Sinkhorn factors
 # Its kept tokens are the ones attention weighs most; 32 for 64 cut its KL to dense H2O
 # 9-13% on three window sets for ~2% more bytes (docs/kvarn_ablation.md).
 H2O_KVARN_VALUE_GROUP = 32
+# Sinkhorn rounds for the tiles h2o-kvarn re-packs at an eviction (new tiles get the
+# full SINKHORN_ITERS): balancing survivors again measured no better (KL 0.0145 vs
+# 0.0146, 0.0112 vs 0.0114, 0.0112 vs 0.0115 on three window sets) and was half of
+# an eviction's cost (docs/kvarn_ablation.md).
+H2O_KVARN_REPACK_SINKHORN_ITERS = 0
 
 DEFAULT_POLICY = "h2o"
 DEFAULT_PRESET = "heavy"

@@ -323,6 +323,27 @@ def test_h2o_kvarn_balances_tiles_unless_asked_not_to(tmp_path, iters):
     assert loaded.sinkhorn_iters == c.sinkhorn_iters == (SINKHORN_ITERS if iters is None else 0)
 
 
+@pytest.mark.parametrize("repack_iters", [None, 4])
+def test_h2o_kvarn_repacks_without_sinkhorn_unless_asked(repack_iters):
+    """An eviction re-packs damaged tiles unbalanced by default (unit factors), while
+    intact tiles keep the Sinkhorn factors they were packed with."""
+    rng = np.random.default_rng(13)
+    knob = {} if repack_iters is None else {"repack_sinkhorn_iters": repack_iters}
+    c = H2OKVarNCache(96, **SEGMENTS, tile=32, evict_batch=8, head_dim=D, **knob)
+    c.update_and_fetch(*random_kv(rng, 96))
+    c.update_scores(mx.zeros((B, N_Q, 96, 96)))
+    c.update_and_fetch(*random_kv(rng, 1))
+    # Every head: the 8 lowest scores sit in tile 1 (positions 36..43): tile 0 stays
+    # intact, tile 1's 24 survivors and 8 tail tokens are packed again.
+    pos = np.array(c.positions[0])
+    c.scores = mx.array(np.where((pos >= 36) & (pos < 44), 0.0, 1.0).astype(np.float32)[None])
+    c.update_scores(mx.zeros((B, N_Q, 1, 97)))
+    assert c.evicted == 8 and c.n_tiles() == 2
+    unit = [bool(mx.all(c.tiles[side][3][:, :, i] == 1).item()) for side in (0, 1) for i in (0, 1)]
+    repacked_unit = repack_iters is None
+    assert unit == [False, repacked_unit, False, repacked_unit]  # keys tiles 0, 1; values
+
+
 def test_value_groups_per_policy_and_in_older_saved_caches():
     """h2o-kvarn packs values in groups of H2O_KVARN_VALUE_GROUP channels, kvarn in the
     widest that fits; an h2o-kvarn cache saved before the group was stored (when it
