@@ -11,19 +11,20 @@ holds more than max_size tokens, tokens leave by one of two rules (`strategy`):
   tiles are dequantized, laid out after the intact tiles and packed again in full
   tiles (without Sinkhorn rounds by default: `repack_sinkhorn_iters`,
   config.cache_spec.H2O_KVARN_REPACK_SINKHORN_ITERS says why), the rest joining the
-  dense tail. Keys cannot move packed (one group per
-  channel spans a tile's tokens), and values would lose their per-tile factor.
+  dense tail. Keys cannot move packed (one group per channel spans a tile's tokens),
+  and values would lose their per-tile factor.
 - "tile": a tile leaves whole: tiles wholly outside the recent window rank by the sum
   of their tokens' scores and the lowest go. Nothing is re-packed, but heavy hitters
   leave with their tile's weak tokens.
 
-Measured (default model, essays, max_kv 256, 2 x 512 tokens; docs/quantized.md),
-perplexity vs dense h2o: whole tiles +5.6-6.4%; re-packing every 16 evicted tokens
-+3.0%, every 64 (a tile's worth) +1.95%; moving value rows packed with per-token scales
-only (no channel factor) +3.4%. Re-packing compounds error, so it should be rare:
-the default evicts a tile's worth at a time. On other text (docs/kvarn_ablation.md,
-8 x 512 tokens) k4v2 is +1.9%: re-packing from the original K/V gives the same KL, so
-at a tile per eviction what is left is the 2-bit value grid (k4v4: +1.2%).
+Measured when the rule was chosen (default model, essays, max_kv 256, 2 x 512 tokens;
+docs/quantized.md), perplexity vs dense h2o: whole tiles +5.6-6.4%; re-packing every 16
+evicted tokens +3.0%, every 64 (a tile's worth) +1.95%; moving value rows packed with
+per-token scales only (no channel factor) +3.4%. Re-packing compounds error, so it
+should be rare: the default evicts a tile's worth at a time. What is left is mostly the
+2-bit value grid (docs/kvarn_ablation.md: k4v4 leaves a third of k4v2's KL), hence
+values in groups of 32 channels here (`value_group_size`, H2O_KVARN_VALUE_GROUP):
+k4v2 is now +1.0-1.5% over dense h2o on three window sets.
 """
 
 from __future__ import annotations
