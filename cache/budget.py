@@ -37,6 +37,7 @@ from config.cache_spec import (
     KVARN_SINK,
     KVARN_TILE,
     POLICIES,
+    QUANT_GROUP_SIZES,
     RECALL_ARCHIVE,
     RECALL_BITS,
     CacheSpec,
@@ -114,7 +115,8 @@ KVARN_REFERENCE_TOKENS = 8192  # bytes_per_token of the kvarn policies without a
 def value_group(head_dim: int, policy: str = "kvarn") -> int:
     """KVarN's value quantization group: H2O_KVARN_VALUE_GROUP for h2o-kvarn, else the
     largest of 128/64/32 dividing the head dim."""
-    for g in (H2O_KVARN_VALUE_GROUP,) if policy == "h2o-kvarn" else (128, 64, 32):
+    widest_first = sorted(QUANT_GROUP_SIZES, reverse=True)
+    for g in (H2O_KVARN_VALUE_GROUP,) if policy == "h2o-kvarn" else widest_first:
         if head_dim % g == 0:
             return g
     raise ValueError(

@@ -30,12 +30,11 @@ from mlx_lm.models.base import create_causal_mask
 from cache.attention import KVFormat
 from cache.budget import value_group
 from cache.kvarn_tiles import SINKHORN_ITERS, encode_keys, encode_values
-from config.cache_spec import KVARN_SINK, KVARN_TILE
+from config.cache_spec import KVARN_SINK, KVARN_TILE, QUANT_GROUP_SIZES
 from kernels.hadamard import hadamard_block, rotate
 from kernels.kvarn import TileFormat
 
-TILE_SIZES = (32, 64, 128)  # mx.quantize groups: the key group spans one tile
-VALUE_GROUPS = (32, 64, 128)  # mx.quantize groups along the head dim
+TILE_SIZES = QUANT_GROUP_SIZES  # the key group spans one tile
 BITS = (2, 4, 8)
 
 
@@ -73,9 +72,9 @@ class KVarNCache:
             raise ValueError(f"KVarN tile must be one of {TILE_SIZES} tokens, got {tile}")
         if sink < 0:
             raise ValueError(f"the sink pool cannot be negative, got {sink}")
-        if value_group_size not in (None, *VALUE_GROUPS):
+        if value_group_size not in (None, *QUANT_GROUP_SIZES):
             raise ValueError(
-                f"KVarN value groups are {VALUE_GROUPS} channels, got {value_group_size}"
+                f"KVarN value groups are {QUANT_GROUP_SIZES} channels, got {value_group_size}"
             )
         if head_dim is not None:
             check_head_dim(head_dim, value_group_size)
