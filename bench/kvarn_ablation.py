@@ -103,6 +103,11 @@ def _quantized_with(keys, values) -> Iterator[None]:
         yield
 
 
+def _h2o_kvarn_with(**knobs):
+    """h2o-kvarn caches built with these H2OKVarNCache knobs for the run."""
+    return mock.patch.object(cache.factory, "H2OKVarNCache", partial(H2OKVarNCache, **knobs))
+
+
 # name -> (label, make_cache kwargs, patch for the run)
 CASES = {
     "h2o": ("h2o (dense)", {"policy": "h2o"}, nullcontext),
@@ -129,9 +134,7 @@ CASES = {
     "value-group64": (
         "h2o-kvarn k4v2, value groups of 64 (before)",
         {"policy": "h2o-kvarn"},
-        lambda: mock.patch.object(
-            cache.factory, "H2OKVarNCache", partial(H2OKVarNCache, value_group_size=64)
-        ),
+        partial(_h2o_kvarn_with, value_group_size=64),
     ),
     "mx-grids": (
         "h2o-kvarn k4v2, mx.quantize's grids (before)",
@@ -151,18 +154,12 @@ CASES = {
     "no-sinkhorn": (
         "h2o-kvarn k4v2, tiles not Sinkhorn-balanced",
         {"policy": "h2o-kvarn"},
-        lambda: mock.patch.object(
-            cache.factory, "H2OKVarNCache", partial(H2OKVarNCache, sinkhorn_iters=0)
-        ),
+        partial(_h2o_kvarn_with, sinkhorn_iters=0),
     ),
     "repack-sinkhorn": (
         "h2o-kvarn k4v2, re-packed tiles balanced too (before)",
         {"policy": "h2o-kvarn"},
-        lambda: mock.patch.object(
-            cache.factory,
-            "H2OKVarNCache",
-            partial(H2OKVarNCache, repack_sinkhorn_iters=SINKHORN_ITERS),
-        ),
+        partial(_h2o_kvarn_with, repack_sinkhorn_iters=SINKHORN_ITERS),
     ),
     "fit-1round": (
         "h2o-kvarn k4v2, grids refitted once",
