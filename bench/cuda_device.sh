@@ -51,7 +51,7 @@ run)
         >"$OUT/caches.txt" 2>&1
     tail -3 "$OUT/caches.txt"
     decode="-m bench.decode_speed --synthetic llama-1b --dtype bfloat16 --kernel cuda
-        --context 2048 --rounds 3 --steps 32 --pipelined --policies h2o h2o-q8 h2o-merge"
+        --context 2048 --rounds 3 --steps 64 --pipelined --policies h2o-q8 h2o-q4 h2o-kvarn"
     MLX_USE_CUDA_GRAPHS=0 timeout 180 python3 $decode --out "$OUT/decode_no_graphs.md" >/dev/null 2>&1
     # A prompt's scored attention, matmul vs fused output (TF32 at MLX's default, as served;
     # PREFILL=1: measured on the H200 and left out by default to fit a call).

@@ -55,6 +55,8 @@ def cases(context: int, max_kv: int) -> list[tuple[str, dict | None, str | None]
         (f"h2o-merge {max_kv}, evicting", {"policy": "h2o-merge", "max_kv": max_kv}, h2o),
         (f"h2o-q8 {max_kv}, evicting", {"policy": "h2o-q8", "max_kv": max_kv}, h2o),
         (f"h2o-recall {max_kv}, evicting", {"policy": "h2o-recall", "max_kv": max_kv}, h2o),
+        (f"h2o-q4 {max_kv}, evicting", {"policy": "h2o-q4", "max_kv": max_kv}, h2o),
+        (f"h2o-kvarn {max_kv}, evicting", {"policy": "h2o-kvarn", "max_kv": max_kv}, h2o),
         (
             f"h2o {max_kv}, evicting 1 per step",
             {"policy": "h2o", "max_kv": max_kv, "evict_batch": 1},
