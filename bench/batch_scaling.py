@@ -16,6 +16,9 @@ Rounds interleave every (cache, B) pair, order reversed every other round; scali
 B x (B=1 step time) / (B step time), medians over rounds.
 
     python -m bench.batch_scaling --out docs/batch_scaling.md     # ~5 min on 2 cores
+
+`--synthetic llama-1b --dtype bfloat16` runs a random llama of that shape instead (no
+model file or tokenizer: random prompt tokens), as on a lent GPU (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.decode_speed import SHAPES, synthetic_model
 from bench.report import command, machine, publish
 
 
@@ -35,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--synthetic", choices=SHAPES, help="random weights of this shape")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -46,8 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     from cache.batch import batch_caches
     from server.models import load_model
 
-    model, tokenizer = load_model("default")
-    ids = essay_token_ids(tokenizer, args.context * max(args.rows))
+    total = args.context * max(args.rows)
+    if args.synthetic:
+        model = synthetic_model(args.synthetic, getattr(mx, args.dtype))
+        ids = mx.random.randint(0, SHAPES[args.synthetic][-1], (total,), key=mx.random.key(0))
+        ids, about = ids.tolist(), f"Synthetic `{args.synthetic}` (random weights, {args.dtype})"
+    else:
+        model, tokenizer = load_model("default")
+        ids, about = essay_token_ids(tokenizer, total), "Default model (float32)"
 
     def prompts(rows: int) -> mx.array:  # a different passage per row
         n = args.context
@@ -109,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     publish(
         "Batched decode: what one forward pass for B rows gains",
-        f"Default model (float32), {args.context} tokens per row, {args.steps} pipelined greedy "
+        f"{about}, {args.context} tokens per row, {args.steps} pipelined greedy "
         f"steps per measurement, {args.rounds} interleaved rounds; scaling within each round "
         f"against the same cache's {args.rows[0]}-row step. Machine: {machine()}.",
         command("bench.batch_scaling", argv),
