@@ -50,7 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     from bench.text import essay_token_ids
     from cache import install_router, make_cache, uninstall_router
     from cache.batch import batch_caches
-    from server.models import load_model
 
     total = args.context * max(args.rows)
     if args.synthetic:
@@ -58,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         ids = mx.random.randint(0, SHAPES[args.synthetic][-1], (total,), key=mx.random.key(0))
         ids, about = ids.tolist(), f"Synthetic `{args.synthetic}` (random weights, {args.dtype})"
     else:
+        from server.models import load_model  # the server's packages: not on a lent GPU
+
         model, tokenizer = load_model("default")
         ids, about = essay_token_ids(tokenizer, total), "Default model (float32)"
 

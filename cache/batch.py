@@ -24,7 +24,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 
 def _rows(part) -> int:
-    return part.offset.shape[0] if isinstance(part, BatchKVCache) else 1
+    """Batch rows a part carries: a slab's (KVSlab, cache/h2o_slab.py) or one session's."""
+    return part.offset.shape[0] if isinstance(part, BatchKVCache) else getattr(part, "rows", 1)
 
 
 class BatchedCache:
@@ -44,11 +45,10 @@ class BatchedCache:
     @property
     def offset(self) -> mx.array:
         """Per-row positions: RoPE takes an array of offsets, one per batch row."""
-        if self.whole and isinstance(self.parts[0], BatchKVCache):
-            return self.parts[0].offset
-        return mx.concatenate(
-            [p.offset if isinstance(p, BatchKVCache) else mx.array([p.offset]) for p in self.parts]
-        )
+        offsets = [p.offset for p in self.parts]  # a slab's: an array, one per row
+        if self.whole and isinstance(offsets[0], mx.array):
+            return offsets[0]
+        return mx.concatenate([o if isinstance(o, mx.array) else mx.array([o]) for o in offsets])
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[list, list]:
         if self.whole:
@@ -83,14 +83,21 @@ class BatchedCache:
         return self.masks[key]
 
 
-def batch_caches(sessions: list[list], slab: KVSlab | None = None) -> list[BatchedCache]:
-    """Per-layer BatchedCaches: the slab's rows first (if any), then each session's caches."""
+def batch_caches(sessions: list[list], *slabs) -> list[BatchedCache]:
+    """Per-layer BatchedCaches: the slabs' rows first, in order (KVSlab, H2OSlab; empty
+    ones skipped), then each session's caches."""
+    slabs = [s for s in slabs if s.members]
+    for s in slabs:
+        if hasattr(s, "begin_step"):
+            s.begin_step()
     layers = [list(layer) for layer in zip(*sessions, strict=True)]
+    if not layers:  # every decoding session is in a slab
+        layers = [[] for _ in slabs[0].layers]
     masks: dict = {}  # one forward pass: its layers share padding masks
-    if slab is None or not slab.members:
-        return [BatchedCache(parts, masks) for parts in layers]
-    layers = layers or [[] for _ in slab.layers]  # every decoding session is in the slab
-    return [BatchedCache([s, *parts], masks) for s, parts in zip(slab.layers, layers, strict=True)]
+    return [
+        BatchedCache([*(s.layers[n] for s in slabs), *parts], masks)
+        for n, parts in enumerate(layers)
+    ]
 
 
 class KVSlab:

@@ -7,7 +7,8 @@ Each round, on the worker thread:
    Decoding sessions whose caches are plain share a KVSlab: one cache update
    and one attention call per layer for all of them. A session joins when its
    prompt is in, if the slab's padding stays under half of it, and leaves
-   (its rows written back) when its request ends;
+   (its rows written back) when its request ends. Dense H2O sessions of one
+   configuration share an H2OSlab (cache/h2o_slab.py) the same way;
 2. while that computes, last round's draws, which were this round's inputs, are
    read and become the replies' Deltas (building a step while the previous one
    computes is what mlx-lm's generate_step does too). `decode` ends here, so
@@ -37,6 +38,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from cache import install_router
 from cache.batch import KVSlab, batch_caches
+from cache.h2o_slab import H2OSlab, near_wall, slab_key
 from server.generation import Generation
 from server.jobs import Delta
 
@@ -60,6 +62,12 @@ class Batcher:
         self.prefill_budget = prefill_budget
         self.batched = can_batch(model)  # else one forward pass per decoding row
         self.slab = KVSlab()  # plain sessions decoding together (members: Generations)
+        self.h2o_slabs: dict[tuple, H2OSlab] = {}  # dense H2O ones, by configuration
+
+    @property
+    def slabs(self) -> list:
+        """Every slab, in the order their rows lead a decode pass."""
+        return [self.slab, *self.h2o_slabs.values()]
 
     def run(self, gens: list[Generation]) -> Round:
         """One whole round: `decode`, then `prefill`, their outcomes together."""
@@ -104,14 +112,16 @@ class Batcher:
     def leave(self, g: Generation, broken: bool = False) -> None:
         """The generation stops decoding: its session gets its caches back from the slab
         (a broken one's are dropped). Safe to call for any generation."""
-        if g in self.slab:
-            self.slab.leave(g, None if broken else g.session.caches)
+        for slab in self.slabs:
+            if g in slab:
+                slab.leave(g, None if broken else g.session.caches)
 
     def lend(self) -> None:
         """Slab members' own caches show their contents until the next round (readers on
         the worker thread between rounds: the cache view)."""
-        for g in self.slab.members:
-            self.slab.lend(g, g.session.caches)
+        for slab in self.slabs:
+            for g in slab.members:
+                slab.lend(g, g.session.caches)
 
     def _regroup(self, rows: list[Generation]) -> list[Generation]:
         """Bring the slab's membership up to this round's decoding rows; return the rows
@@ -122,7 +132,7 @@ class Batcher:
         if self.slab.rows + len(fresh) < 2:  # a slab of one would only cost copies
             for g in list(self.slab.members):
                 self.leave(g)
-            return rows
+            return self._regroup_h2o(rows)
         lengths, joining = [len(g.session.tokens) for g in self.slab.members], []
         for g in fresh:
             n = len(g.session.tokens)
@@ -132,7 +142,35 @@ class Batcher:
                 lengths.append(n)
         if joining:
             self.slab.join(joining)
-        return [g for g in rows if g not in self.slab]
+        return self._regroup_h2o([g for g in rows if g not in self.slab])
+
+    def _regroup_h2o(self, rows: list[Generation]) -> list[Generation]:
+        """The same for dense H2O sessions: one slab per configuration, of two rows or
+        more; members near their model's context leave (re-indexing runs alone)."""
+        for slab in self.h2o_slabs.values():
+            for g in list(slab.members):
+                if g not in rows or near_wall(g.session.caches):
+                    self.leave(g)
+        fresh: dict[tuple, list[Generation]] = {}
+        for g in rows:
+            key = self._h2o_slab_key(g)
+            if key is not None and not any(g in s for s in self.h2o_slabs.values()):
+                fresh.setdefault(key, []).append(g)
+        for key, joining in fresh.items():
+            slab = self.h2o_slabs.get(key) or H2OSlab(key)
+            if slab.rows + len(joining) >= 2:  # a slab of one would only cost copies
+                slab.join([(g, g.session.caches) for g in joining])
+                self.h2o_slabs[key] = slab
+        for key, slab in list(self.h2o_slabs.items()):
+            if slab.rows < 2:
+                for g in list(slab.members):
+                    self.leave(g)
+                del self.h2o_slabs[key]
+        return [g for g in rows if not any(g in s for s in self.h2o_slabs.values())]
+
+    def _h2o_slab_key(self, g: Generation) -> tuple | None:
+        key = slab_key(g.session.caches) if self.batched else None
+        return None if key is None or near_wall(g.session.caches) else key
 
     def _slabbable(self, g: Generation) -> bool:
         return self.batched and g.plain_caches and g.session.caches[0].offset > 0
@@ -141,15 +179,17 @@ class Batcher:
         """One forward pass feeding every row's next input; (rows still going, their draws)."""
         try:
             alone = self._regroup(rows)
-            self.slab.reclaim()
-            rows = [*self.slab.members, *alone]
+            for slab in self.slabs:
+                slab.reclaim()
+            rows = [*(g for slab in self.slabs for g in slab.members), *alone]
             inputs = mx.concatenate([g.input_array() for g in rows])[:, None]
             for g in rows:
                 g.fed()
             logits = self._forward(inputs, [g.session.caches for g in alone])
         except Exception as e:  # the pass itself: every row it carried
             done.outcomes += [(g, e) for g in rows]
-            self.slab = KVSlab()  # half updated, perhaps; its members' sessions are lost
+            # half updated, perhaps; their members' sessions are lost
+            self.slab, self.h2o_slabs = KVSlab(), {}
             return [], []
         draws = []
         for i, g in enumerate(rows):
@@ -164,10 +204,10 @@ class Batcher:
 
     def _forward(self, inputs: mx.array, sessions: list[list]) -> mx.array:
         """Last-position logits [rows, vocab] of one token per slab row, then per session."""
-        if len(sessions) == 1 and not self.slab.members:
+        if len(sessions) == 1 and not any(slab.members for slab in self.slabs):
             return self.model(inputs, cache=sessions[0])[:, -1, :]
         if self.batched:
-            return self.model(inputs, cache=batch_caches(sessions, self.slab))[:, -1, :]
+            return self.model(inputs, cache=batch_caches(sessions, *self.slabs))[:, -1, :]
         rows = [self.model(inputs[i : i + 1], cache=c)[:, -1, :] for i, c in enumerate(sessions)]
         return mx.concatenate(rows, axis=0)
 
