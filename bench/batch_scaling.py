@@ -9,8 +9,10 @@ decode steps with the next step queued before waiting (as generate_step does).
 - `stock`: mlx-lm as it ships, the B rows in one KVCache (what mlx_lm.server's
   BatchGenerator runs): the anchor's ceiling;
 - `h2o`: B separate h2o caches (max_kv 256, evicting) joined per layer by
-  cache/batch.py, as the server batches bounded sessions (each row attends its
-  own cache: one scored call per session and layer).
+  cache/batch.py, each row a part of its own (one scored call per session and
+  layer), as the server batched H2O sessions before H2OSlab;
+- `h2o slab`: the same sessions as rows of one H2OSlab (cache/h2o_slab.py), as the
+  server batches dense H2O sessions of one configuration now.
 
 Rounds interleave every (cache, B) pair, order reversed every other round; scaling =
 B x (B=1 step time) / (B step time), medians over rounds.
@@ -27,6 +29,7 @@ import argparse
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 from bench.decode_speed import SHAPES, synthetic_model
@@ -50,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.text import essay_token_ids
     from cache import install_router, make_cache, uninstall_router
     from cache.batch import batch_caches
+    from cache.h2o_slab import H2OSlab, slab_key
 
     total = args.context * max(args.rows)
     if args.synthetic:
@@ -70,23 +74,35 @@ def main(argv: list[str] | None = None) -> int:
         uninstall_router(model)
         caches = make_prompt_cache(model)
         logits = model(prompts(rows), cache=caches)
-        return caches, logits
+        return lambda: caches, logits
 
     def h2o(rows: int):
         install_router(model)
         sessions = [make_cache(model, "h2o", max_kv=256) for _ in range(rows)]
         # each session's prompt alone, as the server prefills them
         lasts = [model(p[None], cache=c) for p, c in zip(prompts(rows), sessions, strict=True)]
-        return batch_caches(sessions), mx.concatenate(lasts)
+        return partial(batch_caches, sessions), mx.concatenate(lasts)
+
+    def h2o_slab(rows: int):
+        install_router(model)
+        sessions = [make_cache(model, "h2o", max_kv=256) for _ in range(rows)]
+        lasts = [model(p[None], cache=c) for p, c in zip(prompts(rows), sessions, strict=True)]
+        if rows == 1:  # the server slabs two or more
+            return partial(batch_caches, sessions), mx.concatenate(lasts)
+        slab = H2OSlab(slab_key(sessions[0]))
+        slab.join(list(enumerate(sessions)))
+        return partial(batch_caches, [], slab), mx.concatenate(lasts)
 
     def step_seconds(make, rows: int) -> tuple[float, float]:
+        """make(rows) -> (the caches of each forward pass, built per pass as the server
+        does; the prompt's logits)."""
         caches, logits = make(rows)
         mx.eval(logits)
         token = mx.argmax(logits[:, -1], axis=-1)[:, None]
-        mx.eval(model(token, cache=caches))  # warm-up, untimed
+        mx.eval(model(token, cache=caches()))  # warm-up, untimed
         wall, cpu = time.perf_counter(), time.process_time()
         for _ in range(args.steps):
-            following = mx.argmax(model(token, cache=caches)[:, -1], axis=-1)[:, None]
+            following = mx.argmax(model(token, cache=caches())[:, -1], axis=-1)[:, None]
             mx.async_eval(following)
             mx.eval(token)
             token = following
@@ -94,7 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         n = args.steps
         return (time.perf_counter() - wall) / n, (time.process_time() - cpu) / n
 
-    cases = {"stock mlx-lm (one KVCache)": stock, "h2o max_kv 256 (cache/batch.py)": h2o}
+    cases = {
+        "stock mlx-lm (one KVCache)": stock,
+        "h2o max_kv 256, a part per session (cache/batch.py)": h2o,
+        "h2o max_kv 256, one H2OSlab (cache/h2o_slab.py)": h2o_slab,
+    }
     pairs = [(name, rows) for name in cases for rows in args.rows]
     got: dict[tuple[str, int], list[tuple[float, float]]] = {pair: [] for pair in pairs}
     for r in range(args.rounds):

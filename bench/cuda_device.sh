@@ -46,7 +46,7 @@ run)
         tests/test_h2o_eviction.py tests/test_merging_cache.py tests/test_adaptive_cache.py \
         tests/test_context_shift.py tests/test_quantized_cache.py tests/test_router.py \
         tests/test_recall.py tests/test_rotating.py tests/test_prefill_paths.py \
-        tests/test_batched_rope.py \
+        tests/test_batched_rope.py tests/test_h2o_slab.py \
         -k "not default_model and not next_token_distribution and not sliding_window" \
         >"$OUT/caches.txt" 2>&1
     tail -3 "$OUT/caches.txt"
