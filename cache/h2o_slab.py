@@ -11,8 +11,9 @@ Every member's layer is a row of [rows, kv_heads, max_kv + 1, ...] buffers (keys
 values, scores, positions). A step writes every row's new token into its row's
 next free slot with one scatter, attends every row in one call (the slots a row
 does not hold are masked), and accumulates every row's scores at once. Rows evict
-on their own schedule, each through its own cache's `_evict` on a view of its row,
-so a member keeps exactly the positions it would keep alone.
+on their own schedule, each ranked by its own cache's rule and tokens seen,
+so a member keeps exactly the positions it would keep alone; rows that overflow in
+the same step evict together (one ranking and one gather for all of them).
 
 Members: sessions whose every layer is a dense `H2OKVCache` (not a subclass: packed,
 merging and windowed layouts differ), never re-indexed, all with one configuration
@@ -24,12 +25,13 @@ views until the next step. A member nearing its model's context must leave first
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Hashable
 
 import mlx.core as mx
 
 from cache.attention import DENSE
-from cache.h2o import H2OKVCache
+from cache.h2o import H2OKVCache, gather_slots
 
 _BUFFERS = ("keys", "values", "scores", "positions")
 
@@ -80,7 +82,7 @@ class H2OSlabLayer:
             raise ValueError("an H2O slab decodes one token per row; prefill runs alone")
         caches = self._caches()
         at = self.slab.constant("slot", tuple(c._len for c in caches))
-        seen = self.slab.constant("offset", tuple(c.seen for c in caches))
+        seen = self.slab.constant("seen", tuple(c.seen for c in caches))
         B, H = keys.shape[:2]
 
         def put(buf: mx.array, new: mx.array) -> mx.array:
@@ -112,18 +114,29 @@ class H2OSlabLayer:
         updated = rule.accumulate(self.scores, logits, self.positions.shape[1], probs)
         # Slots a row does not hold stay at 0, as a lone cache's free slots are.
         self.scores = mx.where(self._valid[:, 0], updated, 0.0)
-        for i, c in enumerate(caches):
-            if c._len > c._slot_budget:
-                self._evict_row(i, c)
+        full = [i for i, c in enumerate(caches) if c._len > c._slot_budget]
+        if full:
+            self._evict_rows(full, [caches[i] for i in full])
 
-    def _evict_row(self, i: int, cache: H2OKVCache) -> None:
-        """The row's own cache evicts on a view of its row; the result goes back in place."""
+    def _evict_rows(self, rows: list[int], caches: list[H2OKVCache]) -> None:
+        """The rows that overflow this step evict together (they hold equally many slots:
+        one past max_kv), ranked by a copy of their first cache over their stacked rows
+        with each row's own tokens seen: every row keeps what it would keep alone."""
+        view = copy.copy(caches[0])
+        at = mx.array(rows)
         for name in _BUFFERS:
-            setattr(cache, name, getattr(self, name)[i : i + 1])
-        cache._evict()  # gathers into max_size + 1 slots: the slab's width
+            setattr(view, name, getattr(self, name)[at])
+        view.seen = self.slab.constant("seen", tuple(c.seen for c in caches)).reshape(-1, 1, 1)
+        kept, _ = view._eviction_split()
+        width, n = self.positions.shape[-1], view._len
+        view._gather_kv(kept, width)
+        for name in ("scores", "positions"):
+            setattr(view, name, gather_slots(getattr(view, name)[..., :n], kept, width))
         for name in _BUFFERS:
-            getattr(self, name)[i : i + 1] = getattr(cache, name)
-            setattr(cache, name, None)
+            getattr(self, name)[at] = getattr(view, name)
+        for c in caches:
+            c.evicted += n - kept.shape[-1]
+            c._len = kept.shape[-1]
 
 
 class H2OSlab:
