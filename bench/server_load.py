@@ -181,6 +181,8 @@ def load_runs(folder: Path, tokenizer, args) -> list[dict]:
     """Part 1: N concurrent chats on each server, alternating order, several rounds."""
     servers = [start_ours(folder, ["--max-sessions", str(max(args.streams) * 2)]),
                start_mlx_lm(folder)]  # fmt: skip
+    if args.policy:
+        servers[0].extra = {"kv_cache": {"policy": args.policy, "max_kv": args.max_kv}}
     records, used = [], 0
     try:
         for rnd in range(args.rounds):
@@ -344,6 +346,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-turns", type=int, default=3, help="turns after the document")
     p.add_argument("--long-max-kv", type=int, default=512)
     p.add_argument("--skip-long", action="store_true")
+    p.add_argument(
+        "--policy",
+        help="part 1: this server's chats in this cache policy (`kv_cache` extension; "
+        "default: the server's own, auto)",
+    )
+    p.add_argument("--max-kv", type=int, default=256, help="part 1's max_kv with --policy")
     p.add_argument("--out", type=Path, default=None, help="markdown report (a PNG beside it)")
     args = p.parse_args(argv)
     began = time.perf_counter()
@@ -369,7 +377,14 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Each client holds a {args.turns}-turn chat (user turns of {args.turn_tokens} essay "
         f"tokens, {args.max_tokens}-token greedy replies). Medians over {args.rounds} rounds; the "
-        "ratio is h2o-server / mlx_lm.server within each round, then the median.",
+        "ratio is h2o-server / mlx_lm.server within each round, then the median. "
+        + (
+            f"h2o-server holds every chat in policy `{args.policy}`, max_kv {args.max_kv} "
+            "(`kv_cache` extension); mlx_lm.server keeps full caches."
+            if args.policy
+            else "h2o-server's chats are in its default policy (`auto`); mlx_lm.server keeps "
+            "full caches."
+        ),
         "",
         *load_table(load, args.streams),
         "",
