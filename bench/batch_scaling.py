@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--policy", default="h2o", help="the H2O cases' policy (h2o, h2o-q8, ...)")
     p.add_argument("--synthetic", choices=SHAPES, help="random weights of this shape")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--out", type=Path, default=None)
@@ -78,14 +79,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def h2o(rows: int):
         install_router(model)
-        sessions = [make_cache(model, "h2o", max_kv=256) for _ in range(rows)]
+        sessions = [make_cache(model, args.policy, max_kv=256) for _ in range(rows)]
         # each session's prompt alone, as the server prefills them
         lasts = [model(p[None], cache=c) for p, c in zip(prompts(rows), sessions, strict=True)]
         return partial(batch_caches, sessions), mx.concatenate(lasts)
 
     def h2o_slab(rows: int):
         install_router(model)
-        sessions = [make_cache(model, "h2o", max_kv=256) for _ in range(rows)]
+        sessions = [make_cache(model, args.policy, max_kv=256) for _ in range(rows)]
         lasts = [model(p[None], cache=c) for p, c in zip(prompts(rows), sessions, strict=True)]
         if rows == 1:  # the server slabs two or more
             return partial(batch_caches, sessions), mx.concatenate(lasts)
@@ -112,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cases = {
         "stock mlx-lm (one KVCache)": stock,
-        "h2o max_kv 256, a part per session (cache/batch.py)": h2o,
-        "h2o max_kv 256, one H2OSlab (cache/h2o_slab.py)": h2o_slab,
+        f"{args.policy} max_kv 256, a part per session (cache/batch.py)": h2o,
+        f"{args.policy} max_kv 256, one H2OSlab (cache/h2o_slab.py)": h2o_slab,
     }
     pairs = [(name, rows) for name in cases for rows in args.rows]
     got: dict[tuple[str, int], list[tuple[float, float]]] = {pair: [] for pair in pairs}

@@ -15,39 +15,60 @@ on their own schedule, each ranked by its own cache's rule and tokens seen,
 so a member keeps exactly the positions it would keep alone; rows that overflow in
 the same step evict together (one ranking and one gather for all of them).
 
-Members: sessions whose every layer is a dense `H2OKVCache` (not a subclass: packed,
-merging and windowed layouts differ), never re-indexed, all with one configuration
-(`slab_key`). While in the slab a member's caches keep their counters (length,
-tokens seen, evicted) and no arrays; `leave` writes its rows back, `lend` hands out
-views until the next step. A member nearing its model's context must leave first
-(`near_wall`): re-indexing runs alone.
+Members: sessions whose every layer is a dense `H2OKVCache` or a packed
+`QuantizedH2OKVCache` (h2o-q8, h2o-q4, h2o-mixed; not other subclasses: merging,
+windowed and tiled layouts differ), never re-indexed, all with one configuration
+(`slab_key`). A packed row also stacks its key centre and dense sink pool, and joins
+once that pool is full (its sinks seen). While in the slab a member's caches keep
+their counters (length, tokens seen, evicted) and no arrays; `leave` writes its rows
+back, `lend` hands out views until the next step. A member nearing its model's
+context must leave first (`near_wall`): re-indexing runs alone.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Hashable
+from functools import partial
 
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
 
 from cache.attention import DENSE
-from cache.h2o import H2OKVCache, gather_slots
+from cache.h2o import H2OKVCache
+from cache.quantized import QuantizedH2OKVCache
 
-_BUFFERS = ("keys", "values", "scores", "positions")
+SLOTS = ("keys", "values", "scores", "positions")  # along the slot axis, max_kv + 1 wide
+PACKED_ROW = ("key_center", "sink_keys", "sink_values")  # fixed while a row decodes
+
+
+def _row_buffers(cache: H2OKVCache) -> tuple[str, ...]:
+    """The per-row arrays a member's cache holds."""
+    if type(cache) is H2OKVCache:
+        return SLOTS
+    return SLOTS + tuple(n for n in PACKED_ROW if getattr(cache, n) is not None)
 
 
 def slab_key(caches: list) -> tuple | None:
     """What the members of one H2OSlab share, or None if these caches cannot join one."""
     if not caches:
         return None
+    key = []
     for c in caches:
-        if type(c) is not H2OKVCache or c.positions is None or c.lags is not None:
+        if type(c) not in (H2OKVCache, QuantizedH2OKVCache):
             return None
-    return tuple(
-        (c.max_size, c.sink, c.heavy, c.recent, c.evict_batch, c.score_rule, c.keys.dtype)
-        + (c.keys.shape[1], c.keys.shape[3], c.values.shape[3])
-        for c in caches
-    )
+        if c.positions is None or c.lags is not None:
+            return None
+        layout = ()
+        if isinstance(c, QuantizedH2OKVCache):
+            if c.sink_keys is not None and c.seen < c.sink:  # its sink pool still fills
+                return None
+            layout = (c.kv_format, _row_buffers(c))
+        stored = (c.keys, c.values)
+        shapes = tuple((a.dtype, a.shape[1], a.shape[3:]) for _, a in tree_flatten(stored))
+        config = (c.max_size, c.sink, c.heavy, c.recent, c.evict_batch, c.score_rule)
+        key.append((type(c).__name__, *config, layout, shapes))
+    return tuple(key)
 
 
 def near_wall(caches: list[H2OKVCache], margin: int = 2) -> bool:
@@ -59,9 +80,10 @@ def near_wall(caches: list[H2OKVCache], margin: int = 2) -> bool:
 class H2OSlabLayer:
     """One layer of an H2OSlab: a part of a BatchedCache, attended by the router."""
 
-    def __init__(self, slab: H2OSlab, index: int, buffers: tuple):
-        self.slab, self.index = slab, index
-        self.keys, self.values, self.scores, self.positions = buffers
+    def __init__(self, slab: H2OSlab, index: int, names: tuple[str, ...]):
+        self.slab, self.index, self.names = slab, index, names
+        self.keys = self.values = self.scores = self.positions = None  # [rows, H, slots, ...]
+        self.key_center = self.sink_keys = self.sink_values = None  # packed rows: [rows, H, ..]
         self._valid = None  # bool [rows, 1, 1, slots]: the slots each row holds this step
 
     @property
@@ -76,7 +98,7 @@ class H2OSlabLayer:
         """Per-row RoPE positions of the next token."""
         return self.slab.constant("offset", tuple(c.offset for c in self._caches()))
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple:
         """Store one new token per row in the row's next free slot; return whole buffers."""
         if keys.shape[2] != 1:
             raise ValueError("an H2O slab decodes one token per row; prefill runs alone")
@@ -89,7 +111,10 @@ class H2OSlabLayer:
             where = mx.broadcast_to(at.reshape(B, 1, 1, *[1] * (new.ndim - 3)), new.shape)
             return mx.put_along_axis(buf, where, new, axis=2)
 
-        self.keys, self.values = put(self.keys, keys), put(self.values, values)
+        if self.key_center is not None:  # packed rows store keys centred (cache/quantized.py)
+            keys = keys - self.key_center
+        keys, values = caches[0]._encode(keys, values)  # every row's config is the same
+        self.keys, self.values = tree_map(put, self.keys, keys), tree_map(put, self.values, values)
         self.positions = put(self.positions, mx.broadcast_to(seen.reshape(B, 1, 1), (B, H, 1)))
         for c in caches:
             c._len += 1
@@ -99,10 +124,16 @@ class H2OSlabLayer:
         return self.keys, self.values
 
     def kv_segments(self, keys, values) -> list:
-        return [(keys, values, DENSE)]
+        """Every slot of every row; a packed row's dense sink pool shadows its first slots."""
+        fmt = self._caches()[0].kv_format
+        if self.sink_keys is None:
+            return [(keys, values, fmt)]
+        pool = self.sink_keys.shape[2]
+        keys, values = (tree_map(lambda a: a[:, :, pool:], x) for x in (keys, values))
+        return [(self.sink_keys, self.sink_values, DENSE), (keys, values, fmt)]
 
     def attention_mask(self, n_heads: int, n_queries: int) -> mx.array:
-        return self._valid
+        return self._valid  # the sink pool's slots are held by every row
 
     def size(self) -> int:
         return self.positions.shape[-1]
@@ -120,27 +151,26 @@ class H2OSlabLayer:
 
     def _evict_rows(self, rows: list[int], caches: list[H2OKVCache]) -> None:
         """The rows that overflow this step evict together (they hold equally many slots:
-        one past max_kv), ranked by a copy of their first cache over their stacked rows
-        with each row's own tokens seen: every row keeps what it would keep alone."""
-        view = copy.copy(caches[0])
-        at = mx.array(rows)
-        for name in _BUFFERS:
-            setattr(view, name, getattr(self, name)[at])
+        one past max_kv) through a copy of their first cache over their stacked rows,
+        ranked with each row's own tokens seen: every row keeps what it would alone."""
+        view, at = copy.copy(caches[0]), mx.array(rows)
+        for name in SLOTS:
+            setattr(view, name, tree_map(lambda a: a[at], getattr(self, name)))
         view.seen = self.slab.constant("seen", tuple(c.seen for c in caches)).reshape(-1, 1, 1)
         kept, _ = view._eviction_split()
-        width, n = self.positions.shape[-1], view._len
-        view._gather_kv(kept, width)
-        for name in ("scores", "positions"):
-            setattr(view, name, gather_slots(getattr(view, name)[..., :n], kept, width))
-        for name in _BUFFERS:
-            getattr(self, name)[at] = getattr(view, name)
+        view.seen = caches[0].seen  # for its free slots' positions, rewritten when used
+        view._gather(kept, self.positions.shape[-1])  # the layout's own gather, in place
+        for name in SLOTS:
+            pairs = zip(_leaves(getattr(self, name)), _leaves(getattr(view, name)), strict=True)
+            for buf, new in pairs:
+                buf[at] = new
         for c in caches:
-            c.evicted += n - kept.shape[-1]
-            c._len = kept.shape[-1]
+            c.evicted += c._len - view._len
+            c._len = view._len
 
 
 class H2OSlab:
-    """Dense H2O sessions of one configuration decoding together (see the module doc)."""
+    """H2O sessions of one configuration decoding together (see the module doc)."""
 
     def __init__(self, key: tuple):
         self.key = key
@@ -173,22 +203,26 @@ class H2OSlab:
         return self._constants[key]
 
     def join(self, sessions: list[tuple[Hashable, list[H2OKVCache]]]) -> None:
-        """Move sessions' slots into the slab as its last rows (one copy of the slab)."""
+        """Move sessions' rows into the slab as its last rows (one copy of the slab)."""
         self.reclaim()
         per_layer = list(zip(*(caches for _, caches in sessions), strict=True))
         if not self.layers:
-            self.layers = [H2OSlabLayer(self, n, (None,) * 4) for n in range(len(per_layer))]
+            names = [_row_buffers(caches[0]) for caches in per_layer]
+            self.layers = [H2OSlabLayer(self, n, layer) for n, layer in enumerate(names)]
         for layer, caches in zip(self.layers, per_layer, strict=True):
             width = caches[0].max_size + 1
-            for name in _BUFFERS:
-                rows = [_widened(getattr(c, name), width) for c in caches]
+            for name in layer.names:
+                rows = [getattr(c, name) for c in caches]
+                if name in SLOTS:
+                    rows = [tree_map(partial(_widened, width=width), r) for r in rows]
                 held = getattr(layer, name)
-                setattr(layer, name, mx.concatenate(rows if held is None else [held, *rows]))
+                stacked = rows if held is None else [held, *rows]
+                setattr(layer, name, tree_map(lambda *a: mx.concatenate(a), *stacked))
         for member, caches in sessions:
             self.members.append(member)
             self.caches.append(caches)
-            for c in caches:
-                for name in _BUFFERS:
+            for layer, c in zip(self.layers, caches, strict=True):
+                for name in layer.names:
                     setattr(c, name, None)
 
     def leave(self, member: Hashable, caches: list[H2OKVCache] | None) -> None:
@@ -199,14 +233,15 @@ class H2OSlab:
         own = self.caches.pop(i)
         written = []
         for layer, c in zip(self.layers, own, strict=True):
+            for name in layer.names:
+                buf = getattr(layer, name)
+                if caches is not None:
+                    setattr(c, name, tree_map(lambda a: mx.contiguous(a[i : i + 1]), buf))
+                    written += _leaves(getattr(c, name))
+                rest = tree_map(lambda a: mx.concatenate([a[:i], a[i + 1 :]]), buf)
+                setattr(layer, name, rest if self.members else None)
             if caches is not None:
-                for name in _BUFFERS:
-                    setattr(c, name, mx.contiguous(getattr(layer, name)[i : i + 1]))
                 c._reset_free_slots()  # a free slot holds the position its token will have
-                written += [getattr(c, name) for name in _BUFFERS]
-            for name in _BUFFERS:
-                a = getattr(layer, name)
-                setattr(layer, name, mx.concatenate([a[:i], a[i + 1 :]]) if self.members else None)
         if not self.members:
             self.layers = []
         mx.async_eval(written)  # copied now: a lazy copy would keep the old slab alive
@@ -215,17 +250,21 @@ class H2OSlab:
         """Give a member's caches views of its rows, for a reader between steps."""
         i = self.members.index(member)
         for layer, c in zip(self.layers, caches, strict=True):
-            for name in _BUFFERS:
-                setattr(c, name, getattr(layer, name)[i : i + 1])
+            for name in layer.names:
+                setattr(c, name, tree_map(lambda a: a[i : i + 1], getattr(layer, name)))
         self._lent.append(caches)
 
     def reclaim(self) -> None:
         """Drop lent views, so the slab's buffers are its own again."""
         for caches in self._lent:
-            for c in caches:
-                for name in _BUFFERS:
+            for layer, c in zip(self.layers, caches, strict=True):
+                for name in layer.names:
                     setattr(c, name, None)
         self._lent = []
+
+
+def _leaves(tree) -> list[mx.array]:
+    return [a for _, a in tree_flatten(tree)]
 
 
 def _widened(buf: mx.array, width: int) -> mx.array:

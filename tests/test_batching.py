@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_h2o_slab import held
+from test_h2o_slab import assert_holds_the_same, held
 
 from cache import H2OKVCache, make_cache
 from cache.h2o_slab import slab_key
@@ -317,27 +317,27 @@ def test_a_slab_step_builds_its_padding_mask_once_and_matches_mlx_lm(default_mod
     np.testing.assert_allclose(np.array(ours), np.array(direct), atol=1e-4)
 
 
-H2O_96, OFTEN = CacheSpec("h2o", 96), CacheSpec("h2o", 64, evict_batch=1)
+H2O_96, Q8_80 = CacheSpec("h2o", 96), CacheSpec("h2o-q8", 80)
 
 
 def test_h2o_sessions_share_a_slab_and_match_alone(default_model, essay_text):
-    """Dense H2O sessions of one configuration decode as rows of an H2OSlab, another
-    configuration in a slab of its own: outputs, and afterwards the positions, K/V and
+    """H2O sessions of one configuration decode as rows of an H2OSlab, packed h2o-q8
+    ones in a slab of their own: outputs, and afterwards the positions, K/V and
     scores each session holds, match a run alone; a reader between rounds, a cancelled
     row and a joiner change none of that."""
     model, tokenizer = default_model
     ids = tokenizer.encode(essay_text)
     # two past max_kv (evicting from the first step), one short (evicts mid-run), and
-    # two of another configuration: a slab of their own
+    # two packed ones: a slab of their own
     runs = [(H2O_96, ids[:230]), (H2O_96, ids[300:385]), (H2O_96, ids[600:780]),
-            (OFTEN, ids[900:1020]), (OFTEN, ids[1200:1300]), (H2O_96, ids[1500:1700])]  # fmt: skip
+            (Q8_80, ids[900:1020]), (Q8_80, ids[1200:1300]), (H2O_96, ids[1500:1700])]  # fmt: skip
     alone = []
     for spec, prompt in runs:
         g = start(model, tokenizer, spec, prompt)
         alone.append((drive(Batcher(model, prefill_step=64, prefill_budget=100), [g])[id(g)], g))
     batcher = Batcher(model, prefill_step=64, prefill_budget=300)
     gens = [start(model, tokenizer, spec, prompt) for spec, prompt in runs]
-    first, short, doomed, often, often2, late = gens
+    first, short, doomed, packed, packed2, late = gens
     seen = {}
 
     def join(active, out):
@@ -355,7 +355,7 @@ def test_h2o_sessions_share_a_slab_and_match_alone(default_model, essay_text):
         seen["tokens"] = len(first.session.tokens)
         return [g for g in active if g is not doomed]
 
-    out = drive(batcher, [first, short, doomed, often, often2], {10: cancel_and_read, 12: join})
+    out = drive(batcher, [first, short, doomed, packed, packed2], {10: cancel_and_read, 12: join})
     assert seen["offsets"] == {seen["tokens"]} and len(seen["sizes"]) == 1
     assert not batcher.h2o_slabs  # everyone left, their caches written back
     compared = 0
@@ -368,11 +368,13 @@ def test_h2o_sessions_share_a_slab_and_match_alone(default_model, essay_text):
         if g.generated != ref.generated:
             continue  # a near-tie flipped (allowed above): the states may differ from there
         for mine, theirs in zip(g.session.caches, ref.session.caches, strict=True):
-            assert mine.evicted == theirs.evicted and mine.size() == theirs.size()
-            a, b = held(mine), held(theirs)
-            np.testing.assert_array_equal(a["positions"], b["positions"])
-            for name in ("keys", "values", "scores"):
-                np.testing.assert_allclose(a[name], b[name], atol=1e-4, rtol=1e-4)
+            if g.session.spec.info.quantized:
+                # A key a code over (see the module doc) changes the next tokens' K/V
+                # by more than rounding: the same positions held, as in the test above.
+                assert (mine.evicted, mine.size()) == (theirs.evicted, theirs.size())
+                np.testing.assert_array_equal(held(mine)["positions"], held(theirs)["positions"])
+            else:
+                assert_holds_the_same(mine, theirs, atol=1e-4)
             compared += 1
     assert compared >= 3 * len(model.layers)
     assert all(c.evicted > 0 for g in gens if g is not doomed for c in g.session.caches)

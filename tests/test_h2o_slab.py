@@ -1,10 +1,10 @@
-"""H2OSlab (cache/h2o_slab.py): dense H2O sessions as rows of shared buffers.
+"""H2OSlab (cache/h2o_slab.py): H2O sessions, dense or packed, as rows of shared buffers.
 
 Tiny random llamas (these tests also run on a lent GPU, where no model file travels).
 Sessions of different prompt lengths, some evicting from the first step and some
 starting to evict mid-run, are fed the same tokens alone and as slab rows: the logits
 must agree and every cache must end holding the same positions, keys, values and
-scores. The server-level test (the Batcher grouping sessions, joining, cancelling,
+scores (packed K/V within one quantization step; their key centres and sink pools). The server-level test (the Batcher grouping sessions, joining, cancelling,
 reading between rounds) is in tests/test_batching.py.
 """
 
@@ -22,20 +22,64 @@ from config.cache_spec import CacheSpec
 
 SPEC = CacheSpec("h2o", 24, evict_batch=4)
 OFTEN = CacheSpec("h2o", 24, evict_batch=1)
+# Packed rows: keys centred, a dense sink pool, h2o-q4 Hadamard-rotated (head dim 32).
+PACKED = {
+    "q8": CacheSpec("h2o-q8", 24, evict_batch=4, group_size=32),
+    "q4-rotated": CacheSpec("h2o-q4", 24, evict_batch=1, group_size=32),
+    "k8v4": CacheSpec("h2o-mixed", 24, evict_batch=4, group_size=32),
+}
+CASES = {"batch-4": SPEC, "one-per-step": OFTEN, **PACKED}
 
 
 def held(cache: H2OKVCache) -> dict[str, np.ndarray]:
-    """A cache's slots in position order, per head: what it holds, not where."""
+    """A cache's slots in position order, per head: what it holds, not where. Packed
+    K/V come dequantized, with each element's quantization step beside them."""
     n = cache.size()
     order = mx.argsort(cache.positions[..., :n], axis=-1)
-    out = {
-        "positions": mx.take_along_axis(cache.positions[..., :n], order, axis=-1),
-        "scores": mx.take_along_axis(cache.scores[..., :n], order, axis=-1),
-    }
-    for name in ("keys", "values"):
-        buf = getattr(cache, name)[:, :, :n]
-        out[name] = mx.take_along_axis(buf, order[..., None], axis=2)
+
+    def in_order(a: mx.array) -> mx.array:
+        return mx.take_along_axis(a[:, :, :n], order.reshape(*order.shape, *[1] * (a.ndim - 3)), 2)
+
+    out = {"positions": in_order(cache.positions), "scores": in_order(cache.scores)}
+    for name, bits in (
+        ("keys", getattr(cache, "bits", 0)),
+        ("values", getattr(cache, "value_bits", 0)),
+    ):
+        buf = getattr(cache, name)
+        if isinstance(buf, mx.array):
+            out[name] = in_order(buf)
+            continue
+        words, scales, biases = (in_order(a) for a in buf)
+        group = cache.group_size
+        out[name] = mx.dequantize(words, scales, biases, group_size=group, bits=bits)
+        out[f"{name} step"] = mx.repeat(scales, group, axis=-1)
+    for name in ("key_center", "sink_keys", "sink_values"):  # packed rows' own arrays
+        if getattr(cache, name, None) is not None:
+            out[name] = getattr(cache, name)
     return {k: np.array(v) for k, v in out.items()}
+
+
+def assert_holds_the_same(
+    mine: H2OKVCache, theirs: H2OKVCache, atol: float = 1e-5, rtol: float = 1e-4
+) -> None:
+    """Counters equal, the same positions held per head, their K/V and scores alike
+    (packed K/V: within one quantization step)."""
+    assert (mine.offset, mine.evicted, mine.size()) == (
+        theirs.offset,
+        theirs.evicted,
+        theirs.size(),
+    )
+    a, b = held(mine), held(theirs)
+    assert a.keys() == b.keys()
+    np.testing.assert_array_equal(a["positions"], b["positions"])
+    for name in a:
+        if f"{name} step" in a:
+            # A key from a batched matmul rounds apart from a one-row one (~1e-7, more
+            # after a real model's layers) and can land one code over: never more.
+            step = np.maximum(np.abs(a[f"{name} step"]), np.abs(b[f"{name} step"]))
+            assert np.all(np.abs(a[name] - b[name]) <= step * 1.01 + atol), name
+        else:
+            np.testing.assert_allclose(a[name], b[name], atol=atol, rtol=rtol, err_msg=name)
 
 
 def prefilled(model, spec: CacheSpec, prompt: list[int]) -> list:
@@ -44,9 +88,9 @@ def prefilled(model, spec: CacheSpec, prompt: list[int]) -> list:
     return caches
 
 
-@pytest.mark.parametrize("spec", [SPEC, OFTEN], ids=["batch-4", "one-per-step"])
+@pytest.mark.parametrize("spec", CASES.values(), ids=CASES.keys())
 def test_slab_rows_compute_what_each_session_computes_alone(spec):
-    model = tiny("llama")
+    model = tiny("llama", head_dim=32)
     install_router(model)
     rng = np.random.default_rng(0)
     lengths = [40, 9, 30, 17]  # past max_kv, and short ones that start evicting later
@@ -73,15 +117,7 @@ def test_slab_rows_compute_what_each_session_computes_alone(spec):
         slab.leave(n, caches)
     assert not slab.members and not slab.layers
     for mine, theirs in zip(sum(rows, []), sum(alone, []), strict=True):
-        assert (mine.offset, mine.evicted, mine.size()) == (
-            theirs.offset,
-            theirs.evicted,
-            theirs.size(),
-        )
-        a, b = held(mine), held(theirs)
-        np.testing.assert_array_equal(a["positions"], b["positions"])
-        for name in ("keys", "values", "scores"):
-            np.testing.assert_allclose(a[name], b[name], atol=1e-5, rtol=1e-4)
+        assert_holds_the_same(mine, theirs)
     assert all(c.evicted > 0 for c in sum(rows, []))
     # written back whole: each cache goes on alone as it would have
     for caches, twin in zip(rows, alone, strict=True):
@@ -115,13 +151,17 @@ def test_a_member_dropped_or_lent_leaves_the_others_whole():
 
 
 def test_who_may_join():
-    """Dense H2O caches of one configuration share a key; other layouts (a subclass),
-    other sizes, empty caches and caches near the model's context (they will re-index)
-    do not."""
-    model = tiny("llama", max_position_embeddings=256)  # a context: caches may re-index
+    """H2O caches of one configuration share a key (dense or packed); other layouts (a
+    subclass), other sizes or widths, empty caches, packed ones whose sink pool still
+    fills and caches near the model's context (they will re-index) do not."""
+    model = tiny("llama", head_dim=32, max_position_embeddings=256)  # caches may re-index
     install_router(model)
     a, b = prefilled(model, SPEC, [1, 2, 3]), prefilled(model, SPEC, [4] * 30)
     assert slab_key(a) is not None and slab_key(a) == slab_key(b)
+    q8 = prefilled(model, PACKED["q8"], [5] * 10)
+    assert slab_key(q8) == slab_key(prefilled(model, PACKED["q8"], [6] * 30)) != slab_key(a)
+    assert slab_key(q8) != slab_key(prefilled(model, PACKED["k8v4"], [5] * 10))
+    assert q8[0].sink > 1 and slab_key(prefilled(model, PACKED["q8"], [5])) is None  # pool filling
     assert slab_key(prefilled(model, OFTEN, [1, 2])) not in (None, slab_key(a))
     assert slab_key(prefilled(model, CacheSpec("h2o", 32), [1, 2])) != slab_key(a)
     assert slab_key(prefilled(model, CacheSpec("h2o-merge", 24), [1, 2])) is None  # a subclass
