@@ -4,8 +4,9 @@ Tiny random llamas (these tests also run on a lent GPU, where no model file trav
 Sessions of different prompt lengths, some evicting from the first step and some
 starting to evict mid-run, are fed the same tokens alone and as slab rows: the logits
 must agree and every cache must end holding the same positions, keys, values and
-scores (packed K/V within one quantization step; their key centres and sink pools). The server-level test (the Batcher grouping sessions, joining, cancelling,
-reading between rounds) is in tests/test_batching.py.
+scores (packed K/V within one quantization step; their key centres and sink pools).
+The server-level test (the Batcher grouping sessions, joining, cancelling, reading
+between rounds) is in tests/test_batching.py.
 """
 
 from __future__ import annotations
