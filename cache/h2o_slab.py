@@ -1,4 +1,4 @@
-"""Dense H2O sessions decoding together: each layer's slots for all of them in one buffer.
+"""H2O sessions decoding together: each layer's slots for all of them in one buffer.
 
 Alone in a batched pass (cache/batch.py), an H2O session costs every decode step
 one cache update, one scored attention call and one score update per layer. On a
@@ -8,9 +8,10 @@ at 8.9x (docs/gpu.md). KVSlab (cache/batch.py) already shares those calls among
 plain sessions; this is the same for H2O.
 
 Every member's layer is a row of [rows, kv_heads, max_kv + 1, ...] buffers (keys,
-values, scores, positions). A step writes every row's new token into its row's
-next free slot with one scatter, attends every row in one call (the slots a row
-does not hold are masked), and accumulates every row's scores at once. Rows evict
+values, scores, positions; packed K/V as mx.quantize's words, scales and biases).
+A step encodes every row's new token at once and writes it into its row's next
+free slot with one scatter per buffer, attends every row in one call (the slots a
+row does not hold are masked), and accumulates every row's scores at once. Rows evict
 on their own schedule, each ranked by its own cache's rule and tokens seen,
 so a member keeps exactly the positions it would keep alone; rows that overflow in
 the same step evict together (one ranking and one gather for all of them).
