@@ -378,3 +378,30 @@ def test_h2o_sessions_share_a_slab_and_match_alone(default_model, essay_text):
             compared += 1
     assert compared >= 3 * len(model.layers)
     assert all(c.evicted > 0 for g in gens if g is not doomed for c in g.session.caches)
+
+
+def test_a_slab_member_near_its_context_leaves_and_re_indexes_alone(default_model, essay_text):
+    """Re-indexing runs alone: a member whose RoPE positions near the model's context
+    leaves the slab (its caches written back whole) and goes on decoding outside it."""
+    model, tokenizer = default_model
+    ids = tokenizer.encode(essay_text)
+    batcher = Batcher(model, prefill_step=64, prefill_budget=300)
+    near, other = (start(model, tokenizer, H2O_96, ids[n : n + 120]) for n in (0, 500))
+    seen = {}
+
+    def shrink_the_context(active, out):
+        assert near in next(iter(batcher.h2o_slabs.values()))
+        wall = near.session.caches[0].offset + 6  # it is due to re-index at once
+        for c in near.session.caches:
+            c.wall = wall
+        return active
+
+    def check(active, out):
+        seen["slabs"] = dict(batcher.h2o_slabs)
+        return active
+
+    out = drive(batcher, [near, other], {6: shrink_the_context, 8: check})
+    assert seen["slabs"] == {}  # it left; a slab of one is dissolved too
+    assert len(out[id(near)]) == len(out[id(other)]) == STEPS
+    assert all(c.lags is not None for c in near.session.caches)  # re-indexed, alone
+    assert all(c.seen == len(near.session.tokens) for c in near.session.caches)
