@@ -7,8 +7,8 @@ Each round, on the worker thread:
    Decoding sessions whose caches are plain share a KVSlab: one cache update
    and one attention call per layer for all of them. A session joins when its
    prompt is in, if the slab's padding stays under half of it, and leaves
-   (its rows written back) when its request ends. Dense H2O sessions of one
-   configuration share an H2OSlab (cache/h2o_slab.py) the same way;
+   (its rows written back) when its request ends. H2O sessions (dense or
+   packed) of one configuration share an H2OSlab (cache/h2o_slab.py) the same way;
 2. while that computes, last round's draws, which were this round's inputs, are
    read and become the replies' Deltas (building a step while the previous one
    computes is what mlx-lm's generate_step does too). `decode` ends here, so
@@ -62,7 +62,7 @@ class Batcher:
         self.prefill_budget = prefill_budget
         self.batched = can_batch(model)  # else one forward pass per decoding row
         self.slab = KVSlab()  # plain sessions decoding together (members: Generations)
-        self.h2o_slabs: dict[tuple, H2OSlab] = {}  # dense H2O ones, by configuration
+        self.h2o_slabs: dict[tuple, H2OSlab] = {}  # H2O ones, by configuration
 
     @property
     def slabs(self) -> list:
@@ -145,7 +145,7 @@ class Batcher:
         return self._regroup_h2o([g for g in rows if g not in self.slab])
 
     def _regroup_h2o(self, rows: list[Generation]) -> list[Generation]:
-        """The same for dense H2O sessions: one slab per configuration, of two rows or
+        """The same for H2O sessions: one slab per configuration, of two rows or
         more; members near their model's context leave (re-indexing runs alone)."""
         for slab in self.h2o_slabs.values():
             for g in list(slab.members):
