@@ -53,11 +53,13 @@ bench: setup
 	$(PY) -m bench.memory --out docs/memory.md
 	$(PY) -m bench.server_load --out docs/server_load.md
 	$(PY) -m bench.server_load --skip-long --streams 1 4 --rounds 2 --max-tokens 256 --out docs/server_load_replies.md
+	$(PY) -m bench.server_load --skip-long --rounds 3 --policy h2o --max-kv 256 --out docs/server_load_h2o.md
 	$(PY) -m bench.server_ttft --turns 6 --out docs/server_ttft.md
 	$(PY) -m bench.kernel_speed --out docs/kernel_speed.md
 	$(PY) -m bench.quantized --out docs/quantized.md
 	$(PY) -m bench.decode_parts --rounds 10 --out docs/decode_parts.md
 	$(PY) -m bench.batch_scaling --out docs/batch_scaling.md
+	$(PY) -m bench.batch_scaling --policy h2o-q8 --rows 1 4 8 --rounds 3 --out docs/batch_scaling_q8.md
 	$(PY) -m bench.edit_reuse --out docs/edit_reuse.md
 	$(PY) -m bench.rules_grid --out docs/rules.md
 	$(PY) -m bench.sliding_layers --out docs/sliding_layers.md
