@@ -184,8 +184,8 @@ class ScoredAttention:
         if len(parts) == 1:
             k, v, fmt = parts[0]
             return self.attend_part(queries, k, v, fmt, scale, mask, bias)
-        if mask is None and bias is None and self._joint_softmax(queries, parts):
-            return _joint_decode(queries, parts, scale)
+        if bias is None and self._joint_softmax(queries, parts):
+            return _joint_decode(queries, parts, scale, mask)
         full = expand_mask(mask, queries.shape[2], sum(seq_length(k) for k, _, _ in parts))
         results, start = [], 0
         for k, v, fmt in parts:
@@ -280,12 +280,13 @@ def unpacked(parts: list) -> list:
     return [(keys, values, DENSE)]
 
 
-def _joint_decode(queries: mx.array, parts: list, scale: float):
+def _joint_decode(queries: mx.array, parts: list, scale: float, mask=None):
     """One decode query over several parts (e.g. packed caches' dense sinks and packed
     rest): each part's logits, ONE softmax over all of them, each part's values weighted
     by its probabilities. Per part and merged by log-sum-exp costs a softmax per part
     and the merge (~15% of a packed layer's attention on CPU), and exports no
-    probabilities, so the score rule would take a softmax again."""
+    probabilities, so the score rule would take a softmax again. `mask`: over the parts'
+    keys in order, boolean or additive (an H2O slab's [rows, 1, 1, keys])."""
     B, n_q, L, D = queries.shape
     n_kv = _leading(parts[0][0]).shape[1]
     q = (queries.astype(mx.float32) * scale).reshape(B, n_kv, (n_q // n_kv) * L, D)
@@ -297,6 +298,9 @@ def _joint_decode(queries: mx.array, parts: list, scale: float):
         else:
             logits.append(q_part @ keys.astype(mx.float32).swapaxes(-1, -2))
     scores = mx.concatenate(logits, axis=-1)
+    if isinstance(mask, mx.array):  # a str ("causal") hides nothing from one query
+        m = mx.broadcast_to(mask, (B, n_q, L, scores.shape[-1])).reshape(scores.shape)
+        scores = mx.where(m, scores, -mx.inf) if m.dtype == mx.bool_ else scores + m
     probs = mx.softmax(scores, axis=-1, precise=True)
     out, start = None, 0
     for (_, values, fmt), part_logits in zip(parts, logits, strict=True):
