@@ -77,22 +77,25 @@ def main(argv: list[str] | None = None) -> int:
         logits = model(prompts(rows), cache=caches)
         return lambda: caches, logits
 
-    def h2o(rows: int):
+    def prefilled_sessions(rows: int) -> tuple[list, mx.array]:
+        """`rows` sessions of args.policy, each prompt prefilled alone (as the server
+        does); their caches and last logits."""
         install_router(model)
         sessions = [make_cache(model, args.policy, max_kv=256) for _ in range(rows)]
-        # each session's prompt alone, as the server prefills them
         lasts = [model(p[None], cache=c) for p, c in zip(prompts(rows), sessions, strict=True)]
-        return partial(batch_caches, sessions), mx.concatenate(lasts)
+        return sessions, mx.concatenate(lasts)
+
+    def h2o(rows: int):
+        sessions, logits = prefilled_sessions(rows)
+        return partial(batch_caches, sessions), logits
 
     def h2o_slab(rows: int):
-        install_router(model)
-        sessions = [make_cache(model, args.policy, max_kv=256) for _ in range(rows)]
-        lasts = [model(p[None], cache=c) for p, c in zip(prompts(rows), sessions, strict=True)]
+        sessions, logits = prefilled_sessions(rows)
         if rows == 1:  # the server slabs two or more
-            return partial(batch_caches, sessions), mx.concatenate(lasts)
+            return partial(batch_caches, sessions), logits
         slab = H2OSlab(slab_key(sessions[0]))
         slab.join(list(enumerate(sessions)))
-        return partial(batch_caches, [], slab), mx.concatenate(lasts)
+        return partial(batch_caches, [], slab), logits
 
     def step_seconds(make, rows: int) -> tuple[float, float]:
         """make(rows) -> (the caches of each forward pass, built per pass as the server

@@ -230,19 +230,18 @@ class H2OSlab:
         """Take a member's row out; write it back into its caches (None: drop it)."""
         self.reclaim()
         i = self.members.index(member)
-        del self.members[i]
-        own = self.caches.pop(i)
+        del self.members[i], self.caches[i]
         written = []
-        for layer, c in zip(self.layers, own, strict=True):
+        for n, layer in enumerate(self.layers):
             for name in layer.names:
                 buf = getattr(layer, name)
                 if caches is not None:
-                    setattr(c, name, tree_map(lambda a: mx.contiguous(a[i : i + 1]), buf))
-                    written += _leaves(getattr(c, name))
+                    setattr(caches[n], name, tree_map(lambda a: mx.contiguous(a[i : i + 1]), buf))
+                    written += _leaves(getattr(caches[n], name))
                 rest = tree_map(lambda a: mx.concatenate([a[:i], a[i + 1 :]]), buf)
                 setattr(layer, name, rest if self.members else None)
             if caches is not None:
-                c._reset_free_slots()  # a free slot holds the position its token will have
+                caches[n]._reset_free_slots()  # a free slot holds its next token's position
         if not self.members:
             self.layers = []
         mx.async_eval(written)  # copied now: a lazy copy would keep the old slab alive
@@ -273,5 +272,4 @@ def _widened(buf: mx.array, width: int) -> mx.array:
     extra = width - buf.shape[2]
     if extra <= 0:
         return buf[:, :, :width]
-    pad = mx.zeros((*buf.shape[:2], extra, *buf.shape[3:]), dtype=buf.dtype)
-    return mx.concatenate([buf, pad], axis=2)
+    return mx.pad(buf, [(0, 0), (0, 0), (0, extra)] + [(0, 0)] * (buf.ndim - 3))
