@@ -8,13 +8,17 @@ at 8.9x (docs/gpu.md). KVSlab (cache/batch.py) already shares those calls among
 plain sessions; this is the same for H2O.
 
 Every member's layer is a row of [rows, kv_heads, max_kv + 1, ...] buffers (keys,
-values, scores, positions; packed K/V as mx.quantize's words, scales and biases).
-A step encodes every row's new token at once and writes it into its row's next
-free slot with one scatter per buffer, attends every row in one call (the slots a
-row does not hold are masked), and accumulates every row's scores at once. Rows evict
-on their own schedule, each ranked by its own cache's rule and tokens seen,
-so a member keeps exactly the positions it would keep alone; rows that overflow in
-the same step evict together (one ranking and one gather for all of them).
+values, scores, positions; packed K/V as mx.quantize's words, scales and biases) and a
+mask of the slots each row's heads hold. A step encodes every row's new token at once
+and writes it into each head's first free slot with one scatter per buffer, attends
+every row in one call (the slots a head does not hold are masked), and accumulates
+every row's scores at once. Rows evict on their own schedule, each ranked by its own
+cache's rule and tokens seen, so a member keeps exactly the positions it would keep
+alone; eviction only frees the leaving slots (one ranking for every row that evicts
+that step, no K/V copied) and the next tokens fill them. Slot order is the slab's
+own: a row leaving or lent is laid out as a lone cache holds it (held slots first, in
+position order), which is what the packed layouts need (their sink pool shadows the
+first slots) and any order serves a dense one.
 
 Members: sessions whose every layer is a dense `H2OKVCache` or a packed
 `QuantizedH2OKVCache` (h2o-q8, h2o-q4, h2o-mixed; not other subclasses: merging,
@@ -22,7 +26,7 @@ windowed and tiled layouts differ), never re-indexed, all with one configuration
 (`slab_key`). A packed row also stacks its key centre and dense sink pool, and joins
 once that pool is full (its sinks seen). While in the slab a member's caches keep
 their counters (length, tokens seen, evicted) and no arrays; `leave` writes its rows
-back, `lend` hands out views until the next step. A member nearing its model's
+back, `lend` hands out copies until the next step. A member nearing its model's
 context must leave first (`near_wall`): re-indexing runs alone.
 """
 
@@ -85,7 +89,8 @@ class H2OSlabLayer:
         self.slab, self.index, self.names = slab, index, names
         self.keys = self.values = self.scores = self.positions = None  # [rows, H, slots, ...]
         self.key_center = self.sink_keys = self.sink_values = None  # packed rows: [rows, H, ..]
-        self._valid = None  # bool [rows, 1, 1, slots]: the slots each row holds this step
+        self.held = None  # bool [rows, H, slots]: the slots each row's head holds
+        self._mask = None  # this step's `held` per query head, [rows, q_heads, 1, slots]
 
     @property
     def rows(self) -> int:
@@ -100,16 +105,16 @@ class H2OSlabLayer:
         return self.slab.constant("offset", tuple(c.offset for c in self._caches()))
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple:
-        """Store one new token per row in the row's next free slot; return whole buffers."""
+        """Store one new token per row and head in its first free slot; return whole buffers."""
         if keys.shape[2] != 1:
             raise ValueError("an H2O slab decodes one token per row; prefill runs alone")
         caches = self._caches()
-        at = self.slab.constant("slot", tuple(c._len for c in caches))
         seen = self.slab.constant("seen", tuple(c.seen for c in caches))
         B, H = keys.shape[:2]
+        at = mx.argmax(~self.held, axis=-1).reshape(B, H, 1)  # a row holds max_kv slots at most
 
         def put(buf: mx.array, new: mx.array) -> mx.array:
-            where = mx.broadcast_to(at.reshape(B, 1, 1, *[1] * (new.ndim - 3)), new.shape)
+            where = mx.broadcast_to(at.reshape(B, H, 1, *[1] * (new.ndim - 3)), new.shape)
             return mx.put_along_axis(buf, where, new, axis=2)
 
         if self.key_center is not None:  # packed rows store keys centred (cache/quantized.py)
@@ -117,11 +122,11 @@ class H2OSlabLayer:
         keys, values = caches[0]._encode(keys, values)  # every row's config is the same
         self.keys, self.values = tree_map(put, self.keys, keys), tree_map(put, self.values, values)
         self.positions = put(self.positions, mx.broadcast_to(seen.reshape(B, 1, 1), (B, H, 1)))
+        self.held = mx.put_along_axis(self.held, at, mx.array(True), axis=2)
+        self._mask = None
         for c in caches:
             c._len += 1
             c.offset += 1
-        held = tuple(c._len for c in caches)
-        self._valid = self.slab.constant("held", held, self.positions.shape[-1])
         return self.keys, self.values
 
     def kv_segments(self, keys, values) -> list:
@@ -134,7 +139,11 @@ class H2OSlabLayer:
         return [(self.sink_keys, self.sink_values, DENSE), (keys, values, fmt)]
 
     def attention_mask(self, n_heads: int, n_queries: int) -> mx.array:
-        return self._valid  # the sink pool's slots are held by every row
+        """The slots each query head's KV head holds (the sink pool's are always held)."""
+        if self._mask is None:
+            group = n_heads // self.held.shape[1]
+            self._mask = mx.repeat(self.held[:, :, None], group, axis=1)
+        return self._mask
 
     def size(self) -> int:
         return self.positions.shape[-1]
@@ -145,29 +154,48 @@ class H2OSlabLayer:
         rule = caches[0].score_rule
         updated = rule.accumulate(self.scores, logits, self.positions.shape[1], probs)
         # Slots a row does not hold stay at 0, as a lone cache's free slots are.
-        self.scores = mx.where(self._valid[:, 0], updated, 0.0)
-        full = [i for i, c in enumerate(caches) if c._len > c._slot_budget]
-        if full:
-            self._evict_rows(full, [caches[i] for i in full])
+        self.scores = mx.where(self.held, updated, 0.0)
+        full = tuple(c._len > c._slot_budget for c in caches)
+        if any(full):
+            self._evict(full, caches)
 
-    def _evict_rows(self, rows: list[int], caches: list[H2OKVCache]) -> None:
-        """The rows that overflow this step evict together (they hold equally many slots:
-        one past max_kv) through a copy of their first cache over their stacked rows,
-        ranked with each row's own tokens seen: every row keeps what it would alone."""
-        view, at = copy.copy(caches[0]), mx.array(rows)
-        for name in SLOTS:
-            setattr(view, name, tree_map(lambda a: a[at], getattr(self, name)))
+    def _evict(self, full: tuple[bool, ...], caches: list[H2OKVCache]) -> None:
+        """Rows that overflow free their leaving slots, ranked as alone (their cache's rule,
+        their own tokens seen), and the next tokens fill them: no K/V moves. A full row
+        holds every slot, so one ranking over the slab serves every row that evicts."""
+        view = copy.copy(caches[0])
+        view.scores, view.positions, view._len = self.scores, self.positions, self.size()
         view.seen = self.slab.constant("seen", tuple(c.seen for c in caches)).reshape(-1, 1, 1)
-        kept, _ = view._eviction_split()
-        view.seen = caches[0].seen  # for its free slots' positions, rewritten when used
-        view._gather(kept, self.positions.shape[-1])  # the layout's own gather, in place
-        for name in SLOTS:
-            pairs = zip(_leaves(getattr(self, name)), _leaves(getattr(view, name)), strict=True)
-            for buf, new in pairs:
-                buf[at] = new
-        for c in caches:
-            c.evicted += c._len - view._len
-            c._len = view._len
+        ranked = view._eviction_ranks(self.positions)
+        keep = view.max_size + 1 - view.evict_batch
+        leaving = mx.argpartition(-ranked, kth=keep - 1, axis=-1)[..., keep:]
+        freed = mx.put_along_axis(self.held, leaving, mx.array(False), axis=2)
+        if not all(full):
+            evicting = self.slab.constant("full", full).astype(mx.bool_)
+            freed = mx.where(evicting[:, None, None], freed, self.held)
+        self.held, self._mask = freed, None
+        self.scores = mx.where(freed, self.scores, 0.0)
+        for c, evicts in zip(caches, full, strict=True):
+            if evicts:
+                c.evicted += c._len - keep
+                c._len = keep
+
+    def row(self, i: int) -> dict[str, object]:
+        """Row i as a lone cache lays it out: held slots first, in position order."""
+        far = mx.array(2**31 - 1, dtype=mx.int32)
+        order = mx.argsort(mx.where(self.held[i : i + 1], self.positions[i : i + 1], far), -1)
+
+        def compact(a: mx.array) -> mx.array:
+            return mx.take_along_axis(
+                a[i : i + 1], order.reshape(*order.shape, *[1] * (a.ndim - 3)), 2
+            )
+
+        out = {}
+        for name in self.names:
+            buf = getattr(self, name)
+            pick = compact if name in SLOTS else (lambda a: a[i : i + 1])
+            out[name] = tree_map(lambda a, f=pick: mx.contiguous(f(a)), buf)
+        return out
 
 
 class H2OSlab:
@@ -216,9 +244,15 @@ class H2OSlab:
                 rows = [getattr(c, name) for c in caches]
                 if name in SLOTS:
                     rows = [tree_map(partial(_widened, width=width), r) for r in rows]
-                held = getattr(layer, name)
-                stacked = rows if held is None else [held, *rows]
+                have = getattr(layer, name)
+                stacked = rows if have is None else [have, *rows]
                 setattr(layer, name, tree_map(lambda *a: mx.concatenate(a), *stacked))
+            # A lone cache holds its first _len slots, every head alike.
+            lens = mx.array([c._len for c in caches], dtype=mx.int32)[:, None, None]
+            held = mx.arange(width, dtype=mx.int32) < lens
+            held = mx.broadcast_to(held, (len(caches), layer.positions.shape[1], width))
+            layer.held = held if layer.held is None else mx.concatenate([layer.held, held])
+            layer._mask = None
         for member, caches in sessions:
             self.members.append(member)
             self.caches.append(caches)
@@ -233,29 +267,29 @@ class H2OSlab:
         del self.members[i], self.caches[i]
         written = []
         for n, layer in enumerate(self.layers):
-            for name in layer.names:
-                buf = getattr(layer, name)
-                if caches is not None:
-                    setattr(caches[n], name, tree_map(lambda a: mx.contiguous(a[i : i + 1]), buf))
-                    written += _leaves(getattr(caches[n], name))
-                rest = tree_map(lambda a: mx.concatenate([a[:i], a[i + 1 :]]), buf)
-                setattr(layer, name, rest if self.members else None)
             if caches is not None:
+                for name, arrays in layer.row(i).items():
+                    setattr(caches[n], name, arrays)
+                    written += _leaves(arrays)
                 caches[n]._reset_free_slots()  # a free slot holds its next token's position
+            for name in (*layer.names, "held"):
+                rest = tree_map(lambda a: mx.concatenate([a[:i], a[i + 1 :]]), getattr(layer, name))
+                setattr(layer, name, rest if self.members else None)
+            layer._mask = None
         if not self.members:
             self.layers = []
         mx.async_eval(written)  # copied now: a lazy copy would keep the old slab alive
 
     def lend(self, member: Hashable, caches: list[H2OKVCache]) -> None:
-        """Give a member's caches views of its rows, for a reader between steps."""
+        """Give a member's caches copies of its rows, for a reader between steps."""
         i = self.members.index(member)
         for layer, c in zip(self.layers, caches, strict=True):
-            for name in layer.names:
-                setattr(c, name, tree_map(lambda a: a[i : i + 1], getattr(layer, name)))
+            for name, arrays in layer.row(i).items():
+                setattr(c, name, arrays)
         self._lent.append(caches)
 
     def reclaim(self) -> None:
-        """Drop lent views, so the slab's buffers are its own again."""
+        """Drop lent copies: the slab holds the rows."""
         for caches in self._lent:
             for layer, c in zip(self.layers, caches, strict=True):
                 for name in layer.names:

@@ -111,12 +111,15 @@ def test_slab_rows_compute_what_each_session_computes_alone(spec):
     slab.join([(n, caches) for n, caches in enumerate(rows[:3])])
     slab.join([(3, rows[3])])  # a second join appends a row
     assert all(c.keys is None for c in rows[0])  # the slab holds the arrays now
+    # A packed key one code over (see assert_holds_the_same) moves logits by up to ~1e-3:
+    # seen on an H100, where one-row and batched matmuls round apart.
+    tol = 1e-3 if spec in PACKED.values() else 1e-4
     for step in range(len(fed[0])):
         column = mx.array([[tokens[step]] for tokens in fed])
         out = model(column, cache=batch_caches([], slab))[:, -1]
         for n in range(len(fed)):
             np.testing.assert_allclose(
-                np.array(out[n]), np.array(logits_alone[n][step]), atol=1e-4, rtol=1e-4
+                np.array(out[n]), np.array(logits_alone[n][step]), atol=tol, rtol=tol
             )
     for n, caches in enumerate(rows):
         slab.leave(n, caches)
@@ -129,7 +132,7 @@ def test_slab_rows_compute_what_each_session_computes_alone(spec):
         np.testing.assert_allclose(
             np.array(model(mx.array([[7]]), cache=caches)),
             np.array(model(mx.array([[7]]), cache=twin)),
-            atol=1e-4,
+            atol=tol,
         )
 
 
