@@ -54,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         s.join(list(enumerate(sessions)))
         return partial(batch_caches, [], s), last
 
-    print(f"{args.synthetic} {args.dtype}, {args.rows} rows of {args.context} tokens, "
-          f"device {mx.default_device()}")
+    print(
+        f"{args.synthetic} {args.dtype}, {args.rows} rows of {args.context} tokens, "
+        f"device {mx.default_device()}"
+    )
     for name, make in [("stock", stock), ("slab", slab)] * 2:
         caches, logits = make()
         token = mx.argmax(logits[:, -1], axis=-1)[:, None]
@@ -77,10 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         mx.eval(token)
         piped = (time.perf_counter() - t0) / args.steps
         ms = sorted(w * 1e3 for w in walls[1:])
-        print(f"{name}: synced step median {statistics.median(ms):.2f} ms, slowest 3 "
-              f"{', '.join(f'{w:.1f}' for w in ms[-3:])}; graph build median "
-              f"{statistics.median(builds) * 1e3:.2f} ms, max {max(builds) * 1e3:.1f}; "
-              f"pipelined {piped * 1e3:.2f} ms = {args.rows / piped:.0f} tok/s")
+        print(
+            f"{name}: synced step median {statistics.median(ms):.2f} ms, slowest 3 "
+            f"{', '.join(f'{w:.1f}' for w in ms[-3:])}; graph build median "
+            f"{statistics.median(builds) * 1e3:.2f} ms, max {max(builds) * 1e3:.1f}; "
+            f"pipelined {piped * 1e3:.2f} ms = {args.rows / piped:.0f} tok/s"
+        )
 
     # One layer's ops at the slab's shapes.
     hidden, _, heads, kv_heads, _, _ = SHAPES[args.synthetic]
