@@ -27,6 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--steps", type=int, default=48, help="three eviction cycles of 16")
     p.add_argument("--policy", default="h2o")
+    p.add_argument(
+        "--stagger",
+        type=int,
+        default=1,
+        help="row r's prompt is r x this shorter: rows evict "
+        "on different steps, as sessions of a server do (0: all in the same step)",
+    )
     args = p.parse_args(argv)
 
     import mlx.core as mx
@@ -49,7 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     def slab():
         install_router(model)
         sessions = [make_cache(model, args.policy, max_kv=256) for _ in range(args.rows)]
-        last = mx.concatenate([model(ids[r : r + 1], cache=c) for r, c in enumerate(sessions)])
+        last = mx.concatenate(
+            [
+                model(ids[r : r + 1, : args.context - r * args.stagger], cache=c)[:, -1:]
+                for r, c in enumerate(sessions)
+            ]
+        )
         s = H2OSlab(slab_key(sessions[0]))
         s.join(list(enumerate(sessions)))
         return partial(batch_caches, [], s), last
