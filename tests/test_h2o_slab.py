@@ -111,9 +111,9 @@ def test_slab_rows_compute_what_each_session_computes_alone(spec):
     slab.join([(n, caches) for n, caches in enumerate(rows[:3])])
     slab.join([(3, rows[3])])  # a second join appends a row
     assert all(c.keys is None for c in rows[0])  # the slab holds the arrays now
-    # A packed key one code over (see assert_holds_the_same) moves logits by up to ~1e-3:
-    # seen on an H100, where one-row and batched matmuls round apart.
-    tol = 1e-3 if spec in PACKED.values() else 1e-4
+    # A packed key one code over (see assert_holds_the_same) moves logits by a few 1e-3
+    # (1.3e-3 seen on an H100, where one-row and batched matmuls round apart).
+    tol = 5e-3 if spec in PACKED.values() else 1e-4
     for step in range(len(fed[0])):
         column = mx.array([[tokens[step]] for tokens in fed])
         out = model(column, cache=batch_caches([], slab))[:, -1]
