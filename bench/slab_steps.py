@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from cache import install_router, make_cache, uninstall_router
     from cache.batch import batch_caches
-    from cache.h2o_slab import H2OSlab, slab_key
+    from cache.h2o_slab import H2OSlab, _scatter_write, _select_write, slab_key
     from kernels.dispatch import sdpa_with_scores
 
     model = synthetic_model(args.synthetic, getattr(mx, args.dtype))
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         caches = make_prompt_cache(model)
         return (lambda: caches), model(ids, cache=caches)
 
-    def slab():
+    def slab(select_writes: bool):
         install_router(model)
         sessions = [make_cache(model, args.policy, max_kv=256) for _ in range(args.rows)]
         last = mx.concatenate(
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             ]
         )
         s = H2OSlab(slab_key(sessions[0]))
+        s.select_writes = select_writes
         s.join(list(enumerate(sessions)))
         return partial(batch_caches, [], s), last
 
@@ -70,7 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.synthetic} {args.dtype}, {args.rows} rows of {args.context} tokens, "
         f"device {mx.default_device()}"
     )
-    for name, make in [("stock", stock), ("slab", slab)] * 2:
+    variants = [
+        ("stock", stock),
+        ("slab, scatter writes", partial(slab, False)),
+        ("slab, select writes", partial(slab, True)),
+    ]
+    for name, make in variants + variants[::-1]:
         caches, logits = make()
         token = mx.argmax(logits[:, -1], axis=-1)[:, None]
         mx.eval(token)
@@ -111,23 +117,23 @@ def main(argv: list[str] | None = None) -> int:
     _, logits = sdpa_with_scores(q, k, v, D**-0.5, mask)
     mx.eval(q, k, v, mask, scores, logits)
 
-    def put():
-        where = mx.broadcast_to(at.reshape(B, 1, 1, 1), (B, kv_heads, 1, D))
-        return mx.put_along_axis(k, where, q[:, :kv_heads], axis=2)
+    taken = mx.arange(S)[None, None] == at.reshape(B, 1, 1)
+    new = q[:, :kv_heads]
 
     ops = {
         "mx.fast sdpa, bool mask": lambda: mx.fast.scaled_dot_product_attention(
             q, k, v, scale=D**-0.5, mask=mask
         ),
         "sdpa_with_scores (dispatcher), mask": lambda: sdpa_with_scores(q, k, v, D**-0.5, mask),
-        "put_along_axis, one K buffer": put,
+        "scatter write, one K buffer": lambda: _scatter_write(
+            mx.broadcast_to(at.reshape(B, 1, 1), (B, kv_heads, 1)), k, new
+        ),
+        "select write, one K buffer": lambda: _select_write(taken, k, new),
         "score accumulate + where": lambda: mx.where(
             held[:, None], rule.accumulate(scores, logits, kv_heads), 0.0
         ),
+        "argmax of a free-slot mask": lambda: mx.argmax(~held, axis=-1),
         "argpartition [B, H, 257]": lambda: mx.argpartition(-scores, kth=240, axis=-1),
-        "take_along_axis K -> 241 slots": lambda: mx.take_along_axis(
-            k, mx.argpartition(-scores, kth=240, axis=-1)[..., :241, None], axis=2
-        ),
     }
     n = 64
     for name, op in ops.items():

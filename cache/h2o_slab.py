@@ -112,17 +112,20 @@ class H2OSlabLayer:
         seen = self.slab.constant("seen", tuple(c.seen for c in caches))
         B, H = keys.shape[:2]
         at = mx.argmax(~self.held, axis=-1).reshape(B, H, 1)  # a row holds max_kv slots at most
-
-        def put(buf: mx.array, new: mx.array) -> mx.array:
-            where = mx.broadcast_to(at.reshape(B, H, 1, *[1] * (new.ndim - 3)), new.shape)
-            return mx.put_along_axis(buf, where, new, axis=2)
-
+        if self.slab.select_writes:
+            taken = mx.arange(self.size(), dtype=at.dtype) == at  # [B, H, slots]
+            put, held = partial(_select_write, taken), self.held | taken
+        else:
+            put, held = (
+                partial(_scatter_write, at),
+                mx.put_along_axis(self.held, at, mx.array(True), 2),
+            )
         if self.key_center is not None:  # packed rows store keys centred (cache/quantized.py)
             keys = keys - self.key_center
         keys, values = caches[0]._encode(keys, values)  # every row's config is the same
         self.keys, self.values = tree_map(put, self.keys, keys), tree_map(put, self.values, values)
         self.positions = put(self.positions, mx.broadcast_to(seen.reshape(B, 1, 1), (B, H, 1)))
-        self.held = mx.put_along_axis(self.held, at, mx.array(True), axis=2)
+        self.held = held
         self._mask = None
         for c in caches:
             c._len += 1
@@ -208,6 +211,10 @@ class H2OSlab:
         self.layers: list[H2OSlabLayer] = []
         self._lent: list[list[H2OKVCache]] = []
         self._constants: dict = {}
+        # How a step writes its tokens: a scatter touches only the new slots (the CPU's
+        # memory bandwidth is the limit there); on a GPU one select over the buffers costs
+        # less than a scatter launch (bench/slab_steps.py measures both).
+        self.select_writes = mx.default_device() == mx.gpu
 
     def __contains__(self, member: Hashable) -> bool:
         return member in self.members
@@ -295,6 +302,17 @@ class H2OSlab:
                 for name in layer.names:
                     setattr(c, name, None)
         self._lent = []
+
+
+def _select_write(taken: mx.array, buf: mx.array, new: mx.array) -> mx.array:
+    """`buf` [B, H, slots, ...] with `new` [B, H, 1, ...] in the slots `taken` marks."""
+    return mx.where(taken.reshape(*taken.shape, *[1] * (new.ndim - 3)), new, buf)
+
+
+def _scatter_write(at: mx.array, buf: mx.array, new: mx.array) -> mx.array:
+    """`buf` [B, H, slots, ...] with `new` [B, H, 1, ...] in slot `at` [B, H, 1]."""
+    where = mx.broadcast_to(at.reshape(*at.shape, *[1] * (new.ndim - 3)), new.shape)
+    return mx.put_along_axis(buf, where, new, axis=2)
 
 
 def _leaves(tree) -> list[mx.array]:

@@ -93,8 +93,9 @@ def prefilled(model, spec: CacheSpec, prompt: list[int]) -> list:
     return caches
 
 
+@pytest.mark.parametrize("select_writes", [False, True], ids=["scatter", "select"])
 @pytest.mark.parametrize("spec", CASES.values(), ids=CASES.keys())
-def test_slab_rows_compute_what_each_session_computes_alone(spec):
+def test_slab_rows_compute_what_each_session_computes_alone(spec, select_writes):
     model = tiny("llama", head_dim=32)
     install_router(model)
     rng = np.random.default_rng(0)
@@ -108,6 +109,7 @@ def test_slab_rows_compute_what_each_session_computes_alone(spec):
         alone.append(caches)
     rows = [prefilled(model, spec, p) for p in prompts]
     slab = H2OSlab(slab_key(rows[0]))
+    slab.select_writes = select_writes  # how tokens are written: the GPU's way, the CPU's
     slab.join([(n, caches) for n, caches in enumerate(rows[:3])])
     slab.join([(3, rows[3])])  # a second join appends a row
     assert all(c.keys is None for c in rows[0])  # the slab holds the arrays now
