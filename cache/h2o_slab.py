@@ -102,14 +102,14 @@ class H2OSlabLayer:
     @property
     def offset(self) -> mx.array:
         """Per-row RoPE positions of the next token."""
-        return self.slab.constant("offset", tuple(c.offset for c in self._caches()))
+        return self.slab.seen_at_start()  # members are never re-indexed: offset == seen
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple:
         """Store one new token per row and head in its first free slot; return whole buffers."""
         if keys.shape[2] != 1:
             raise ValueError("an H2O slab decodes one token per row; prefill runs alone")
         caches = self._caches()
-        seen = self.slab.constant("seen", tuple(c.seen for c in caches))
+        seen = self.slab.seen_at_start()  # this layer's caches, before this token
         B, H = keys.shape[:2]
         at = mx.argmax(~self.held, axis=-1).reshape(B, H, 1)  # a row holds max_kv slots at most
         if self.slab.select_writes:
@@ -168,13 +168,13 @@ class H2OSlabLayer:
         holds every slot, so one ranking over the slab serves every row that evicts."""
         view = copy.copy(caches[0])
         view.scores, view.positions, view._len = self.scores, self.positions, self.size()
-        view.seen = self.slab.constant("seen", tuple(c.seen for c in caches)).reshape(-1, 1, 1)
+        view.seen = (self.slab.seen_at_start() + 1).reshape(-1, 1, 1)  # this token's counted
         ranked = view._eviction_ranks(self.positions)
         keep = view.max_size + 1 - view.evict_batch
         leaving = mx.argpartition(-ranked, kth=keep - 1, axis=-1)[..., keep:]
         freed = mx.put_along_axis(self.held, leaving, mx.array(False), axis=2)
         if not all(full):
-            evicting = self.slab.constant("full", full).astype(mx.bool_)
+            evicting = mx.array(full)
             freed = mx.where(evicting[:, None, None], freed, self.held)
         self.held, self._mask = freed, None
         self.scores = mx.where(freed, self.scores, 0.0)
@@ -210,7 +210,7 @@ class H2OSlab:
         self.caches: list[list[H2OKVCache]] = []  # each member's caches, row order
         self.layers: list[H2OSlabLayer] = []
         self._lent: list[list[H2OKVCache]] = []
-        self._constants: dict = {}
+        self._seen: mx.array | None = None  # seen_at_start, for the step under way
         # How a step writes its tokens: a scatter touches only the new slots (the CPU's
         # memory bandwidth is the limit there); on a GPU one select over the buffers costs
         # less than a scatter launch (bench/slab_steps.py measures both).
@@ -225,18 +225,14 @@ class H2OSlab:
 
     def begin_step(self) -> None:
         """A forward pass starts: per-row arrays built in the last one are stale."""
-        self._constants = {}
+        self._seen = None
 
-    def constant(self, kind: str, values: tuple, width: int | None = None) -> mx.array:
-        """Per-row int32 [rows] (`held` with a width: bool [rows, 1, 1, width], slot <
-        held), built once per step and shared by every layer with the same values."""
-        key = (kind, values, width)
-        if key not in self._constants:
-            row = mx.array(values, dtype=mx.int32)
-            if width is not None:
-                row = (mx.arange(width, dtype=mx.int32)[None] < row[:, None])[:, None, None]
-            self._constants[key] = row
-        return self._constants[key]
+    def seen_at_start(self) -> mx.array:
+        """Every row's tokens seen as this step began, int32 [rows]: what each layer's
+        caches hold until that layer's update (built once per step, for every layer)."""
+        if self._seen is None:
+            self._seen = mx.array([caches[0].seen for caches in self.caches], dtype=mx.int32)
+        return self._seen
 
     def join(self, sessions: list[tuple[Hashable, list[H2OKVCache]]]) -> None:
         """Move sessions' rows into the slab as its last rows (one copy of the slab)."""
