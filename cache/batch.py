@@ -10,8 +10,10 @@ values; the router (cache/router.py) then attends part by part: a session's
 cache against its own keys, a slab's rows in one attention call under its
 padding mask. A batched step computes what each row would alone. A decode step
 brings one token per row; a prefill pass brings a chunk per row, causal within
-each row (rows of unequal chunks are right-padded by the caller,
-server/batcher.py, and trimmed back after).
+each row. Rows of unequal chunks are right-padded by the caller
+(server/batcher.py), with each row's real length given: a part then stores and
+attends only its row's real tokens, and the padded positions' attention output
+is zero, so any cache (scoring, evicting) takes exactly the chunk it would alone.
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ def _rows(part) -> int:
 
 
 class BatchedCache:
-    def __init__(self, parts: list, masks: dict | None = None):
+    def __init__(self, parts: list, masks: dict | None = None, lengths: list | None = None):
         self.parts = parts
+        # Each row's real tokens in a right-padded prefill pass (one session per part);
+        # None: every row's input is real.
+        self.lengths = lengths
         # Padding masks by (rows, new tokens, keys): every layer of a forward pass has the
         # same, so batch_caches shares one dict and each is built once, not once per layer.
         self.masks = {} if masks is None else masks
@@ -51,10 +56,13 @@ class BatchedCache:
         return mx.concatenate([o if isinstance(o, mx.array) else mx.array([o]) for o in offsets])
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[list, list]:
-        if self.whole:
+        if self.whole and self.lengths is None:
             k, v = self.parts[0].update_and_fetch(keys, values)
             return [k], [v]
-        fetched = [p.update_and_fetch(keys[a:b], values[a:b]) for p, a, b in self.spans]
+        fetched = [
+            p.update_and_fetch(keys[a:b, :, : self._real(a)], values[a:b, :, : self._real(a)])
+            for p, a, b in self.spans
+        ]
         return [k for k, _ in fetched], [v for _, v in fetched]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
@@ -70,8 +78,18 @@ class BatchedCache:
             part_mask = mask
             if isinstance(part, BatchKVCache):  # its rows' left padding is never attended
                 part_mask = self._padding_mask(part, a, b, queries.shape[2], k.shape[2])
-            out.append(attend_part(queries if self.whole else queries[a:b], k, v, part, part_mask))
-        return out[0] if self.whole else mx.concatenate(out, axis=0)
+            q = queries if self.whole else queries[a:b]
+            if self.lengths is not None:  # a padded position's output stays 0
+                q = q[:, :, : self._real(a)]
+                o = attend_part(q, k, v, part, part_mask)
+                out.append(mx.pad(o, [(0, 0), (0, 0), (0, queries.shape[2] - q.shape[2]), (0, 0)]))
+            else:
+                out.append(attend_part(q, k, v, part, part_mask))
+        return out[0] if len(out) == 1 else mx.concatenate(out, axis=0)
+
+    def _real(self, row: int) -> int | None:
+        """Real tokens in `row`'s input (None: all of it)."""
+        return None if self.lengths is None else self.lengths[row]
 
     def _padding_mask(self, part: BatchKVCache, a: int, b: int, n: int, n_keys: int) -> mx.array:
         # A slab's left padding is alike in every layer (KVSlab), so is its mask.
@@ -83,9 +101,10 @@ class BatchedCache:
         return self.masks[key]
 
 
-def batch_caches(sessions: list[list], *slabs) -> list[BatchedCache]:
+def batch_caches(sessions: list[list], *slabs, lengths: list | None = None) -> list[BatchedCache]:
     """Per-layer BatchedCaches: the slabs' rows first, in order (KVSlab, H2OSlab; empty
-    ones skipped), then each session's caches."""
+    ones skipped), then each session's caches. `lengths`: a right-padded prefill pass's
+    real tokens per session (no slabs then)."""
     slabs = [s for s in slabs if s.members]
     for s in slabs:
         if hasattr(s, "begin_step"):
@@ -95,7 +114,7 @@ def batch_caches(sessions: list[list], *slabs) -> list[BatchedCache]:
         layers = [[] for _ in slabs[0].layers]
     masks: dict = {}  # one forward pass: its layers share padding masks
     return [
-        BatchedCache([*(s.layers[n] for s in slabs), *parts], masks)
+        BatchedCache([*(s.layers[n] for s in slabs), *parts], masks, lengths)
         for n, parts in enumerate(layers)
     ]
 

@@ -17,12 +17,12 @@ Each round, on the worker thread:
 3. `prefill`: prompts are prefilled in passes of one chunk per waiting request,
    at most `prefill_budget` tokens this round when anyone is decoding (one
    pass, every waiting request's next chunk, when nobody is), so a decoding
-   stream never waits for a whole long prompt. Requests whose caches are plain
-   (mlx-lm's KVCache) share one forward pass per chunk, right-padded and
-   trimmed back, as mlx-lm's own server prefills a batch; the others go one by
-   one. Chunks are whole `prefill_step` pieces of a request's prompt, never cut
-   by the budget: H2O evicts after each chunk, so a request's cache must not
-   depend on the load.
+   stream never waits for a whole long prompt. The requests of a pass share one
+   forward pass, right-padded, as mlx-lm's own server prefills a batch; each
+   cache stores and attends only its own chunk (cache/batch.py), so H2O caches
+   score and evict exactly as alone. Chunks are whole `prefill_step` pieces of a
+   request's prompt, never cut by the budget: H2O evicts after each chunk, so a
+   request's cache must not depend on the load.
 A generation whose sampling, reading or prefill raises fails alone; a forward
 pass that raises fails the rows it carried.
 """
@@ -232,11 +232,9 @@ class Batcher:
                 return fed
 
     def _prefill_pass(self, gens: list[Generation], done: Round, failed: set) -> int:
-        """Each generation's next chunk: plain-cache ones in one forward pass, others alone."""
-        together = [g for g in gens if self.batched and g.plain_caches]
-        if len(together) < 2:
-            together = []
-        groups = [together] * bool(together) + [[g] for g in gens if g not in together]
+        """Each generation's next chunk, all in one forward pass (one by one for a model
+        whose attention cannot batch)."""
+        groups = [gens] if self.batched else [[g] for g in gens]
         fed = 0
         for group in groups:
             try:
@@ -251,12 +249,10 @@ class Batcher:
             return gens[0].prefill(self.model, self.prefill_step)
         sizes = [g.next_chunk(self.prefill_step) for g in gens]
         width = max(sizes)
-        # Right padding: a row's real tokens come first, so causally they never see it.
+        # Right padding, never stored or attended: each cache takes its row's real tokens.
         rows = [g.pending[:n] + [0] * (width - n) for g, n in zip(gens, sizes, strict=True)]
-        self.model(mx.array(rows), cache=batch_caches([g.session.caches for g in gens]))
-        for g, n in zip(gens, sizes, strict=True):
-            for c in g.session.caches:
-                c.trim(width - n)
+        caches = batch_caches([g.session.caches for g in gens], lengths=sizes)
+        self.model(mx.array(rows), cache=caches)
         mx.eval([c.state for g in gens for c in g.session.caches])
         return sum(g.prefilled(n) for g, n in zip(gens, sizes, strict=True))
 

@@ -152,9 +152,8 @@ class Generation:
 
     @property
     def plain_caches(self) -> bool:
-        """Whether every layer is mlx-lm's KVCache: it neither scores nor evicts, so a
-        chunk can be right-padded and trimmed back (server/batcher.py prefills such
-        sessions together)."""
+        """Whether every layer is mlx-lm's KVCache (server/batcher.py decodes such
+        sessions in one KVSlab)."""
         return all(type(c) is KVCache for c in self.session.caches)
 
     def prefilled(self, n: int) -> int:
