@@ -53,6 +53,8 @@ run)
     decode="-m bench.decode_speed --synthetic llama-1b --dtype bfloat16 --kernel cuda
         --context 2048 --rounds 3 --steps 64 --pipelined --policies h2o-q8 h2o-q4 h2o-kvarn"
     MLX_USE_CUDA_GRAPHS=0 timeout 180 python3 $decode --out "$OUT/decode_no_graphs.md" >/dev/null 2>&1
+    # The H2O slab's step against stock's, 16 rows evicting on different steps.
+    timeout 120 python3 -m bench.slab_steps --rows 16 >"$OUT/slab_steps.txt" 2>&1
     # A prompt's scored attention, matmul vs fused output (TF32 at MLX's default, as served;
     # PREFILL=1: measured on the H200 and left out by default to fit a call).
     [ "${PREFILL:-0}" = 1 ] && MLX_ENABLE_TF32=1 timeout 120 python3 -m bench.prefill_paths --synthetic llama-1b \

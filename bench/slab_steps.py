@@ -1,9 +1,10 @@
 """Where an H2O slab's decode step goes, against stock mlx-lm's one KVCache.
 
 bench/batch_scaling.py gives whole-step rates; this splits them: every step timed on
-its own (an eviction step shows as the slow one of each cycle), the Python time that
-builds a step's graph (a GPU waits on it when its kernels are short), and the ops
-a slab layer adds, each at the slab's shapes.
+its own (an eviction step shows as a slow one), the Python time that builds a step's
+graph (a GPU waits on it when its kernels are short), and the ops a slab layer adds,
+each at the slab's shapes. The slab runs both ways of writing a step's tokens
+(H2OSlab.select_writes: scatter, the CPU's default, and select, the GPU's).
 
     python -m bench.slab_steps --synthetic llama-1b --dtype bfloat16 --rows 16   # GPU
 """
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from cache import install_router, make_cache, uninstall_router
     from cache.batch import batch_caches
-    from cache.h2o_slab import H2OSlab, _scatter_write, _select_write, slab_key
+    from cache.h2o_slab import H2OSlab, scatter_write, select_write, slab_key
     from kernels.dispatch import sdpa_with_scores
 
     model = synthetic_model(args.synthetic, getattr(mx, args.dtype))
@@ -125,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
             q, k, v, scale=D**-0.5, mask=mask
         ),
         "sdpa_with_scores (dispatcher), mask": lambda: sdpa_with_scores(q, k, v, D**-0.5, mask),
-        "scatter write, one K buffer": lambda: _scatter_write(
+        "scatter write, one K buffer": lambda: scatter_write(
             mx.broadcast_to(at.reshape(B, 1, 1), (B, kv_heads, 1)), k, new
         ),
-        "select write, one K buffer": lambda: _select_write(taken, k, new),
+        "select write, one K buffer": lambda: select_write(taken, k, new),
         "score accumulate + where": lambda: mx.where(
             held[:, None], rule.accumulate(scores, logits, kv_heads), 0.0
         ),

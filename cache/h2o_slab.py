@@ -114,10 +114,10 @@ class H2OSlabLayer:
         at = mx.argmax(~self.held, axis=-1).reshape(B, H, 1)  # a row holds max_kv slots at most
         if self.slab.select_writes:
             taken = mx.arange(self.size(), dtype=at.dtype) == at  # [B, H, slots]
-            put, held = partial(_select_write, taken), self.held | taken
+            put, held = partial(select_write, taken), self.held | taken
         else:
             put, held = (
-                partial(_scatter_write, at),
+                partial(scatter_write, at),
                 mx.put_along_axis(self.held, at, mx.array(True), 2),
             )
         if self.key_center is not None:  # packed rows store keys centred (cache/quantized.py)
@@ -300,12 +300,12 @@ class H2OSlab:
         self._lent = []
 
 
-def _select_write(taken: mx.array, buf: mx.array, new: mx.array) -> mx.array:
+def select_write(taken: mx.array, buf: mx.array, new: mx.array) -> mx.array:
     """`buf` [B, H, slots, ...] with `new` [B, H, 1, ...] in the slots `taken` marks."""
     return mx.where(taken.reshape(*taken.shape, *[1] * (new.ndim - 3)), new, buf)
 
 
-def _scatter_write(at: mx.array, buf: mx.array, new: mx.array) -> mx.array:
+def scatter_write(at: mx.array, buf: mx.array, new: mx.array) -> mx.array:
     """`buf` [B, H, slots, ...] with `new` [B, H, 1, ...] in slot `at` [B, H, 1]."""
     where = mx.broadcast_to(at.reshape(*at.shape, *[1] * (new.ndim - 3)), new.shape)
     return mx.put_along_axis(buf, where, new, axis=2)
