@@ -220,25 +220,28 @@ def test_a_round_reads_its_tokens_before_any_prefill(default_model, requests):
     assert filled.outcomes == [] and first.sampled is not None  # its draw is not read twice
 
 
-def test_sessions_prefill_in_one_pass(default_model, essay_text):
+def test_sessions_share_prefill_passes_of_bounded_size(default_model, essay_text):
     """Prompts of unequal lengths and any cache share prefill passes (right-padded; each
-    cache stores and attends only its own chunk) and decode what each decodes alone; an
-    H2O cache that evicts during its chunks evicts as alone."""
+    cache stores and attends only its own chunk) up to one chunk's padded tokens, and
+    decode what each decodes alone; an H2O cache that evicts within its chunk evicts as
+    alone."""
     model, tokenizer = default_model
     ids = tokenizer.encode(essay_text)
-    specs = [CacheSpec("full", 4096), CacheSpec("full", 4096), CacheSpec("h2o", 96)]
-    prompts = [ids[:50], ids[400:537], ids[900:1020]]
+    # the h2o 40 one's 59-token first chunk overflows it: it evicts within the shared pass
+    specs = [CacheSpec("full", 4096), CacheSpec("full", 4096), CacheSpec("h2o", 40)]
+    specs.append(CacheSpec("h2o", 96))
+    prompts = [ids[:50], ids[400:480], ids[900:960], ids[1200:1400]]
     alone = []
     for spec, prompt in zip(specs, prompts, strict=True):
         g = start(model, tokenizer, spec, prompt)
-        alone.append((drive(Batcher(model, prefill_step=64, prefill_budget=100), [g])[id(g)], g))
-    batcher = Batcher(model, prefill_step=64, prefill_budget=100)
+        alone.append((drive(Batcher(model, prefill_step=256, prefill_budget=300), [g])[id(g)], g))
+    batcher = Batcher(model, prefill_step=256, prefill_budget=300)
     batcher.model = counting = CountingModel(model)
     gens = [start(model, tokenizer, s, p) for s, p in zip(specs, prompts, strict=True)]
     out = drive(batcher, gens)
-    # nobody decodes in round 1: one pass of every prompt's first chunk (49, 64 and 64
-    # tokens, padded to 64), the h2o one among them
-    assert counting.shapes[0] == (3, 64)
+    # nobody decodes in round 1: the first three chunks (49, 79 and 59 tokens, padded to
+    # 79: 237 <= 256) share a pass; the fourth (199) would make 4 x 199, so it goes alone
+    assert counting.shapes[:2] == [(3, 79), (1, 199)]
     for g, spec, (ref, twin) in zip(gens, specs, alone, strict=True):
         assert_same_greedy(out[id(g)], ref, spec)
         assert all(c.offset == len(g.session.tokens) for c in g.session.caches)
