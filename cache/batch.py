@@ -78,13 +78,11 @@ class BatchedCache:
             part_mask = mask
             if isinstance(part, BatchKVCache):  # its rows' left padding is never attended
                 part_mask = self._padding_mask(part, a, b, queries.shape[2], k.shape[2])
-            q = queries if self.whole else queries[a:b]
-            if self.lengths is not None:  # a padded position's output stays 0
-                q = q[:, :, : self._real(a)]
-                o = attend_part(q, k, v, part, part_mask)
-                out.append(mx.pad(o, [(0, 0), (0, 0), (0, queries.shape[2] - q.shape[2]), (0, 0)]))
-            else:
-                out.append(attend_part(q, k, v, part, part_mask))
+            q = (queries if self.whole else queries[a:b])[:, :, : self._real(a)]
+            o = attend_part(q, k, v, part, part_mask)
+            if o.shape[2] < queries.shape[2]:  # a padded position's output stays 0
+                o = mx.pad(o, [(0, 0), (0, 0), (0, queries.shape[2] - o.shape[2]), (0, 0)])
+            out.append(o)
         return out[0] if len(out) == 1 else mx.concatenate(out, axis=0)
 
     def _real(self, row: int) -> int | None:

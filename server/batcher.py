@@ -21,9 +21,9 @@ Each round, on the worker thread:
    right-padded, as mlx-lm's own server prefills a batch, as long as a pass holds
    at most one chunk's worth of padded tokens (its working set stays a chunk's);
    each cache stores and attends only its own chunk (cache/batch.py), so H2O
-   caches score and evict exactly as alone. Chunks are whole `prefill_step` pieces of a
-   request's prompt, never cut by the budget: H2O evicts after each chunk, so a
-   request's cache must not depend on the load.
+   caches score and evict exactly as alone. Chunks are whole `prefill_step`
+   pieces of a request's prompt, never cut by the budget: H2O evicts after each
+   chunk, so a request's cache must not depend on the load.
 A generation whose sampling, reading or prefill raises fails alone; a forward
 pass that raises fails the rows it carried.
 """
