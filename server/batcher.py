@@ -21,9 +21,10 @@ Each round, on the worker thread:
    right-padded, as mlx-lm's own server prefills a batch, as long as a pass holds
    at most one chunk's worth of padded tokens (its working set stays a chunk's);
    each cache stores and attends only its own chunk (cache/batch.py), so H2O
-   caches score and evict exactly as alone. Chunks are whole `prefill_step`
-   pieces of a request's prompt, never cut by the budget: H2O evicts after each
-   chunk, so a request's cache must not depend on the load.
+   caches score and evict as alone (quantized ones prefill alone: `_passes`).
+   Chunks are whole `prefill_step` pieces of a request's prompt, never cut by
+   the budget: H2O evicts after each chunk, so a request's cache must not depend
+   on the load.
 A generation whose sampling, reading or prefill raises fails alone; a forward
 pass that raises fails the rows it carried.
 """
@@ -251,8 +252,12 @@ class Batcher:
         number of waiting requests. Short prompts share passes; long ones go alone."""
         if not self.batched:
             return [[g] for g in gens]
+        # Quantized caches prefill alone: a batched matmul rounds a key apart from a
+        # one-row one, which can land it one code over and tip an eviction near-tie;
+        # a request's packed cache (and reply) must not depend on who else waits.
+        alone = [[g] for g in gens if g.session.spec.info.quantized]
         groups, width = [], 0
-        for g in gens:
+        for g in (g for g in gens if not g.session.spec.info.quantized):
             n = g.next_chunk(self.prefill_step)
             if groups and (len(groups[-1]) + 1) * max(width, n) <= self.prefill_step:
                 groups[-1].append(g)
@@ -260,7 +265,7 @@ class Batcher:
             else:
                 groups.append([g])
                 width = n
-        return groups
+        return groups + alone
 
     def _prefill_rows(self, gens: list[Generation]) -> int:
         if len(gens) == 1:
