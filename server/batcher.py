@@ -255,9 +255,11 @@ class Batcher:
         # Quantized caches prefill alone: a batched matmul rounds a key apart from a
         # one-row one, which can land it one code over and tip an eviction near-tie;
         # a request's packed cache (and reply) must not depend on who else waits.
-        alone = [[g] for g in gens if g.session.spec.info.quantized]
-        groups, width = [], 0
-        for g in (g for g in gens if not g.session.spec.info.quantized):
+        groups, alone, width = [], [], 0
+        for g in gens:
+            if g.session.spec.info.quantized:
+                alone.append([g])
+                continue
             n = g.next_chunk(self.prefill_step)
             if groups and (len(groups[-1]) + 1) * max(width, n) <= self.prefill_step:
                 groups[-1].append(g)
