@@ -158,12 +158,17 @@ class QuantizedH2OKVCache(H2OKVCache):
         return quantize(keys, gs, self.bits), quantize(values, gs, self.value_bits)
 
     def _fetch(self):
-        keys, values = super()._fetch()
         pool = self._pool()
         if not pool:
-            return keys, values
-        past = [a[:, :, pool:] for a in keys], [a[:, :, pool:] for a in values]
-        return (self.sink_keys[:, :, :pool], past[0]), (self.sink_values[:, :, :pool], past[1])
+            return super()._fetch()
+        # One slice per packed buffer (past the pool, up to the used slots), and the pool
+        # whole once it is full: a decode step's graph is a third ops like these.
+        n = self._len
+        past = [a[:, :, pool:n] for a in self.keys], [a[:, :, pool:n] for a in self.values]
+        sinks = self.sink_keys, self.sink_values
+        if pool < self.sink_keys.shape[2]:
+            sinks = tuple(a[:, :, :pool] for a in sinks)
+        return (sinks[0], past[0]), (sinks[1], past[1])
 
     def _gather(self, idx: mx.array, capacity: int) -> None:
         # Slots in position order: the never-evicted sinks stay in slots [0, pool).

@@ -47,4 +47,9 @@ def rotation_matrix(head_dim: int, dtype: mx.Dtype = mx.float32) -> mx.array:
 
 def rotate(x: mx.array) -> mx.array:
     """x @ R along the last axis (R is its own inverse: rotate(rotate(x)) == x)."""
-    return x @ rotation_matrix(x.shape[-1], x.dtype)
+    D = x.shape[-1]
+    if D & (D - 1) == 0 and mx.default_device() == mx.cpu:
+        # One op on the CPU (1.5 us at a decode step's shapes) where the matmul takes three
+        # (flatten, matmul, unflatten: 5 us); the same Sylvester R to float rounding.
+        return mx.hadamard_transform(x, scale=D**-0.5)
+    return x @ rotation_matrix(D, x.dtype)

@@ -51,6 +51,8 @@ def test_rotation_is_orthonormal_and_its_own_inverse(d, block):
     x = mx.random.normal((2, 3, 7, d), key=mx.random.key(d))
     assert_close(rotate(rotate(x)), x, 1e-5)
     assert_close((rotate(x) ** 2).sum(-1), (x**2).sum(-1), 1e-3)  # norms kept
+    # A power of two goes through mx.hadamard_transform on the CPU: the same matrix.
+    assert_close(rotate(x), x @ r, 1e-5)
 
 
 @pytest.mark.parametrize("d", [63, 1])
