@@ -96,11 +96,10 @@ class H2OKVarNCache(KVarNCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         lead, n = keys.shape[:2], keys.shape[2]
         pos = mx.broadcast_to(mx.arange(self.offset, self.offset + n, dtype=mx.int32), (*lead, n))
-        zeros = mx.zeros((*lead, n), dtype=mx.float32)
         if self.scores is None:
-            self.scores, self.positions = zeros, pos
-        else:
-            self.scores = mx.concatenate([self.scores, zeros], axis=-1)
+            self.scores, self.positions = mx.zeros((*lead, n), dtype=mx.float32), pos
+        else:  # new slots score 0
+            self.scores = mx.pad(self.scores, [(0, 0), (0, 0), (0, n)])
             self.positions = mx.concatenate([self.positions, pos], axis=-1)
         return super().update_and_fetch(keys, values)
 

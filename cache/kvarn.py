@@ -208,7 +208,10 @@ class KVarNCache:
 
     def _fetch(self):
         """[front, tiles, tail] for keys and for values, unused slots cut off."""
-        front = [p[:, :, : self.n_front] for p in self.front] if self.n_front else [None, None]
+        front = [None, None]
+        if self.n_front:  # a full pool whole: no slice op per step
+            full = self.n_front == self.front[0].shape[2]
+            front = self.front if full else [p[:, :, : self.n_front] for p in self.front]
         tail = [p[:, :, : self.n_tail] for p in self.tail] if self.n_tail else [None, None]
         tiles = self.tiles or [None, None]
         return [front[0], tiles[0], tail[0]], [front[1], tiles[1], tail[1]]
