@@ -42,6 +42,7 @@ from config.cache_spec import (
     RECALL_BITS,
     CacheSpec,
     choose,
+    dense_recent_tokens,
     h2o_kvarn_tile,
     split_segments,
 )
@@ -198,11 +199,21 @@ def archive_bytes_per_token(shape: ModelShape, group_size: int = DEFAULT_GROUP_S
     return shape.layers * shape.kv_heads * (packed + H2O_BOOKKEEPING)
 
 
-def packed_extras(shape: ModelShape, max_kv: int, windowed: bool = False) -> int:
+def packed_extras(
+    shape: ModelShape,
+    max_kv: int,
+    windowed: bool = False,
+    key_bits: int = 8,
+    dense_recent: int | None = None,
+) -> int:
     """What a packed H2O layer (h2o-q8, h2o-q4, h2o-mixed k8v4) holds besides its slots:
-    the key centre and, outside sliding windows, the dense sink pool (cache/quantized.py)."""
-    sinks = 0 if windowed else split_segments(max_kv).sink
-    return shape.kv_heads * (1 + 2 * sinks) * shape.head_dim * shape.element_bytes
+    the key centre and, outside sliding windows, the dense sink pool and, with 4-bit keys,
+    the dense tail of the newest tokens (`dense_recent`, None: the default for `key_bits`;
+    cache/quantized.py)."""
+    segments = split_segments(max_kv)
+    sinks = 0 if windowed else segments.sink
+    tail = 0 if windowed else dense_recent_tokens(key_bits, segments.recent, dense_recent)
+    return shape.kv_heads * (1 + 2 * (sinks + tail)) * shape.head_dim * shape.element_bytes
 
 
 def _layer_bytes(
@@ -212,6 +223,7 @@ def _layer_bytes(
     group_size: int,
     kvarn: str,
     windowed: bool = False,
+    dense_recent: int | None = None,
 ) -> float:
     """One layer's cache of `policy`'s kind at max_kv, as allocated (spare slot, steps);
     `windowed`: inside a sliding window larger than max_kv."""
@@ -224,7 +236,8 @@ def _layer_bytes(
         slots = max_kv + 1 if info.scored else max_kv
     held = slots * bytes_per_token(shape, policy, group_size)
     if info.cache in ("quantized", "mixed"):
-        held += packed_extras(shape, max_kv, windowed) * shape.layers
+        extras = packed_extras(shape, max_kv, windowed, info.key_bits, dense_recent)
+        held += extras * shape.layers
     if info.cache == "recall":
         held += RECALL_ARCHIVE * max_kv * archive_bytes_per_token(shape, group_size)
     return held / shape.layers
@@ -236,10 +249,11 @@ def session_bytes(
     max_kv: int,
     group_size: int = DEFAULT_GROUP_SIZE,
     kvarn: str = DEFAULT_KVARN,
+    dense_recent: int | None = None,
 ) -> float:
     """Bytes of one session's caches at `max_kv`, as allocated, summed over the layers."""
     info = POLICIES[choose("policy", policy, POLICIES)]
-    per_layer = _layer_bytes(shape, policy, max_kv, group_size, kvarn)
+    per_layer = _layer_bytes(shape, policy, max_kv, group_size, kvarn, False, dense_recent)
     dense = bytes_per_token(shape, "rotating") / shape.layers  # one token, one layer
     total = shape.global_layers * per_layer
     for window in shape.windows:
@@ -260,6 +274,7 @@ def max_kv_within(
     policy: str,
     kvarn: str = DEFAULT_KVARN,
     group_size: int = DEFAULT_GROUP_SIZE,
+    dense_recent: int | None = None,
 ) -> int:
     """The largest max_kv whose caches, as allocated, fit in `nbytes` (0 if none).
 
@@ -271,7 +286,7 @@ def max_kv_within(
     step = FULL_CACHE_STEP if POLICIES[choose("policy", policy, POLICIES)].cache == "full" else 1
 
     def fits(k: int) -> bool:
-        return session_bytes(shape, policy, k * step, group_size, kvarn) <= nbytes
+        return session_bytes(shape, policy, k * step, group_size, kvarn, dense_recent) <= nbytes
 
     starts = sorted({2, *shape.windows})  # max_kv 1 cannot be split into segments
     best = 0
@@ -332,7 +347,8 @@ def fit_spec(
     if budget is not None:
         kvarn = fields.get("kvarn", DEFAULT_KVARN)
         group_size = fields.get("group_size", DEFAULT_GROUP_SIZE)
-        limit = max_kv_within(budget.per_session, shape, policy, kvarn, group_size)
+        dense_recent = fields.get("dense_recent")
+        limit = max_kv_within(budget.per_session, shape, policy, kvarn, group_size, dense_recent)
         limit = min(limit, shape.context)
         if limit < MIN_MAX_KV:
             raise ValueError(

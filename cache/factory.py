@@ -42,14 +42,15 @@ def _quantized(spec: CacheSpec, window: int | None = None) -> QuantizedH2OKVCach
     info = spec.info
     return _scored(
         QuantizedH2OKVCache, spec, window, group_size=spec.group_size, bits=info.key_bits,
-        value_bits=info.value_bits, rotate=spec.rotate,
+        value_bits=info.value_bits, rotate=spec.rotate, dense_recent=spec.dense_recent,
     )  # fmt: skip
 
 
 def _mixed(spec: CacheSpec, window: int | None = None) -> H2OKVCache:
     cls, widths = MIXED_LAYOUTS[spec.mixed]
-    rotate = {"rotate": spec.rotate} if cls is QuantizedH2OKVCache else {}  # k8v4 only
-    return _scored(cls, spec, window, group_size=spec.group_size, **widths, **rotate)
+    packed = {"rotate": spec.rotate, "dense_recent": spec.dense_recent}
+    extra = packed if cls is QuantizedH2OKVCache else {}  # k8v4 only
+    return _scored(cls, spec, window, group_size=spec.group_size, **widths, **extra)
 
 
 def _h2o_kvarn(spec: CacheSpec, window: int | None = None):

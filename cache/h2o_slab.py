@@ -68,6 +68,8 @@ def slab_key(caches: list) -> tuple | None:
         if isinstance(c, QuantizedH2OKVCache):
             if c.sink_keys is not None and c.seen < c.sink:  # its sink pool still fills
                 return None
+            if c.tail_keys is not None:  # its dense tail shadows the newest slots, which
+                return None  # a slab's writes into free slots do not keep last
             layout = (c.kv_format, _row_buffers(c))
         stored = (c.keys, c.values)
         shapes = tuple((a.dtype, a.shape[1], a.shape[3:]) for _, a in tree_flatten(stored))

@@ -54,7 +54,7 @@ import mlx.core as mx
 
 from cache.attention import DENSE, KVFormat, seq_length
 from cache.h2o import H2OKVCache, turn_keys
-from config.cache_spec import DEFAULT_GROUP_SIZE
+from config.cache_spec import DEFAULT_GROUP_SIZE, dense_recent_tokens
 from kernels.hadamard import hadamard_block, rotate
 
 PACKED_PARTS = 3  # mx.quantize's words, scales, biases
@@ -87,6 +87,7 @@ class QuantizedH2OKVCache(H2OKVCache):
         value_bits: int | None = None,
         rotate: bool = False,
         head_dim: int | None = None,
+        dense_recent: int | None = None,
         **h2o,
     ):
         """`h2o`: H2OKVCache's knobs (sink, heavy, recent, score, evict_batch).
@@ -94,20 +95,26 @@ class QuantizedH2OKVCache(H2OKVCache):
         `rotate`: K/V Hadamard-rotated before packing (spreads outlier channels over
         the group); attention rotates the query in and the output back once, so any
         backend's packed kernel reads the rotated storage unchanged. `head_dim`, when
-        given, is checked now against the group and the rotation.
+        given, is checked now against the group and the rotation. `dense_recent`: how
+        many of the newest tokens are also kept dense, in the tail pool (at most the
+        recent window; None: 16 for 4-bit keys, else none: config.cache_spec).
         """
         super().__init__(max_size, **h2o)
         self.group_size, self.bits, self.value_bits = group_size, bits, value_bits or bits
         self.rotate = rotate
         self.key_center = None  # [B, H, 1, D]: subtracted from every key before packing
         self.sink_keys = self.sink_values = None  # [B, H, sink, D]: the dense sink pool
+        # [B, H, tail, D]: the newest tokens, dense (right-aligned; `tail_len` of them valid)
+        self.tail = dense_recent_tokens(bits, self.recent, dense_recent) if self.dense_tail else 0
+        self.tail_keys = self.tail_values = None
+        self.tail_len = 0
         if head_dim is not None:
             quantize(mx.zeros((1, head_dim)), group_size, bits)  # raises on a bad group
             if rotate:
                 hadamard_block(head_dim)
 
-    # The sliding-window twin evicts its sinks once they leave the window: no pool there.
-    dense_sinks = True
+    # The sliding-window twin evicts its sinks once they leave the window: no pools there.
+    dense_sinks = dense_tail = True
 
     @property
     def kv_format(self) -> KVFormat:
@@ -123,6 +130,11 @@ class QuantizedH2OKVCache(H2OKVCache):
             n = min(keys.shape[2], self.sink - self.seen)
             self.sink_keys[:, :, self.seen : self.seen + n] = keys[:, :, :n]
             self.sink_values[:, :, self.seen : self.seen + n] = values[:, :, :n]
+        if self.tail_keys is not None:
+            T = self.tail
+            self.tail_keys = mx.concatenate([self.tail_keys, keys], axis=2)[:, :, -T:]
+            self.tail_values = mx.concatenate([self.tail_values, values], axis=2)[:, :, -T:]
+            self.tail_len = min(T, self.tail_len + keys.shape[2])
         return super().update_and_fetch(keys, values)
 
     def _start(self, keys: mx.array, values: mx.array) -> None:
@@ -133,22 +145,34 @@ class QuantizedH2OKVCache(H2OKVCache):
             shape = (*keys.shape[:2], self.sink, keys.shape[3])
             self.sink_keys = mx.zeros(shape, dtype=keys.dtype)
             self.sink_values = mx.zeros(shape, dtype=values.dtype)
+        if self.tail:
+            shape = (*keys.shape[:2], self.tail, keys.shape[3])
+            self.tail_keys = mx.zeros(shape, dtype=keys.dtype)
+            self.tail_values = mx.zeros(shape, dtype=values.dtype)
 
     def _pool(self) -> int:
         """Sink tokens served from the dense pool; they shadow packed slots [0, pool)."""
         return 0 if self.sink_keys is None else min(self.sink, self.seen)
 
+    def _tail_slots(self) -> int:
+        """Newest tokens served from the dense tail; they shadow the last packed slots.
+        Slots stay in position order and the recent window (at least `tail` long) is
+        never evicted, so the newest tokens are always the last slots."""
+        return 0 if self.tail_keys is None else min(self.tail_len, self._len - self._pool())
+
     def kv_segments(self, keys, values) -> list[tuple[object, object, KVFormat]]:
-        """[dense sinks | packed slots past them], in slot order, empty parts left out."""
-        if not self._pool():
+        """[dense sinks | packed slots between | dense tail], in slot order, empty parts
+        left out."""
+        if not (self._pool() or self._tail_slots()):
             return [(keys, values, self.kv_format)]
-        (sink_k, packed_k), (sink_v, packed_v) = keys, values
-        parts = [(sink_k, sink_v, DENSE), (packed_k, packed_v, self.kv_format)]
+        formats = (DENSE, self.kv_format, DENSE)
+        parts = zip(keys, values, formats, strict=True)
         return [part for part in parts if seq_length(part[0])]
 
     @property
     def nbytes(self) -> int:
-        extra = (self.key_center, self.sink_keys, self.sink_values)
+        pools = (self.sink_keys, self.sink_values, self.tail_keys, self.tail_values)
+        extra = (self.key_center, *pools)
         return super().nbytes + sum(a.nbytes for a in extra if a is not None)
 
     def _encode(self, keys: mx.array, values: mx.array):
@@ -158,17 +182,24 @@ class QuantizedH2OKVCache(H2OKVCache):
         return quantize(keys, gs, self.bits), quantize(values, gs, self.value_bits)
 
     def _fetch(self):
-        pool = self._pool()
-        if not pool:
+        """Packed slots; with dense pools (sinks, tail) in use, (sinks, packed, tail) each."""
+        pool, tail = self._pool(), self._tail_slots()
+        if not (pool or tail):
             return super()._fetch()
-        # One slice per packed buffer (past the pool, up to the used slots), and the pool
-        # whole once it is full: a decode step's graph is a third ops like these.
-        n = self._len
-        past = [a[:, :, pool:n] for a in self.keys], [a[:, :, pool:n] for a in self.values]
-        sinks = self.sink_keys, self.sink_values
-        if pool < self.sink_keys.shape[2]:
-            sinks = tuple(a[:, :, :pool] for a in sinks)
-        return (sinks[0], past[0]), (sinks[1], past[1])
+        # One slice per packed buffer, and a full pool whole: a decode step's graph is a
+        # third ops like these.
+        end = self._len - tail
+        packed = [a[:, :, pool:end] for a in self.keys], [a[:, :, pool:end] for a in self.values]
+        sinks = tails = (None, None)
+        if pool:
+            sinks = self.sink_keys, self.sink_values
+            if pool < self.sink_keys.shape[2]:
+                sinks = tuple(a[:, :, :pool] for a in sinks)
+        if tail:
+            tails = self.tail_keys, self.tail_values
+            if tail < self.tail:
+                tails = tuple(a[:, :, self.tail - tail :] for a in tails)
+        return (sinks[0], packed[0], tails[0]), (sinks[1], packed[1], tails[1])
 
     def _gather(self, idx: mx.array, capacity: int) -> None:
         # Slots in position order: the never-evicted sinks stay in slots [0, pool).
@@ -185,10 +216,26 @@ class QuantizedH2OKVCache(H2OKVCache):
             dense = rotate(dense)
         for buf, packed in zip(self.keys, quantize(dense, gs, self.bits), strict=True):
             buf[:, :, :n] = packed
-        pool = self._pool()
+        pool, tail = self._pool(), self._tail_slots()
         if pool:
             turned = self._turn(self.sink_keys[:, :, :pool], delta[..., :pool])
             self.sink_keys[:, :, :pool] = turned
+        if tail:
+            turned = self._turn(self.tail_keys[:, :, -tail:], delta[..., n - tail : n])
+            self.tail_keys[:, :, -tail:] = turned
+
+    def trim(self, n: int) -> int:
+        """Drop the n newest tokens; the dense tail drops them too (and holds fewer)."""
+        n = super().trim(n)
+        if n and self.tail_keys is not None:
+
+            def shifted(a: mx.array) -> mx.array:  # right-aligned: what is left moves right
+                kept = a[:, :, : max(self.tail - n, 0)]
+                return mx.pad(kept, [(0, 0), (0, 0), (self.tail - kept.shape[2], 0), (0, 0)])
+
+            self.tail_keys, self.tail_values = shifted(self.tail_keys), shifted(self.tail_values)
+            self.tail_len = max(self.tail_len - n, 0)
+        return n
 
     def _turn(self, centred: mx.array, delta: mx.array) -> mx.array:
         """RoPE turns a key, not a centred one: add the centre back, turn, take it off."""
@@ -206,15 +253,21 @@ class QuantizedH2OKVCache(H2OKVCache):
         if self.sink_keys is not None:
             keys.append(self.sink_keys)
             values.append(self.sink_values)
+        if self.tail_keys is not None:  # last: meta's tail_len says it is there
+            keys.append(self.tail_keys)
+            values.append(self.tail_values)
         return keys, values
 
     def _kv_loaded(self) -> None:
         self.key_center = self.sink_keys = self.sink_values = None
+        self.tail_keys = self.tail_values = None
         if self.keys is None:
             return
         keys, values = list(self.keys), list(self.values)
         self.keys, self.values = keys[:PACKED_PARTS], values[:PACKED_PARTS]
         extra_k, extra_v = keys[PACKED_PARTS:], values[PACKED_PARTS:]
+        if self._saved_tail and extra_v:
+            self.tail_keys, self.tail_values = extra_k.pop(), extra_v.pop()
         if extra_k:
             self.key_center = extra_k[0]
         if len(extra_k) > 1:
@@ -224,7 +277,8 @@ class QuantizedH2OKVCache(H2OKVCache):
     def meta_state(self) -> tuple[str]:
         meta = json.loads(super().meta_state[0])
         meta.update(group_size=self.group_size, bits=self.bits, value_bits=self.value_bits)
-        meta.update(rotate=self.rotate)
+        meta.update(rotate=self.rotate, tail=self.tail, tail_len=self.tail_len)
+        meta.update(has_tail=self.tail_keys is not None)
         return (json.dumps(meta),)
 
     @meta_state.setter
@@ -234,3 +288,6 @@ class QuantizedH2OKVCache(H2OKVCache):
         self.group_size, self.bits = meta["group_size"], meta["bits"]
         self.value_bits = meta.get("value_bits", self.bits)
         self.rotate = meta.get("rotate", False)
+        # Saved before the dense tail existed: none (the cache reads as it was packed).
+        self.tail, self.tail_len = meta.get("tail", 0), meta.get("tail_len", 0)
+        self._saved_tail = meta.get("has_tail", False)

@@ -75,7 +75,7 @@ class WindowedH2OKVCache(SlidingWindowMixin, H2OKVCache):
 class WindowedQuantizedH2OKVCache(SlidingWindowMixin, QuantizedH2OKVCache):
     """Packed (h2o-q8, h2o-q4, h2o-mixed k8v4) H2O inside a sliding window."""
 
-    dense_sinks = False  # its sinks leave with the window
+    dense_sinks = dense_tail = False  # its sinks leave with the window; no pools
 
 
 class WindowedMixedH2OKVCache(SlidingWindowMixin, MixedH2OKVCache):

@@ -97,6 +97,14 @@ def _add_cache_flags(p: argparse.ArgumentParser) -> None:
         help="packed policies: one scale and bias per this many values",
     )
     g.add_argument(
+        "--kv-dense-recent",
+        dest="dense_recent",
+        type=int,
+        default=None,
+        help="h2o-q8, h2o-q4, h2o-mixed: newest tokens also kept dense "
+        "(default: 16 for h2o-q4's 4-bit keys, none for 8-bit keys)",
+    )
+    g.add_argument(
         "--kvarn",
         default=DEFAULT_KVARN,
         choices=list(KVARN_PRESETS),
@@ -105,7 +113,8 @@ def _add_cache_flags(p: argparse.ArgumentParser) -> None:
 
 
 SPEC_FLAGS = (
-    "preset", "score", "sink", "heavy", "recent", "evict_batch", "rotate", "group_size", "kvarn",
+    "preset", "score", "sink", "heavy", "recent", "evict_batch", "rotate", "group_size",
+    "dense_recent", "kvarn",
 )  # fmt: skip
 
 

@@ -74,6 +74,7 @@ class Engine:
             score=settings.score,
             rotate=settings.kv_rotate,
             group_size=settings.kv_group_size,
+            dense_recent=settings.kv_dense_recent,
             kvarn=settings.kvarn,
         )
         make_cache(model, spec)  # fails now, not on the first request, if the policy cannot run
@@ -96,7 +97,10 @@ class Engine:
             settings.max_sessions,
             spec.policy,
             spec.max_kv,
-            session_bytes(shape, spec.policy, spec.max_kv, spec.group_size, spec.kvarn) / 2**20,
+            session_bytes(
+                shape, spec.policy, spec.max_kv, spec.group_size, spec.kvarn, spec.dense_recent
+            )
+            / 2**20,
             len(shape.windows),
             shape.layers,
             layer_budgets,
@@ -127,6 +131,7 @@ class Engine:
             score=options.score or self.spec.score,
             rotate=self.spec.rotate,
             group_size=self.spec.group_size,
+            dense_recent=self.spec.dense_recent,
             kvarn=options.kvarn or self.spec.kvarn,
         )
 

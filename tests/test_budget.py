@@ -132,6 +132,20 @@ def test_session_bytes_count_each_layer_kind():
     assert session_bytes(GEMMA3_CPU, "h2o", 4096) < 0.3 * 4097 * bytes_per_token(GEMMA3_CPU, "h2o")
 
 
+def test_the_dense_tail_of_4bit_keys_is_priced():
+    """h2o-q4 keeps its newest 16 tokens dense too (cache/quantized.py): K and V of 16 tokens
+    per global layer and KV head, float32; 8-bit keys keep none unless asked."""
+    tail = 2 * 16 * SMOLLM2_CPU.head_dim * 4 * SMOLLM2_CPU.kv_heads * SMOLLM2_CPU.layers
+    q4 = session_bytes(SMOLLM2_CPU, "h2o-q4", 256)
+    assert q4 - session_bytes(SMOLLM2_CPU, "h2o-q4", 256, dense_recent=0) == tail
+    assert session_bytes(SMOLLM2_CPU, "h2o-q8", 256, dense_recent=16) - tail == session_bytes(
+        SMOLLM2_CPU, "h2o-q8", 256
+    )
+    assert session_bytes(SMOLLM2_CPU, "h2o-q4", 8, dense_recent=0) < session_bytes(
+        SMOLLM2_CPU, "h2o-q4", 8
+    )  # at most the recent window
+
+
 @pytest.mark.parametrize("policy", ["h2o", "h2o-q8", "rotating", "full"])
 @pytest.mark.parametrize("max_kv", [64, 511, 512, 513, 2048])
 def test_max_kv_within_inverts_session_bytes(policy, max_kv):

@@ -110,6 +110,7 @@ def test_rotated_4bit_keys_in_groups_of_32():
         "--max-kv", "32",
         "--kv-rotate",
         "--kv-group-size", "32",
+        "--kv-dense-recent", "8",
         "--stats",
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -258,6 +259,10 @@ def test_serve_takes_the_packed_cache_settings():
     assert settings().kv_rotate is None and settings().kv_group_size == 64
     with pytest.raises(ValidationError, match="32, 64, 128"):
         settings("--kv-group-size", "48")
+    assert settings("--kv-dense-recent", "0").kv_dense_recent == 0
+    assert settings().kv_dense_recent is None  # the cache's default: 16 for 4-bit keys
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        settings("--kv-dense-recent", "-1")
 
 
 @pytest.mark.parametrize("command", ["serve", "generate", "chat", "calibrate", "eval"])

@@ -23,10 +23,11 @@ from config.cache_spec import CacheSpec
 
 SPEC = CacheSpec("h2o", 24, evict_batch=4)
 OFTEN = CacheSpec("h2o", 24, evict_batch=1)
-# Packed rows: keys centred, a dense sink pool, h2o-q4 Hadamard-rotated (head dim 32).
+# Packed rows: keys centred, a dense sink pool, h2o-q4 Hadamard-rotated (head dim 32; without
+# its dense tail, which keeps a lone cache's newest tokens in its last slots: no slab row).
 PACKED = {
     "q8": CacheSpec("h2o-q8", 24, evict_batch=4, group_size=32),
-    "q4-rotated": CacheSpec("h2o-q4", 24, evict_batch=1, group_size=32),
+    "q4-rotated": CacheSpec("h2o-q4", 24, evict_batch=1, group_size=32, dense_recent=0),
     "k8v4": CacheSpec("h2o-mixed", 24, evict_batch=4, group_size=32),
 }
 CASES = {"batch-4": SPEC, "one-per-step": OFTEN, **PACKED}
@@ -176,6 +177,8 @@ def test_who_may_join():
     assert slab_key(prefilled(model, OFTEN, [1, 2])) not in (None, slab_key(a))
     assert slab_key(prefilled(model, CacheSpec("h2o", 32), [1, 2])) != slab_key(a)
     assert slab_key(prefilled(model, CacheSpec("h2o-merge", 24), [1, 2])) is None  # a subclass
+    tail = CacheSpec("h2o-q4", 24, group_size=32)  # keeps its newest tokens in a dense tail
+    assert slab_key(prefilled(model, tail, [6] * 30)) is None
     assert slab_key(make_cache(model, SPEC)) is None  # nothing stored yet
     assert a[0].wall == 256 and not near_wall(a)
     for c in a:

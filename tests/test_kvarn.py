@@ -388,9 +388,9 @@ def test_bad_head_dims_fail_at_creation():
 
 def test_rotated_q4_attention_equals_dequantized_rotated_attention():
     """Rotated packed storage: the router's path equals dense attention on the rotated,
-    dequantized K/V with the output rotated back. (No sinks: all of it packed.)"""
+    dequantized K/V with the output rotated back. (No sinks or tail: all of it packed.)"""
     rng = np.random.default_rng(9)
-    c = QuantizedH2OKVCache(64, sink=0, bits=4, rotate=True, head_dim=D)
+    c = QuantizedH2OKVCache(64, sink=0, bits=4, rotate=True, head_dim=D, dense_recent=0)
     k, v = random_kv(rng, 40)
     keys, values = c.update_and_fetch(k, v)
     q = mx.array(rng.standard_normal((B, N_Q, 1, D)).astype(np.float32))
@@ -401,7 +401,7 @@ def test_rotated_q4_attention_equals_dequantized_rotated_attention():
     assert_close(out, rotate(want_out), 1e-4)
     # and it is closer to the exact attention than unrotated 4-bit storage here
     exact, _ = sdpa_with_scores(q, k, v, 0.125)
-    plain = QuantizedH2OKVCache(64, sink=0, bits=4, head_dim=D)
+    plain = QuantizedH2OKVCache(64, sink=0, bits=4, head_dim=D, dense_recent=0)
     plain_out, _ = ATTENTION(q, *plain.update_and_fetch(k, v), plain, 0.125)
     assert float(mx.abs(out - exact).max()) < float(mx.abs(plain_out - exact).max())
 
@@ -431,7 +431,7 @@ def test_emulated_gpu_kernel_serves_rotated_packed_storage():
         pytest.skip("the CPU emulation of the kernel bodies needs a C++ compiler")
     kernels = launch.DecodeKernels(EMULATOR_DIALECT, emulator.make_kernel)
     rng = np.random.default_rng(11)
-    c = QuantizedH2OKVCache(64, sink=0, bits=4, rotate=True, head_dim=D)  # all of it packed
+    c = QuantizedH2OKVCache(64, sink=0, bits=4, rotate=True, head_dim=D, dense_recent=0)
     keys, values = c.update_and_fetch(*random_kv(rng, 40))
     q = mx.array(rng.standard_normal((B, N_Q, 1, D)).astype(np.float32))
     assert launch.supports(rotate(q), keys[0], None, group_size=64, bits=4)
