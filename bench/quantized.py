@@ -54,6 +54,10 @@ CASES = {
         "h2o-q4 rotated, group 32",
         {"policy": "h2o-q4", "rotate": True, "group_size": 32},
     ),
+    "q4-rot-g32-notail": (
+        "h2o-q4 rotated, group 32, no dense tail",
+        {"policy": "h2o-q4", "rotate": True, "group_size": 32, "dense_recent": 0},
+    ),
     "k8v4": ("h2o-mixed = k8v4 (keys 8-bit, values 4-bit)", {"policy": "h2o-mixed"}),
     "k8v4-rot": ("h2o-mixed k8v4 rotated", {"policy": "h2o-mixed", "rotate": True}),
     "paper": ("mixed paper (heavy 8-bit, recent 4-bit)", {"policy": "h2o-mixed", "mixed": "paper"}),
@@ -337,8 +341,11 @@ def budget_formula(shape, kwargs: dict, stored: int, max_kv: int) -> float | Non
             return cache_bytes(shape, policy, stored) / stored
         return cache_bytes(shape, policy, max_kv) / (max_kv + 1)
     group_size = kwargs.get("group_size", 64)
-    if POLICIES[policy].scored:  # per layer too: a packed cache's key centre and sink pool
-        return session_bytes(shape, policy, max_kv, group_size) / (max_kv + 1)
+    if POLICIES[policy].scored:  # per layer too: a packed cache's key centre, dense pools
+        priced = session_bytes(
+            shape, policy, max_kv, group_size, dense_recent=kwargs.get("dense_recent")
+        )
+        return priced / (max_kv + 1)
     return bytes_per_token(shape, policy, group_size=group_size)
 
 

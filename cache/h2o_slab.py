@@ -24,10 +24,12 @@ Members: sessions whose every layer is a dense `H2OKVCache` or a packed
 `QuantizedH2OKVCache` (h2o-q8, h2o-q4, h2o-mixed; not other subclasses: merging,
 windowed and tiled layouts differ), never re-indexed, all with one configuration
 (`slab_key`). A packed row also stacks its key centre and dense sink pool, and joins
-once that pool is full (its sinks seen). While in the slab a member's caches keep
-their counters (length, tokens seen, evicted) and no arrays; `leave` writes its rows
-back, `lend` hands out copies until the next step. A member nearing its model's
-context must leave first (`near_wall`): re-indexing runs alone.
+once that pool is full (its sinks seen); with 4-bit keys also its dense tail, once that
+holds its newest tokens past the sinks: the slab keeps the slot each tail token fills,
+masks those packed copies and scores the tail's logits in their slots. While in the slab
+a member's caches keep their counters (length, tokens seen, evicted) and no arrays;
+`leave` writes its rows back, `lend` hands out copies until the next step. A member
+nearing its model's context must leave first (`near_wall`): re-indexing runs alone.
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ from cache.h2o import H2OKVCache
 from cache.quantized import QuantizedH2OKVCache
 
 SLOTS = ("keys", "values", "scores", "positions")  # along the slot axis, max_kv + 1 wide
-PACKED_ROW = ("key_center", "sink_keys", "sink_values")  # fixed while a row decodes
+# A packed row's own arrays: fixed while it decodes, but for the dense tail of its newest
+# tokens, shifted by one each step.
+PACKED_ROW = ("key_center", "sink_keys", "sink_values", "tail_keys", "tail_values")
 
 
 def _row_buffers(cache: H2OKVCache) -> tuple[str, ...]:
@@ -68,9 +72,9 @@ def slab_key(caches: list) -> tuple | None:
         if isinstance(c, QuantizedH2OKVCache):
             if c.sink_keys is not None and c.seen < c.sink:  # its sink pool still fills
                 return None
-            if c.tail_keys is not None:  # its dense tail shadows the newest slots, which
-                return None  # a slab's writes into free slots do not keep last
-            layout = (c.kv_format, _row_buffers(c))
+            if c.tail_keys is not None and c._tail_slots() < c.tail:  # so does its tail
+                return None
+            layout = (c.kv_format, _row_buffers(c), c.tail)
         stored = (c.keys, c.values)
         shapes = tuple((a.dtype, a.shape[1], a.shape[3:]) for _, a in tree_flatten(stored))
         config = (c.max_size, c.sink, c.heavy, c.recent, c.evict_batch, c.score_rule)
@@ -91,7 +95,9 @@ class H2OSlabLayer:
         self.slab, self.index, self.names = slab, index, names
         self.keys = self.values = self.scores = self.positions = None  # [rows, H, slots, ...]
         self.key_center = self.sink_keys = self.sink_values = None  # packed rows: [rows, H, ..]
+        self.tail_keys = self.tail_values = None  # [rows, H, tail, D]: newest tokens, dense
         self.held = None  # bool [rows, H, slots]: the slots each row's head holds
+        self.tail_slots = None  # int32 [rows, H, tail]: the slot each tail token fills
         self._mask = None  # this step's `held` per query head, [rows, q_heads, 1, slots]
 
     @property
@@ -124,6 +130,12 @@ class H2OSlabLayer:
             )
         if self.key_center is not None:  # packed rows store keys centred (cache/quantized.py)
             keys = keys - self.key_center
+        if self.tail_keys is not None:  # the newest tokens, dense, and the slots they fill
+            T = self.tail_keys.shape[2]
+            self.tail_keys = mx.concatenate([self.tail_keys, keys], axis=2)[:, :, -T:]
+            self.tail_values = mx.concatenate([self.tail_values, values], axis=2)[:, :, -T:]
+            slots = mx.concatenate([self.tail_slots, at.astype(mx.int32)], axis=2)
+            self.tail_slots = slots[:, :, -T:]
         keys, values = caches[0]._encode(keys, values)  # every row's config is the same
         self.keys, self.values = tree_map(put, self.keys, keys), tree_map(put, self.values, values)
         self.positions = put(self.positions, mx.broadcast_to(seen.reshape(B, 1, 1), (B, H, 1)))
@@ -135,19 +147,29 @@ class H2OSlabLayer:
         return self.keys, self.values
 
     def kv_segments(self, keys, values) -> list:
-        """Every slot of every row; a packed row's dense sink pool shadows its first slots."""
+        """Every slot of every row; a packed row's dense sink pool shadows its first slots,
+        its dense tail (the last part) the slots its newest tokens fill."""
         fmt = self._caches()[0].kv_format
         if self.sink_keys is None:
             return [(keys, values, fmt)]
         pool = self.sink_keys.shape[2]
         keys, values = (tree_map(lambda a: a[:, :, pool:], x) for x in (keys, values))
-        return [(self.sink_keys, self.sink_values, DENSE), (keys, values, fmt)]
+        parts = [(self.sink_keys, self.sink_values, DENSE), (keys, values, fmt)]
+        if self.tail_keys is not None:
+            parts.append((self.tail_keys, self.tail_values, DENSE))
+        return parts
 
     def attention_mask(self, n_heads: int, n_queries: int) -> mx.array:
-        """The slots each query head's KV head holds (the sink pool's are always held)."""
+        """The slots each query head's KV head holds (the sink pool's are always held), but
+        for the tail tokens' packed copies; then the tail, all of it."""
         if self._mask is None:
+            visible = self.held
+            if self.tail_keys is not None:
+                copies = mx.put_along_axis(self.held, self.tail_slots, mx.array(False), axis=2)
+                tail = mx.ones(self.tail_slots.shape, dtype=mx.bool_)
+                visible = mx.concatenate([copies, tail], axis=2)
             group = n_heads // self.held.shape[1]
-            self._mask = mx.repeat(self.held[:, :, None], group, axis=1)
+            self._mask = mx.repeat(visible[:, :, None], group, axis=1)
         return self._mask
 
     def size(self) -> int:
@@ -157,12 +179,22 @@ class H2OSlabLayer:
         """Accumulate every row's scores at once, then evict the rows that overflow."""
         caches = self._caches()
         rule = caches[0].score_rule
+        if self.tail_keys is not None:  # the tail's logits to the slots its tokens fill
+            logits, probs = (None if x is None else self._in_slots(x) for x in (logits, probs))
         updated = rule.accumulate(self.scores, logits, self.positions.shape[1], probs)
         # Slots a row does not hold stay at 0, as a lone cache's free slots are.
         self.scores = mx.where(self.held, updated, 0.0)
         full = tuple(c._len > c._slot_budget for c in caches)
         if any(full):
             self._evict(full, caches)
+
+    def _in_slots(self, x: mx.array) -> mx.array:
+        """Per-key values over [slots | tail] [rows, q_heads, 1, slots + tail] as per slot:
+        each tail token's in place of its (masked) packed copy's."""
+        slots = self.size()
+        group = x.shape[1] // self.tail_slots.shape[1]
+        where = mx.repeat(self.tail_slots[:, :, None], group, axis=1)
+        return mx.put_along_axis(x[..., :slots], where, x[..., slots:], axis=-1)
 
     def _evict(self, full: tuple[bool, ...], caches: list[H2OKVCache]) -> None:
         """Rows that overflow free their leaving slots, ranked as alone (their cache's rule,
@@ -257,6 +289,12 @@ class H2OSlab:
             held = mx.arange(width, dtype=mx.int32) < lens
             held = mx.broadcast_to(held, (len(caches), layer.positions.shape[1], width))
             layer.held = held if layer.held is None else mx.concatenate([layer.held, held])
+            if "tail_keys" in layer.names:  # ... its tail the last of them
+                T = caches[0].tail
+                tail = lens - T + mx.arange(T, dtype=mx.int32)
+                tail = mx.broadcast_to(tail, (len(caches), layer.positions.shape[1], T))
+                have = layer.tail_slots
+                layer.tail_slots = tail if have is None else mx.concatenate([have, tail])
             layer._mask = None
         for member, caches in sessions:
             self.members.append(member)
@@ -277,9 +315,11 @@ class H2OSlab:
                     setattr(caches[n], name, arrays)
                     written += _leaves(arrays)
                 caches[n]._reset_free_slots()  # a free slot holds its next token's position
-            for name in (*layer.names, "held"):
-                rest = tree_map(lambda a: mx.concatenate([a[:i], a[i + 1 :]]), getattr(layer, name))
-                setattr(layer, name, rest if self.members else None)
+            for name in (*layer.names, "held", "tail_slots"):
+                buf = getattr(layer, name)
+                if buf is not None:
+                    rest = tree_map(lambda a: mx.concatenate([a[:i], a[i + 1 :]]), buf)
+                    setattr(layer, name, rest if self.members else None)
             layer._mask = None
         if not self.members:
             self.layers = []

@@ -23,11 +23,12 @@ from config.cache_spec import CacheSpec
 
 SPEC = CacheSpec("h2o", 24, evict_batch=4)
 OFTEN = CacheSpec("h2o", 24, evict_batch=1)
-# Packed rows: keys centred, a dense sink pool, h2o-q4 Hadamard-rotated (head dim 32; without
-# its dense tail, which keeps a lone cache's newest tokens in its last slots: no slab row).
+# Packed rows: keys centred, a dense sink pool, h2o-q4 Hadamard-rotated (head dim 32), with
+# and without its dense tail of the newest tokens.
 PACKED = {
     "q8": CacheSpec("h2o-q8", 24, evict_batch=4, group_size=32),
     "q4-rotated": CacheSpec("h2o-q4", 24, evict_batch=1, group_size=32, dense_recent=0),
+    "q4-tail": CacheSpec("h2o-q4", 24, evict_batch=1, group_size=32),  # newest 8 dense
     "k8v4": CacheSpec("h2o-mixed", 24, evict_batch=4, group_size=32),
 }
 CASES = {"batch-4": SPEC, "one-per-step": OFTEN, **PACKED}
@@ -55,7 +56,7 @@ def held(cache: H2OKVCache) -> dict[str, np.ndarray]:
         group = cache.group_size
         out[name] = mx.dequantize(words, scales, biases, group_size=group, bits=bits)
         out[f"{name} step"] = mx.repeat(scales, group, axis=-1)
-    for name in ("key_center", "sink_keys", "sink_values"):  # packed rows' own arrays
+    for name in ("key_center", "sink_keys", "sink_values", "tail_keys", "tail_values"):
         if getattr(cache, name, None) is not None:
             out[name] = getattr(cache, name)
     return {k: np.array(v) for k, v in out.items()}
@@ -100,7 +101,7 @@ def test_slab_rows_compute_what_each_session_computes_alone(spec, select_writes)
     model = tiny("llama", head_dim=32)
     install_router(model)
     rng = np.random.default_rng(0)
-    lengths = [40, 9, 30, 17]  # past max_kv, and short ones that start evicting later
+    lengths = [40, 12, 30, 17]  # past max_kv, and short ones that start evicting later
     prompts = [rng.integers(0, 64, n).tolist() for n in lengths]
     fed = rng.integers(0, 64, (len(prompts), 30)).tolist()  # the same tokens both ways
     alone, logits_alone = [], []
@@ -114,6 +115,7 @@ def test_slab_rows_compute_what_each_session_computes_alone(spec, select_writes)
     slab.join([(n, caches) for n, caches in enumerate(rows[:3])])
     slab.join([(3, rows[3])])  # a second join appends a row
     assert all(c.keys is None for c in rows[0])  # the slab holds the arrays now
+    assert (slab.layers[0].tail_keys is not None) == (spec is PACKED["q4-tail"])
     # A packed key one code over (see assert_holds_the_same) moves logits by a few 1e-3
     # (1.3e-3 seen on an H100, where one-row and batched matmuls round apart).
     tol = 5e-3 if spec in PACKED.values() else 1e-4
@@ -177,8 +179,12 @@ def test_who_may_join():
     assert slab_key(prefilled(model, OFTEN, [1, 2])) not in (None, slab_key(a))
     assert slab_key(prefilled(model, CacheSpec("h2o", 32), [1, 2])) != slab_key(a)
     assert slab_key(prefilled(model, CacheSpec("h2o-merge", 24), [1, 2])) is None  # a subclass
-    tail = CacheSpec("h2o-q4", 24, group_size=32)  # keeps its newest tokens in a dense tail
-    assert slab_key(prefilled(model, tail, [6] * 30)) is None
+    tail = PACKED["q4-tail"]  # joins once its tail holds 8 tokens past the 4 sinks
+    assert slab_key(prefilled(model, tail, [6] * 11)) is None
+    assert slab_key(prefilled(model, tail, [6] * 12)) == slab_key(prefilled(model, tail, [5] * 30))
+    assert slab_key(prefilled(model, tail, [6] * 12)) != slab_key(
+        prefilled(model, PACKED["q4-rotated"], [6] * 12)
+    )
     assert slab_key(make_cache(model, SPEC)) is None  # nothing stored yet
     assert a[0].wall == 256 and not near_wall(a)
     for c in a:
