@@ -24,6 +24,7 @@ from bench.report import command, machine, publish
 CANDIDATES: dict[str, dict] = {
     "h2o-merge": {"policy": "h2o-merge"},
     "h2o-q8": {"policy": "h2o-q8"},
+    "h2o-q4": {"policy": "h2o-q4"},  # rotated, its newest 16 tokens dense
     "h2o-q4 g32": {"policy": "h2o-q4", "group_size": 32},
     "h2o-kvarn": {"policy": "h2o-kvarn"},
     "h2o-kvarn k4v4": {"policy": "h2o-kvarn", "kvarn": "k4v4"},
