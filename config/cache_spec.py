@@ -314,7 +314,7 @@ class CacheSpec:
     # 4-bit keys, i.e. h2o-q4 (cache.factory.rotates_by_default, applied in make_cache).
     rotate: bool | None = None
     # h2o-q8/h2o-q4/h2o-mixed k8v4: newest tokens also kept dense. None: 16 for 4-bit keys
-    # (dense_recent above), none for 8-bit.
+    # (dense_recent_tokens above), none for 8-bit.
     dense_recent: int | None = None
     kvarn: str = DEFAULT_KVARN  # kvarn, h2o-kvarn: KVARN_PRESETS key
     kvarn_strategy: str = "requantize"  # h2o-kvarn: KVARN_STRATEGIES key
