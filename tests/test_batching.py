@@ -70,6 +70,16 @@ def drive(batcher: Batcher, gens: list[Generation], events: dict | None = None) 
     return out
 
 
+def runs_alone(model, tokenizer, runs, prefill_step: int, prefill_budget: int) -> list:
+    """(deltas, generation) of each (spec, prompt) decoded by a Batcher of its own."""
+    alone = []
+    for spec, prompt in runs:
+        g = start(model, tokenizer, spec, prompt)
+        batcher = Batcher(model, prefill_step=prefill_step, prefill_budget=prefill_budget)
+        alone.append((drive(batcher, [g])[id(g)], g))
+    return alone
+
+
 def tokens_and_margins(deltas) -> list[tuple[int, float]]:
     """(token, gap between the two best logprobs) per decoded token."""
     result = []
@@ -217,10 +227,7 @@ def test_sessions_share_prefill_passes_of_bounded_size(default_model, essay_text
     specs = [CacheSpec("full", 4096), CacheSpec("full", 4096), CacheSpec("h2o", 40)]
     specs += [CacheSpec("h2o", 96), CacheSpec("h2o-q8", 80)]
     prompts = [ids[:50], ids[400:480], ids[900:960], ids[1200:1400], ids[1600:1640]]
-    alone = []
-    for spec, prompt in zip(specs, prompts, strict=True):
-        g = start(model, tokenizer, spec, prompt)
-        alone.append((drive(Batcher(model, prefill_step=256, prefill_budget=300), [g])[id(g)], g))
+    alone = runs_alone(model, tokenizer, list(zip(specs, prompts, strict=True)), 256, 300)
     batcher = Batcher(model, prefill_step=256, prefill_budget=300)
     batcher.model = counting = CountingModel(model)
     gens = [start(model, tokenizer, s, p) for s, p in zip(specs, prompts, strict=True)]
@@ -246,10 +253,7 @@ def test_plain_sessions_share_a_slab_and_get_their_caches_back(default_model, es
     ids = tokenizer.encode(essay_text)
     full = CacheSpec("full", 4096)
     prompts = [ids[:120], ids[300:390], ids[600:700], ids[900:1010], ids[1200:1800]]
-    alone = []
-    for prompt in prompts:
-        g = start(model, tokenizer, full, prompt)
-        alone.append((drive(Batcher(model, prefill_step=256, prefill_budget=300), [g])[id(g)], g))
+    alone = runs_alone(model, tokenizer, [(full, p) for p in prompts], 256, 300)
     batcher = Batcher(model, prefill_step=256, prefill_budget=300)
     gens = [start(model, tokenizer, full, p) for p in prompts]
     first, doomed, late, later, long = gens
@@ -339,10 +343,7 @@ def test_h2o_sessions_share_a_slab_and_match_alone(default_model, essay_text):
     # two packed ones: a slab of their own
     runs = [(H2O_96, ids[:230]), (H2O_96, ids[300:385]), (H2O_96, ids[600:780]),
             (Q8_80, ids[900:1020]), (Q8_80, ids[1200:1300]), (H2O_96, ids[1500:1700])]  # fmt: skip
-    alone = []
-    for spec, prompt in runs:
-        g = start(model, tokenizer, spec, prompt)
-        alone.append((drive(Batcher(model, prefill_step=64, prefill_budget=100), [g])[id(g)], g))
+    alone = runs_alone(model, tokenizer, runs, 64, 100)
     batcher = Batcher(model, prefill_step=64, prefill_budget=300)
     gens = [start(model, tokenizer, spec, prompt) for spec, prompt in runs]
     first, short, doomed, packed, packed2, late = gens
@@ -392,10 +393,7 @@ def test_h2o_q4_sessions_keep_their_dense_tail_in_a_slab(default_model, essay_te
     ids = tokenizer.encode(essay_text)
     spec = CacheSpec("h2o-q4", 80)
     runs = [ids[:150], ids[400:520], ids[800:1000]]
-    alone = []
-    for prompt in runs:
-        g = start(model, tokenizer, spec, prompt)
-        alone.append((drive(Batcher(model, prefill_step=64, prefill_budget=100), [g])[id(g)], g))
+    alone = runs_alone(model, tokenizer, [(spec, p) for p in runs], 64, 100)
     batcher = Batcher(model, prefill_step=64, prefill_budget=300)
     gens = [start(model, tokenizer, spec, prompt) for prompt in runs]
     rows = []
