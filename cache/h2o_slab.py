@@ -271,6 +271,10 @@ class H2OSlab:
     def join(self, sessions: list[tuple[Hashable, list[H2OKVCache]]]) -> None:
         """Move sessions' rows into the slab as its last rows (one copy of the slab)."""
         self.reclaim()
+        for _, caches in sessions:  # the slab reads every slot it did not write packed
+            for c in caches:
+                if isinstance(c, QuantizedH2OKVCache):
+                    c.pack_pending()
         per_layer = list(zip(*(caches for _, caches in sessions), strict=True))
         if not self.layers:
             names = [_row_buffers(caches[0]) for caches in per_layer]

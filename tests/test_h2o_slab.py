@@ -36,7 +36,10 @@ CASES = {"batch-4": SPEC, "one-per-step": OFTEN, **PACKED}
 
 def held(cache: H2OKVCache) -> dict[str, np.ndarray]:
     """A cache's slots in position order, per head: what it holds, not where. Packed
-    K/V come dequantized, with each element's quantization step beside them."""
+    K/V come dequantized, with each element's quantization step beside them (the packed
+    copies a lone cache's newest tokens still wait for written first: cache/quantized.py)."""
+    if hasattr(cache, "pack_pending"):
+        cache.pack_pending()
     n = cache.size()
     order = mx.argsort(cache.positions[..., :n], axis=-1)
 

@@ -437,6 +437,29 @@ def test_the_newest_tokens_are_served_dense_from_the_tail():
     np.testing.assert_allclose(np.array(turned), np.array(expected), atol=1e-4)
 
 
+def test_decode_tokens_are_packed_from_the_tail_once_it_fills():
+    """A decode token's packed copy waits while the tail serves it; the waiting ones are
+    packed together before the oldest leaves the tail, into their own slots."""
+    rng = np.random.default_rng(9)
+    c = LAYOUTS["q4"]()
+    raw = []
+    waiting = []
+    for n_new in [20, *[1] * 40]:  # evicts
+        k, v = random_kv(rng, n_new)
+        raw.append(k)
+        c.update_and_fetch(k, v)
+        feed_scores(c, rng.standard_normal((N_Q, n_new, c.offset)).astype(np.float32), n_new)
+        waiting.append(c.unpacked)
+    assert waiting[0] == 0 and max(waiting) == c.tail - 1 and 0 in waiting[1:]
+    c.pack_pending()
+    n = c.size()
+    keys = mx.dequantize(*(a[:, :, :n] for a in c.keys), group_size=64, bits=4)
+    step = mx.abs(mx.repeat(c.keys[1][:, :, :n], 64, axis=-1))
+    held = c.positions[..., :n][..., None]
+    want = mx.take_along_axis(mx.concatenate(raw, axis=2), held, axis=2) - c.key_center
+    assert np.all(np.array(mx.abs(keys - want)) <= np.array(step) * 1.01 + 1e-5)  # a code
+
+
 def test_a_state_saved_before_centring_still_loads():
     """Spilled sessions from before the centre and the pool: plain packed keys, no centring."""
     rng = np.random.default_rng(7)
