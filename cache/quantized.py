@@ -49,8 +49,9 @@ With 4-bit keys the newest tokens stay dense too (`dense_recent`, 16 by default)
 take most of a query's attention, and their 4-bit keys were most of what rotated h2o-q4
 still lost (keys 4 / values 8 bits: KL 0.022 of 0.028). A tail pool holds them and
 shadows the last slots, as the sink pool shadows the first (the recent window is never
-evicted, so the newest tokens are always the last slots); each token is packed on
-arrival all the same and read packed once it leaves the tail. Rotated h2o-q4 in groups
+evicted, so the newest tokens are always the last slots). A decode token's packed copy
+is written when the tail fills, for all of its tokens at once, before the oldest leaves
+it (`pack_pending`): until then no reader needs it. Rotated h2o-q4 in groups
 of 32 vs dense h2o: KL 0.028 -> 0.005, perplexity +2.1% -> -0.1%, for 16 dense tokens per
 layer and KV head.
 """
