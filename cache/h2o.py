@@ -107,13 +107,7 @@ class H2OKVCache:
         if self.positions is None or end > self.positions.shape[-1]:
             self._grow(keys, values, end)
         # Free slots already hold score 0 and these tokens' positions.
-        if isinstance(keys, mx.array):  # dense: no tree walk, once per layer and step
-            self.keys[:, :, self._len : end] = keys
-            self.values[:, :, self._len : end] = values
-        else:
-            stored, fresh = tree_flatten((self.keys, self.values)), tree_flatten((keys, values))
-            for (_, buf), (_, new) in zip(stored, fresh, strict=True):
-                buf[:, :, self._len : end] = new
+        self._write_slots(keys, values, self._len, end)
         self._len = end
         self.offset += n_new
         return self._fetch()
@@ -301,6 +295,16 @@ class H2OKVCache:
         return obj
 
     # ------------------------------------------------------------ K/V storage hooks
+
+    def _write_slots(self, keys, values, start: int, end: int) -> None:
+        """Encoded K/V (`_encode`'s form) into slots [start, end) of every buffer."""
+        if isinstance(keys, mx.array):  # dense: no tree walk, once per layer and step
+            self.keys[:, :, start:end] = keys
+            self.values[:, :, start:end] = values
+            return
+        stored, fresh = tree_flatten((self.keys, self.values)), tree_flatten((keys, values))
+        for (_, buf), (_, new) in zip(stored, fresh, strict=True):
+            buf[:, :, start:end] = new
 
     def _encode(self, keys: mx.array, values: mx.array):
         """New tokens in the form the buffers store (dense: as they come)."""

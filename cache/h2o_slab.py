@@ -43,7 +43,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from cache.attention import DENSE
 from cache.h2o import H2OKVCache
-from cache.quantized import QuantizedH2OKVCache
+from cache.quantized import QuantizedH2OKVCache, shifted_in
 
 SLOTS = ("keys", "values", "scores", "positions")  # along the slot axis, max_kv + 1 wide
 # A packed row's own arrays: fixed while it decodes, but for the dense tail of its newest
@@ -131,11 +131,9 @@ class H2OSlabLayer:
         if self.key_center is not None:  # packed rows store keys centred (cache/quantized.py)
             keys = keys - self.key_center
         if self.tail_keys is not None:  # the newest tokens, dense, and the slots they fill
-            T = self.tail_keys.shape[2]
-            self.tail_keys = mx.concatenate([self.tail_keys, keys], axis=2)[:, :, -T:]
-            self.tail_values = mx.concatenate([self.tail_values, values], axis=2)[:, :, -T:]
-            slots = mx.concatenate([self.tail_slots, at.astype(mx.int32)], axis=2)
-            self.tail_slots = slots[:, :, -T:]
+            self.tail_keys = shifted_in(self.tail_keys, keys)
+            self.tail_values = shifted_in(self.tail_values, values)
+            self.tail_slots = shifted_in(self.tail_slots, at.astype(mx.int32))
         keys, values = caches[0]._encode(keys, values)  # every row's config is the same
         self.keys, self.values = tree_map(put, self.keys, keys), tree_map(put, self.values, values)
         self.positions = put(self.positions, mx.broadcast_to(seen.reshape(B, 1, 1), (B, H, 1)))

@@ -61,7 +61,6 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from cache.attention import DENSE, KVFormat, seq_length
 from cache.h2o import H2OKVCache, turn_keys
@@ -79,6 +78,12 @@ def quantize(x: mx.array, group_size: int, bits: int) -> list[mx.array]:
             f"{group_size}: use a smaller group_size (32) or a dense policy"
         )
     return mx.quantize(x, group_size=group_size, bits=bits)
+
+
+def shifted_in(buf: mx.array, new: mx.array) -> mx.array:
+    """`buf` [B, H, T, ...] with `new` [B, H, n, ...] appended along axis 2, its last T kept:
+    a dense tail's newest tokens (also a slab's tail rows and their slots)."""
+    return mx.concatenate([buf, new], axis=2)[:, :, -buf.shape[2] :]
 
 
 class QuantizedH2OKVCache(H2OKVCache):
@@ -146,10 +151,9 @@ class QuantizedH2OKVCache(H2OKVCache):
         if not defer:
             self.pack_pending()
         if self.tail_keys is not None:
-            T = self.tail
-            self.tail_keys = mx.concatenate([self.tail_keys, keys], axis=2)[:, :, -T:]
-            self.tail_values = mx.concatenate([self.tail_values, values], axis=2)[:, :, -T:]
-            self.tail_len = min(T, self.tail_len + keys.shape[2])
+            self.tail_keys = shifted_in(self.tail_keys, keys)
+            self.tail_values = shifted_in(self.tail_values, values)
+            self.tail_len = min(self.tail, self.tail_len + keys.shape[2])
         if defer:
             return self._append_unpacked()
         return super().update_and_fetch(keys, values)
@@ -180,9 +184,7 @@ class QuantizedH2OKVCache(H2OKVCache):
         if not n:
             return
         encoded = self._encode(self.tail_keys[:, :, -n:], self.tail_values[:, :, -n:])
-        stored, fresh = tree_flatten((self.keys, self.values)), tree_flatten(encoded)
-        for (_, buf), (_, new) in zip(stored, fresh, strict=True):
-            buf[:, :, self._len - n : self._len] = new
+        self._write_slots(*encoded, self._len - n, self._len)
 
     def _start(self, keys: mx.array, values: mx.array) -> None:
         """The centre (the mean key of the first tokens, sinks included: measured better
