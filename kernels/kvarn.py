@@ -118,7 +118,7 @@ def _packed(
         parts.append(qg @ k_front.astype(mx.float32).swapaxes(-1, -2))
     words, k_scales, k_biases, token_scale = k_tiles
     per_tile = mx.quantized_matmul(
-        mx.broadcast_to(qg[:, :, None], (B, n_kv, n_tiles, rows, D)),
+        qg[:, :, None],  # broadcast over the tiles by quantized_matmul itself: no copy
         words,
         k_scales,
         k_biases,
