@@ -281,7 +281,7 @@ def render(args, argv, began, cases, ppl_cases, tps, prefill, held, ppl, kl, sha
             f"Command: `{command.strip()}` ({time.perf_counter() - began:.0f} s).",
             f"Model `{args.model}` (float32), machine {platform.machine()} {platform.system()}, "
             f"MLX {mx.__version__}, device {mx.default_device()}, quantized kernel backend "
-            f"`{backend}` (KVarN tiles: reference). h2o-q*: mx.quantize, affine, group 64, "
+            f"`{backend}` (KVarN tiles too). h2o-q*: mx.quantize, affine, group 64, "
             "scales float32; KVarN: float16 scales and Sinkhorn factors.",
             "",
             f"## Decode speed: {args.context} tokens of context, max_kv {args.max_kv}",

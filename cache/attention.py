@@ -3,8 +3,9 @@
 A scored cache hands its stored K/V to attention as one or more parts, each with a
 `KVFormat` (`kv_segments`): dense arrays, or mx.quantize's packed (words, scales,
 biases) at some key/value width, either possibly Hadamard-rotated (the query is
-rotated in and the output back once), or KVarN storage (kernels/kvarn.py, reference
-only). `ScoredAttention` runs each part through a kernel
+rotated in and the output back once), or KVarN storage (kernels/kvarn.py; a decode
+query on Metal/CUDA reads its tiles in the decode kernel, everything else takes the
+reference). `ScoredAttention` runs each part through a kernel
 from kernels/ (`sdpa_with_scores` for dense parts; for packed parts the fused
 `quantized_sdpa_with_scores`, or mx.dequantize and the dense kernel when the
 `dequantize` path is chosen) on the backend it was configured with, and merges
@@ -27,7 +28,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from kernels import AUTO, check_backend, get_backend, reference, select_backend
+from kernels import (
+    AUTO,
+    check_backend,
+    get_backend,
+    reference,
+    select_backend,
+    select_kvarn_backend,
+)
 from kernels.hadamard import rotate
 from kernels.kvarn import TileFormat, dequantize_storage, kvarn_sdpa_with_probs
 from kernels.reference import bias_as_mask, expand_mask, packed_matmul
@@ -234,7 +242,15 @@ class ScoredAttention:
                 bias = None
         if fmt.tile is not None:  # KVarN: rotates the query in and the output back itself
             dequantize = self.quantized_path == "dequantize"
-            return kvarn_sdpa_with_probs(queries, keys, values, scale, mask, fmt.tiles, dequantize)
+            name = "reference"
+            if not dequantize:
+                name = select_kvarn_backend(self.backend, queries, keys, mask, fmt.tiles)
+            if name == "reference":
+                return kvarn_sdpa_with_probs(
+                    queries, keys, values, scale, mask, fmt.tiles, dequantize
+                )
+            out, logits = get_backend(name).kvarn(queries, keys, values, scale, mask, fmt.tiles)
+            return out, logits, None
         if fmt.rotated:  # any backend's kernel on rotated storage: rotate in, rotate out once
             out, logits, probs = self.attend_part(
                 rotate(queries), keys, values, unrotated(fmt), scale, mask

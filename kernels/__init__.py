@@ -3,7 +3,8 @@
 `sdpa_with_scores(q, k, v, scale, mask) -> (out, scores)` and its quantized twin
 `quantized_sdpa_with_scores(q, k_q, v_q, scale, mask, group_size, bits)` run on the
 backend a caller prefers (`backend=`: auto, reference, metal, cuda) where it fits the
-shape, else on the reference (MLX ops, everywhere). cache/attention.py decides which
+shape, else on the reference (MLX ops, everywhere); `select_kvarn_backend` picks one for
+KVarN storage the same way (kernels/kvarn.py has its reference). cache/attention.py decides which
 backend the server prefers.
 """
 
@@ -16,6 +17,7 @@ from kernels.dispatch import (
     quantized_sdpa_with_scores,
     sdpa_with_scores,
     select_backend,
+    select_kvarn_backend,
 )
 
 __all__ = [
@@ -27,4 +29,5 @@ __all__ = [
     "quantized_sdpa_with_scores",
     "sdpa_with_scores",
     "select_backend",
+    "select_kvarn_backend",
 ]

@@ -25,3 +25,5 @@ supports = launch.supports
 # Same contracts as kernels.reference: (out, float32 pre-softmax scores).
 sdpa_with_scores = _kernels.dense
 quantized_sdpa_with_scores = _kernels.quantized
+supports_kvarn = launch.supports_kvarn
+kvarn_sdpa_with_scores = _kernels.kvarn  # KVarN storage: [front, tiles, tail] per side

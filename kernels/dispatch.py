@@ -16,6 +16,7 @@ from functools import cache
 import mlx.core as mx
 
 from kernels import cuda, metal, reference
+from kernels.kvarn import TileFormat, kvarn_sdpa_with_probs
 from kernels.reference import Mask, QuantizedTensor
 
 AUTO = "auto"
@@ -28,20 +29,35 @@ class Backend:
     supports: Callable[..., bool]
     dense: Callable[..., tuple[mx.array, mx.array]]
     quantized: Callable[..., tuple[mx.array, mx.array]]
+    # supports_kvarn(q, keys, mask, fmt), kvarn(q, keys, values, scale, mask, fmt): KVarN
+    # storage, keys/values [front, tiles, tail] (kernels/kvarn.py).
+    supports_kvarn: Callable[..., bool]
+    kvarn: Callable[..., tuple[mx.array, mx.array]]
+
+
+def _reference_kvarn(q, keys, values, scale: float, mask: Mask, fmt: TileFormat):
+    return kvarn_sdpa_with_probs(q, keys, values, scale, mask, fmt)[:2]
 
 
 _BACKENDS: dict[str, Backend] = {
-    "metal": Backend(
-        metal.is_available, metal.supports, metal.sdpa_with_scores, metal.quantized_sdpa_with_scores
-    ),
-    "cuda": Backend(
-        cuda.is_available, cuda.supports, cuda.sdpa_with_scores, cuda.quantized_sdpa_with_scores
-    ),
+    **{
+        name: Backend(
+            gpu.is_available,
+            gpu.supports,
+            gpu.sdpa_with_scores,
+            gpu.quantized_sdpa_with_scores,
+            gpu.supports_kvarn,
+            gpu.kvarn_sdpa_with_scores,
+        )
+        for name, gpu in (("metal", metal), ("cuda", cuda))
+    },
     "reference": Backend(
         lambda: True,
         lambda *args, **kwargs: True,
         reference.sdpa_with_scores,
         reference.quantized_sdpa_with_scores,
+        lambda *args, **kwargs: True,
+        _reference_kvarn,
     ),
 }
 BACKEND_NAMES = (AUTO, *_BACKENDS)
@@ -89,11 +105,22 @@ def select_backend(
     """The backend for this call (k: keys, or the packed key words when quantized)."""
     if value_bits not in (None, bits):
         return "reference"  # the GPU kernels take one width for K and V
+    return _first(preference, lambda b: b.supports(q, k, mask, group_size=group_size, bits=bits))
+
+
+def select_kvarn_backend(
+    preference: str, q: mx.array, keys: list, mask: Mask, fmt: TileFormat
+) -> str:
+    """The backend for attention over one KVarN part (keys: [front, tiles, tail])."""
+    return _first(preference, lambda b: b.supports_kvarn(q, keys, mask, fmt))
+
+
+def _first(preference: str, supports: Callable[[Backend], bool]) -> str:
+    """The preferred backend (under auto: the first GPU one) present and supporting the
+    call, else the reference."""
     candidates = [n for n in _BACKENDS if n != "reference"] if preference == AUTO else [preference]
     for name in candidates:
-        if _is_available(name) and _BACKENDS[name].supports(
-            q, k, mask, group_size=group_size, bits=bits
-        ):
+        if _is_available(name) and supports(_BACKENDS[name]):
             return name
     return "reference"
 

@@ -19,7 +19,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from cache.kvarn_tiles import encode_keys, encode_values
 from kernels import cuda, dispatch, metal, reference
+from kernels.kvarn import TileFormat, kvarn_sdpa_with_probs
 from kernels.src import BODIES, EMULATOR_DIALECT, SRC_DIR, assemble, emulator, launch
 
 GPU_BACKENDS = {"metal": metal, "cuda": cuda}
@@ -212,6 +214,8 @@ EMULATED = SimpleNamespace(
     supports=launch.supports,
     sdpa_with_scores=_emulated_kernels.dense,
     quantized_sdpa_with_scores=_emulated_kernels.quantized,
+    supports_kvarn=launch.supports_kvarn,
+    kvarn_sdpa_with_scores=_emulated_kernels.kvarn,
 )
 BACKENDS = {"metal": metal, "cuda": cuda, "emulated": EMULATED}
 SKIP_REASONS = {
@@ -340,6 +344,92 @@ def test_emulated_quantized_matches_reference(L_k, D, gqa, mask, bits, group_siz
     L_q = 1 if L_k >= 1000 else None  # fewer query rows: fibers are slow
     backend = kernel_backend("emulated")
     check_quantized(backend, L_k, D, gqa, mask, bits, group_size, B, L_q=L_q, dtype=dtype)
+
+
+# --- KVarN storage: [dense front | packed tiles | dense tail] ---------------------------
+
+
+def make_kvarn(segments, D, gqa, mask, fmt, L_q=1, dtype=mx.float32, seed=3):
+    """q and KVarN keys/values [front, tiles, tail] (front/tail None when empty; the tail
+    a slice of a larger pool, as a cache hands it over), with a mask of the named kind."""
+    n_front, n_tiles, n_tail = segments
+    L_k = n_front + n_tiles * fmt.tile + n_tail
+    q, k, v, m = make_inputs(L_k, D, gqa, L_q=L_q, mask=mask, seed=seed)
+    sides = []
+    for x, encode in ((k, encode_keys), (v, encode_values)):
+        tiles = x[:, :, n_front : n_front + n_tiles * fmt.tile]
+        tiles = encode(tiles.reshape(*x.shape[:2], n_tiles, fmt.tile, D), fmt)
+        front = x[:, :, :n_front].astype(dtype) if n_front else None
+        pool = mx.concatenate([x[:, :, L_k - n_tail :], mx.zeros_like(x[:, :, :3])], axis=2)
+        tail = pool[:, :, :n_tail].astype(dtype) if n_tail else None
+        sides.append([front, tiles, tail])
+    return q.astype(dtype), sides[0], sides[1], m
+
+
+def check_kvarn(backend, segments, D, gqa, mask, fmt, L_q=1, dtype=mx.float32, n_blocks=None):
+    q, keys, values, m = make_kvarn(segments, D, gqa, mask, fmt, L_q, dtype)
+    assert backend.supports_kvarn(q, keys, m, fmt)
+    extra = {} if n_blocks is None else {"n_blocks": n_blocks}
+    out, scores = backend.kvarn_sdpa_with_scores(q, keys, values, D**-0.5, m, fmt, **extra)
+    up = [
+        [None if x is None else x.astype(mx.float32) for x in (s[0], s[2])] for s in (keys, values)
+    ]
+    want_out, want_scores, _ = kvarn_sdpa_with_probs(
+        q.astype(mx.float32),
+        [up[0][0], keys[1], up[0][1]],
+        [up[1][0], values[1], up[1][1]],
+        D**-0.5,
+        m,
+        fmt,
+    )
+    assert out.dtype == dtype and scores.dtype == mx.float32
+    assert out.shape == q.shape and scores.shape == (*q.shape[:3], want_scores.shape[-1])
+    assert_close(scores, want_scores, 1e-5, "scores")
+    assert_close(out, want_out, TOLERANCE[dtype], "out")
+
+
+EMULATED_KVARN = [
+    # (front, tiles, tail), D, gqa, mask, (tile, key bits, value bits, value group), L_q,
+    # dtype, key blocks
+    ((4, 2, 5), 64, 3, "none", (32, 4, 2, 32), 1, mx.float32, None),  # h2o-kvarn k4v2
+    ((0, 1, 0), 128, 1, "causal", (64, 4, 4, 64), 3, mx.float32, None),  # tiles alone
+    ((128, 2, 17), 64, 8, "bool", (128, 2, 2, 32), 1, mx.float16, None),  # kvarn k2v2
+    ((4, 3, 31), 64, 3, "additive", (32, 8, 4, 32), 2, mx.float32, 4),  # two-pass
+    ((0, 2, 9), 256, 3, "none", (64, 4, 2, 64), 1, mx.float32, None),  # no front
+]
+
+
+@pytest.mark.parametrize(
+    "segments, D, gqa, mask, fmt, L_q, dtype, n_blocks",
+    EMULATED_KVARN,
+    ids=case_ids(EMULATED_KVARN),
+)
+def test_emulated_kvarn_matches_reference(segments, D, gqa, mask, fmt, L_q, dtype, n_blocks):
+    """The decode kernel over KVarN storage (tiles dequantized in registers, the query
+    rotated in and the output out once) gives the reference's scores and output, with or
+    without a front or a tail pool, over every width, tile and value group."""
+    fmt = TileFormat(*fmt)
+    check_kvarn(kernel_backend("emulated"), segments, D, gqa, mask, fmt, L_q, dtype, n_blocks)
+
+
+@on_backends(GPU_BACKENDS, "segments, mask, fmt", [(4, 3, 20), (128, 4, 0)], MASKS,
+             [(32, 4, 2, 32), (128, 4, 4, 64), (64, 2, 2, 32)])  # fmt: skip
+def test_gpu_kvarn_matches_reference(name, segments, mask, fmt):
+    L_q = 2 if mask == "causal" else 1
+    check_kvarn(kernel_backend(name), segments, 64, 3, mask, TileFormat(*fmt), L_q)
+    check_kvarn(kernel_backend(name), segments, 128, 1, mask, TileFormat(*fmt), L_q, n_blocks=3)
+
+
+def test_kvarn_kernel_supports_decode_shapes_only():
+    fmt = TileFormat(32, 4, 2, 32)
+    q, keys, _, m = make_kvarn((4, 2, 5), 64, 3, "bool", fmt)
+    assert launch.supports_kvarn(q, keys, m, fmt)
+    assert launch.supports_kvarn(q, keys, "causal", fmt)
+    assert not launch.supports_kvarn(q, [keys[0], None, keys[2]], None, fmt)  # no tiles
+    q_long, keys_long, _, _ = make_kvarn((4, 2, 5), 64, 3, "none", fmt, L_q=16)
+    assert not launch.supports_kvarn(q_long, keys_long, None, fmt)  # a prefill chunk
+    assert not launch.supports_kvarn(q, keys, None, TileFormat(32, 4, 2, 128))  # value group
+    assert not launch.supports_kvarn(q, keys, mx.zeros((2, 1, 3), dtype=mx.bool_), fmt)
 
 
 @on_backends(BACKENDS, "n_blocks", [1, 2, 5, 64])
@@ -670,9 +760,14 @@ def recorded_kernel_texts(dialect: str, dtype) -> list[str]:
     q, k, v, m = make_inputs(1000, 128, 3, mask="bool")
     q, k, v = (x.astype(dtype) for x in (q, k, v))
     k_q, v_q = quantize(k, 64, 4), quantize(v, 64, 4)
+    fmt = TileFormat(32, 4, 2, 32)
+    q_t, keys, values, _ = make_kvarn((4, 2, 5), 128, 3, "none", fmt, dtype=dtype)
+    no_front = [[None, *side[1:]] for side in (keys, values)]
     for n_blocks in (1, 4):  # single pass; two passes
         kernels.dense(q, k, v, 0.1, m, n_blocks=n_blocks)
         kernels.quantized(q, k_q, v_q, 0.1, "causal", 64, 4, n_blocks=n_blocks)
+        kernels.kvarn(q_t, keys, values, 0.1, None, fmt, n_blocks=n_blocks)
+        kernels.kvarn(q_t, *no_front, 0.1, "causal", fmt, n_blocks=n_blocks)  # a placeholder
     return texts
 
 
@@ -708,7 +803,9 @@ def test_generated_kernels_parse(dialect, dtype, tmp_path):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(text)
     texts = recorded_kernel_texts(dialect, dtype)
-    assert len(texts) == 6  # dense, quantized: single pass; two passes (+ the merge each)
+    # dense, quantized, KVarN with and without a front pool: single pass; two passes (+ the
+    # merge each)
+    assert len(texts) == 12
     for i, text in enumerate(texts):
         source = tmp_path / f"kernel{i}.cpp"
         source.write_text(text)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
+from kernels.hadamard import rotate
 from kernels.src import KernelSource, assemble
 
 # make_kernel(name, input_names, output_names, source) -> the mx.fast kernel callable.
@@ -22,6 +23,7 @@ QuantizedTensor = tuple[mx.array, mx.array, mx.array]
 HEAD_DIMS = (64, 128, 256)
 GROUP_SIZES = (32, 64)
 BITS = (4, 8)
+KVARN_BITS = (2, 4, 8)
 MAX_QUERY_LEN = 8  # decode kernels: prefill chunks go to the reference
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 N_WARPS = 8  # warps per threadgroup in pass 1
@@ -41,6 +43,24 @@ _QUANTIZED_INPUTS = (
     "mask",
     "scale",
 )
+_KVARN_INPUTS = (
+    "queries",
+    "front_keys",
+    "front_values",
+    "key_words",
+    "key_scales",
+    "key_biases",
+    "key_factors",
+    "value_words",
+    "value_scales",
+    "value_biases",
+    "value_factors",
+    "tail_keys",
+    "tail_values",
+    "mask",
+    "scale",
+)
+_INPUTS = {"dense": _DENSE_INPUTS, "quantized": _QUANTIZED_INPUTS, "kvarn": _KVARN_INPUTS}
 _SINGLE_OUTPUTS = ("out", "scores")
 _SPLIT_OUTPUTS = ("scores", "partial_out", "partial_max", "partial_sum")
 
@@ -70,6 +90,36 @@ def supports(
     elif k.shape[3] != D or k.dtype not in DTYPES:
         return False
     return _mask_supported(mask, (B, n_q, L_q, L_k))
+
+
+def supports_kvarn(q: mx.array, keys: list, mask: object, fmt) -> bool:
+    """Whether the decode kernels handle this KVarN part (keys: [front, tiles, tail] with
+    tiles present; fmt: kernels.kvarn.TileFormat)."""
+    front, tiles, tail = keys
+    if tiles is None or q.ndim != 4 or q.dtype not in DTYPES:
+        return False
+    B, n_q, L_q, D = q.shape
+    words = tiles[0]  # [B, n_kv, n, D, tile * bits / 32]
+    n_kv = words.shape[1]
+    if D not in HEAD_DIMS or not 1 <= L_q <= MAX_QUERY_LEN or words.shape[0] != B:
+        return False
+    if n_q % n_kv or B * n_q * L_q > MAX_GRID_ROWS or words.shape[3] != D:
+        return False
+    if fmt.key_bits not in KVARN_BITS or fmt.value_bits not in KVARN_BITS:
+        return False
+    if fmt.group_size not in GROUP_SIZES or D % fmt.group_size:
+        return False
+    if any(x is not None and x.dtype not in DTYPES for x in (front, tail)):
+        return False
+    L_k = kvarn_length(keys, fmt.tile)
+    return _mask_supported(mask, (B, n_q, L_q, L_k))
+
+
+def kvarn_length(keys: list, tile: int) -> int:
+    """Slots of a KVarN part: front, tiles and tail together."""
+    front, tiles, tail = keys
+    n = [0 if x is None else x.shape[2] for x in (front, tail)]
+    return n[0] + tiles[0].shape[2] * tile + n[1]
 
 
 def choose_blocks(rows: int, L_k: int) -> int:
@@ -109,7 +159,7 @@ class DecodeKernels:
     def __init__(self, dialect: str, make_kernel: MakeKernel):
         self.dialect = dialect
         self._make_kernel = make_kernel
-        self._kernels: dict[tuple[bool, bool], Callable] = {}
+        self._kernels: dict[tuple[str, bool], Callable] = {}
         self._combine: Callable | None = None
 
     def dense(
@@ -121,7 +171,7 @@ class DecodeKernels:
         mask: object = None,
         n_blocks: int | None = None,
     ) -> tuple[mx.array, mx.array]:
-        return self._attend(q, [k, v], {}, scale, mask, n_blocks)
+        return self._attend(q, "dense", [k, v], {}, k.shape[2], scale, mask, n_blocks)
 
     def quantized(
         self,
@@ -135,34 +185,75 @@ class DecodeKernels:
         n_blocks: int | None = None,
     ) -> tuple[mx.array, mx.array]:
         packed = [*k_q, *v_q]
+        constants = {"BITS": bits, "GROUP_SIZE": group_size}
         return self._attend(
-            q, packed, {"BITS": bits, "GROUP_SIZE": group_size}, scale, mask, n_blocks
+            q, "quantized", packed, constants, k_q[0].shape[2], scale, mask, n_blocks
         )
+
+    def kvarn(
+        self,
+        q: mx.array,
+        keys: list,
+        values: list,
+        scale: float,
+        mask: object,
+        fmt,
+        n_blocks: int | None = None,
+    ) -> tuple[mx.array, mx.array]:
+        """Attention over one KVarN part ([front, tiles, tail] per side, tiles present; fmt:
+        kernels.kvarn.TileFormat), q and the output in the model's frame: the query is
+        rotated once on the way in and the output once on the way out."""
+        (k_front, k_tiles, k_tail), (v_front, v_tiles, v_tail) = keys, values
+        absent = _placeholder()
+        inputs = [
+            absent if k_front is None else k_front,
+            absent if v_front is None else v_front,
+            *k_tiles,
+            *v_tiles,
+            absent if k_tail is None else k_tail,
+            absent if v_tail is None else v_tail,
+        ]
+        constants = {
+            "KEY_BITS": fmt.key_bits,
+            "VALUE_BITS": fmt.value_bits,
+            "TILE": fmt.tile,
+            "GROUP_SIZE": fmt.group_size,
+            "HAS_FRONT": int(k_front is not None),
+            "HAS_TAIL": int(k_tail is not None),
+        }
+        L_k = kvarn_length(keys, fmt.tile)
+        # Rotated in float32 (as the reference does): a half query rotated in half precision
+        # would carry its rounding into every score.
+        q_rot = rotate(q if q.dtype == mx.float32 else q.astype(mx.float32))
+        out, scores = self._attend(q_rot, "kvarn", inputs, constants, L_k, scale, mask, n_blocks)
+        return rotate(out).astype(q.dtype), scores
 
     def _attend(
         self,
         q: mx.array,
+        mode: str,
         kv: list[mx.array],
-        quantization: dict[str, int],
+        constants: dict[str, int],
+        L_k: int,
         scale: float,
         mask: object,
         n_blocks: int | None,
     ) -> tuple[mx.array, mx.array]:
+        """Pass 1 (and the block merge when split) of kernel `mode`: dense, quantized or
+        kvarn, whose K/V inputs `kv` are in that kernel's input order."""
         B, n_q, L_q, D = q.shape
-        L_k = kv[0].shape[2]
         rows = B * n_q * L_q
         n_blocks = n_blocks or choose_blocks(rows, L_k)
         mask_array, mask_mode = _mask_input(mask, (B, n_q, L_q, L_k))
-        quantized = bool(quantization)
         split = n_blocks > 1
-        kernel = self._pass1(quantized, split)
+        kernel = self._pass1(mode, split)
         inputs = [q, *kv, mask_array, _scale_input(scale)]
         template = [
             ("T", q.dtype),
             ("HEAD_DIM", D),
             ("N_WARPS", N_WARPS),
             ("MASK_MODE", mask_mode),
-            *quantization.items(),
+            *constants.items(),
             *_input_dtypes(inputs),
         ]
         threads = 32 * N_WARPS
@@ -195,16 +286,16 @@ class DecodeKernels:
         )
         return out, scores
 
-    def _pass1(self, quantized: bool, split: bool) -> Callable:
-        key = (quantized, split)
+    def _pass1(self, mode: str, split: bool) -> Callable:
+        key = (mode, split)
         if key not in self._kernels:
-            name = "h2o_decode_" + ("quantized" if quantized else "dense") + ("_split" * split)
+            name = f"h2o_decode_{mode}" + ("_split" * split)
+            switches = {"QUANTIZED": mode == "quantized", "KVARN": mode == "kvarn", "SPLIT": split}
             source = assemble(
-                "decode_attention", self.dialect, {"QUANTIZED": int(quantized), "SPLIT": int(split)}
+                "decode_attention", self.dialect, {k: int(v) for k, v in switches.items()}
             )
-            inputs = _QUANTIZED_INPUTS if quantized else _DENSE_INPUTS
             outputs = _SPLIT_OUTPUTS if split else _SINGLE_OUTPUTS
-            self._kernels[key] = self._make_kernel(name, inputs, outputs, source)
+            self._kernels[key] = self._make_kernel(name, _INPUTS[mode], outputs, source)
         return self._kernels[key]
 
     def _combine_kernel(self) -> Callable:
@@ -244,14 +335,14 @@ def _scale_input(scale: float) -> mx.array:
 
 
 @functools.cache
-def _mask_placeholder() -> mx.array:
-    # The kernels always take a mask input; without a mask this one is never read.
+def _placeholder() -> mx.array:
+    # For an input a call does not have (the mask, a KVarN pool): never read.
     return mx.zeros((1, 1, 1, 1), dtype=mx.bool_)
 
 
 def _mask_input(mask: object, full_shape: tuple[int, int, int, int]) -> tuple[mx.array, int]:
     """The mask as a 4-D input (broadcast views cost no copy: the kernel reads strides)."""
     if mask is None or isinstance(mask, str):
-        return _mask_placeholder(), MASK_NONE if mask is None else MASK_CAUSAL
+        return _placeholder(), MASK_NONE if mask is None else MASK_CAUSAL
     mode = MASK_BOOL if mask.dtype == mx.bool_ else MASK_ADDITIVE
     return mx.broadcast_to(mask, full_shape), mode
