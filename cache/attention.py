@@ -10,7 +10,8 @@ from kernels/ (`sdpa_with_scores` for dense parts; for packed parts the fused
 `quantized_sdpa_with_scores`, or mx.dequantize and the dense kernel when the
 `dequantize` path is chosen) on the backend it was configured with, and merges
 parts by log-sum-exp; one decode query over dense and mx.quantize parts on the
-reference backend takes a single softmax over all their logits instead. A prompt
+reference backend takes a single softmax over all their logits instead, and on a GPU
+backend [dense | packed | dense] parts of one width go to one kernel call. A prompt
 (more than one query) reads packed parts (either kind) dequantized once per call,
 as one dense part, through the dense kernel: a matmul
 kernel beats the packed one there (1024-token prefill of rotated h2o-q4 on CPU:
@@ -194,6 +195,8 @@ class ScoredAttention:
             return self.attend_part(queries, k, v, fmt, scale, mask, bias)
         if bias is None and self._joint_softmax(queries, parts):
             return _joint_decode(queries, parts, scale, mask)
+        if bias is None and (pooled := self._packed_with_pools(queries, parts, scale, mask)):
+            return pooled
         full = expand_mask(mask, queries.shape[2], sum(seq_length(k) for k, _, _ in parts))
         results, start = [], 0
         for k, v, fmt in parts:
@@ -203,6 +206,33 @@ class ScoredAttention:
             results.append(self.attend_part(queries, k, v, fmt, scale, m, b)[:2])
             start += n
         return (*merge_parts(results, queries.dtype), None)
+
+    def _packed_with_pools(self, queries: mx.array, parts: list, scale: float, mask):
+        """[dense | mx.quantize-packed | dense] parts (a packed H2O cache's sink pool, packed
+        slots and dense tail) in ONE call of a GPU decode kernel, which reads them in slot
+        order: a launch, not one per part plus the log-sum-exp merge (the GPU decode is
+        launch-bound, docs/gpu.md). Rotated storage: the pools are rotated alike, so the
+        query goes in and the output out once. None where no GPU backend takes them."""
+        i = next((j for j, (_, _, fmt) in enumerate(parts) if fmt.packed), None)
+        if i is None or i > 1 or len(parts) - i > 2 or self.quantized_path != "fused":
+            return None
+        keys, values, fmt = parts[i]
+        pools = [part for j, part in enumerate(parts) if j != i]
+        if any(f != DENSE for _, _, f in pools) or (fmt.value_bits or fmt.key_bits) != fmt.key_bits:
+            return None
+        front = parts[0][:2] if i == 1 else None
+        tail = parts[i + 1][:2] if i + 1 < len(parts) else None
+        pick = {"group_size": fmt.group_size, "bits": fmt.key_bits}
+        pool_keys = [k for k, _, _ in pools]
+        name = select_backend(self.backend, queries, keys[0], mask, **pick, pools=pool_keys)
+        if name == "reference":
+            return None
+        if fmt.rotated:
+            queries = rotate(queries)
+            front, tail = (None if p is None else tuple(map(rotate, p)) for p in (front, tail))
+        kernel = get_backend(name).quantized
+        out, logits = kernel(queries, keys, values, scale, mask, **pick, front=front, tail=tail)
+        return (rotate(out) if fmt.rotated else out), logits, None
 
     def _joint_softmax(self, queries: mx.array, parts: list) -> bool:
         """Whether one query row over these parts goes through `_joint_decode`: every part

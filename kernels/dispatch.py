@@ -9,7 +9,7 @@ once, by the caller (cache/attention.py holds that choice); nothing here is glob
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -101,11 +101,14 @@ def select_backend(
     group_size: int | None = None,
     bits: int | None = None,
     value_bits: int | None = None,
+    pools: Sequence[mx.array] = (),
 ) -> str:
-    """The backend for this call (k: keys, or the packed key words when quantized)."""
+    """The backend for this call (k: keys, or the packed key words when quantized; pools:
+    the dense keys of a front and tail read with packed K/V in one call)."""
     if value_bits not in (None, bits):
         return "reference"  # the GPU kernels take one width for K and V
-    return _first(preference, lambda b: b.supports(q, k, mask, group_size=group_size, bits=bits))
+    pick = {"group_size": group_size, "bits": bits, "pools": pools}
+    return _first(preference, lambda b: b.supports(q, k, mask, **pick))
 
 
 def select_kvarn_backend(

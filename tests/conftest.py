@@ -62,3 +62,35 @@ def keyed_api(tmp_path_factory):
     flags = ["--api-key", API_KEY, "--allowed-origins", "http://127.0.0.1:9"]
     with running_server(tmp, *flags, "--kv-budget", "256MiB", "--max-sessions", "4") as s:
         yield s
+
+
+@pytest.fixture
+def emulated_gpu(monkeypatch):
+    """A GPU backend ("metal") played by the CPU emulation of the kernel bodies, preferred
+    under `auto`; yields the list of (kernel, kwargs) calls it took."""
+    from kernels import dispatch
+    from kernels.src import EMULATOR_DIALECT, emulator, launch
+
+    if emulator.compiler() is None:
+        pytest.skip("the CPU emulation of the kernel bodies needs a C++ compiler")
+    kernels = launch.DecodeKernels(EMULATOR_DIALECT, emulator.make_kernel)
+    calls = []
+
+    def logged(name, kernel):
+        def call(*args, **kwargs):
+            calls.append((name, args[0].shape, kwargs))
+            return kernel(*args, **kwargs)
+
+        return call
+
+    gpu = dispatch.Backend(
+        lambda: True,
+        launch.supports,
+        logged("dense", kernels.dense),
+        logged("quantized", kernels.quantized),
+        launch.supports_kvarn,
+        logged("kvarn", kernels.kvarn),
+    )
+    monkeypatch.setitem(dispatch._BACKENDS, "metal", gpu)
+    monkeypatch.setattr(dispatch, "_is_available", lambda name: name in ("metal", "reference"))
+    return calls

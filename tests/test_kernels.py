@@ -346,6 +346,68 @@ def test_emulated_quantized_matches_reference(L_k, D, gqa, mask, bits, group_siz
     check_quantized(backend, L_k, D, gqa, mask, bits, group_size, B, L_q=L_q, dtype=dtype)
 
 
+# --- packed K/V between dense pools: [front | packed | tail] -----------------------------
+
+EMULATED_POOLED = [
+    # front, packed, tail, D, gqa, mask, bits, group_size, L_q, dtype, key blocks
+    (4, 40, 16, 64, 3, "none", 4, 64, 1, mx.float32, None),  # h2o-q4: sinks and tail
+    (4, 252, 0, 128, 3, "bool", 8, 64, 1, mx.float32, 3),  # h2o-q8: sinks, two-pass
+    (0, 30, 7, 64, 8, "causal", 8, 32, 3, mx.float32, None),  # mixed dense-recent
+    (2, 20, 5, 64, 3, "additive", 4, 32, 1, mx.float16, 2),
+]
+
+
+@pytest.mark.parametrize(
+    "front, packed, tail, D, gqa, mask, bits, group_size, L_q, dtype, n_blocks",
+    EMULATED_POOLED,
+    ids=case_ids(EMULATED_POOLED),
+)
+def test_emulated_quantized_reads_dense_pools_in_slot_order(
+    front, packed, tail, D, gqa, mask, bits, group_size, L_q, dtype, n_blocks
+):
+    """One quantized kernel call over [dense front | packed | dense tail] (a packed H2O
+    cache's sink pool and newest tokens) gives the reference's scores and output over
+    the same keys dequantized, in that order; pools may be strided slices."""
+    q, k, v, m = make_inputs(front + packed + tail, D, gqa, L_q=L_q, mask=mask)
+    q = q.astype(dtype)
+    k_q, v_q = (quantize(x[:, :, front : front + packed], group_size, bits) for x in (k, v))
+    pools = {}
+    for name, a, b in (("front", 0, front), ("tail", front + packed, front + packed + tail)):
+        if b > a:  # a view into a larger buffer, as a cache hands its pools over
+            pools[name] = tuple(
+                mx.concatenate([x, x], axis=2)[:, :, a:b].astype(dtype) for x in (k, v)
+            )
+    pool_keys = [p[0] for p in pools.values()]
+    assert launch.supports(q, k_q[0], m, group_size=group_size, bits=bits, pools=pool_keys)
+    extra = {} if n_blocks is None else {"n_blocks": n_blocks}
+    backend = kernel_backend("emulated")
+    out, scores = backend.quantized_sdpa_with_scores(
+        q, k_q, v_q, D**-0.5, m, group_size, bits, **extra, **pools
+    )
+    dense = []
+    for i, x in enumerate((k_q, v_q)):
+        parts = [mx.dequantize(*x, group_size=group_size, bits=bits)]
+        if "front" in pools:
+            parts.insert(0, pools["front"][i].astype(mx.float32))
+        if "tail" in pools:
+            parts.append(pools["tail"][i].astype(mx.float32))
+        dense.append(mx.concatenate(parts, axis=2))
+    want_out, want_scores = reference.sdpa_with_scores(q.astype(mx.float32), *dense, D**-0.5, m)
+    assert out.dtype == dtype and scores.shape == want_scores.shape
+    assert_close(scores, want_scores, 1e-5, "scores")
+    assert_close(out, want_out, TOLERANCE[dtype], "out")
+
+
+def test_pools_must_fit_the_packed_keys():
+    q, k, _, m = make_inputs(40, 64, 3, mask="bool")
+    k_q = quantize(k[:, :, 4:], 64, 4)
+    assert not launch.supports(q, k_q[0], m, group_size=64, bits=4)  # the mask covers 40 keys
+    assert launch.supports(q, k_q[0], m, group_size=64, bits=4, pools=[k[:, :, :4]])
+    assert not launch.supports(q, k_q[0], None, group_size=64, bits=4, pools=[k[:, :1, :4]])
+    assert not launch.supports(q, k_q[0], None, group_size=64, bits=4, pools=[k_q[0][:, :, :4]])
+    assert not launch.supports(q, k, None, pools=[k[:, :, :4]])  # dense keys take no pools
+
+
 # --- KVarN storage: [dense front | packed tiles | dense tail] ---------------------------
 
 
@@ -768,6 +830,8 @@ def recorded_kernel_texts(dialect: str, dtype) -> list[str]:
         kernels.quantized(q, k_q, v_q, 0.1, "causal", 64, 4, n_blocks=n_blocks)
         kernels.kvarn(q_t, keys, values, 0.1, None, fmt, n_blocks=n_blocks)
         kernels.kvarn(q_t, *no_front, 0.1, "causal", fmt, n_blocks=n_blocks)  # a placeholder
+        pools = {"front": (k[:, :, :4], v[:, :, :4]), "tail": (k[:, :, -16:], v[:, :, -16:])}
+        kernels.quantized(q, k_q, v_q, 0.1, None, 64, 4, n_blocks=n_blocks, **pools)
     return texts
 
 
@@ -803,9 +867,9 @@ def test_generated_kernels_parse(dialect, dtype, tmp_path):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(text)
     texts = recorded_kernel_texts(dialect, dtype)
-    # dense, quantized, KVarN with and without a front pool: single pass; two passes (+ the
-    # merge each)
-    assert len(texts) == 12
+    # dense, quantized, KVarN with and without a front pool, quantized with pools: single
+    # pass; two passes (+ the merge each)
+    assert len(texts) == 15
     for i, text in enumerate(texts):
         source = tmp_path / f"kernel{i}.cpp"
         source.write_text(text)

@@ -20,7 +20,6 @@ from cache.budget import ModelShape, cache_bytes, max_kv_within
 from cache.kvarn_tiles import SINKHORN_ITERS, fit_quantize, imbalance, pack_codes, sinkhorn
 from cache.router import uninstall_router
 from config.cache_spec import H2O_KVARN_VALUE_GROUP, KVARN_PRESETS
-from kernels import dispatch
 from kernels.hadamard import hadamard_block, rotate, rotation_matrix
 from kernels.kvarn import kvarn_sdpa_with_probs
 from kernels.reference import sdpa_with_scores
@@ -449,24 +448,11 @@ def test_emulated_gpu_kernel_serves_rotated_packed_storage():
         lambda: H2OKVarNCache(96, **SEGMENTS, tile=32, head_dim=D),
     ],
 )
-def test_decode_reads_kvarn_tiles_through_the_gpu_kernel(monkeypatch, make):
+def test_decode_reads_kvarn_tiles_through_the_gpu_kernel(emulated_gpu, make):
     """With a GPU backend present (here "metal" played by the CPU emulation of its kernel
     bodies), a decode query over KVarN storage goes to the KVarN decode kernel, prompt
     chunks to the reference; outputs, and the positions H2O keeps from the kernel's
     scores, equal the reference backend's."""
-    if emulator.compiler() is None:
-        pytest.skip("the CPU emulation of the kernel bodies needs a C++ compiler")
-    kernels = launch.DecodeKernels(EMULATOR_DIALECT, emulator.make_kernel)
-    calls = []
-
-    def kvarn_kernel(*args, **kwargs):
-        calls.append(args[0].shape[2])
-        return kernels.kvarn(*args, **kwargs)
-
-    gpu = dispatch.Backend(lambda: True, launch.supports, kernels.dense, kernels.quantized,
-                           launch.supports_kvarn, kvarn_kernel)  # fmt: skip
-    monkeypatch.setitem(dispatch._BACKENDS, "metal", gpu)
-    monkeypatch.setattr(dispatch, "_is_available", lambda name: name in ("metal", "reference"))
     on_gpu, on_reference = ScoredAttention(backend="metal"), ScoredAttention(backend="reference")
     rng = np.random.default_rng(12)
     caches = make(), make()
@@ -483,7 +469,8 @@ def test_decode_reads_kvarn_tiles_through_the_gpu_kernel(monkeypatch, make):
             c.update_scores(logits)
         if caches[0].scores is not None:
             np.testing.assert_array_equal(*(np.array(c.positions) for c in caches))
-    assert calls == [1] * 12  # every decode step, no prompt chunk
+    # every decode step, no prompt chunk
+    assert [(name, shape[2]) for name, shape, _ in emulated_gpu] == [("kvarn", 1)] * 12
     assert caches[0].n_tiles() >= 1
     assert isinstance(caches[0], KVarNCache) and (caches[0].scores is None or caches[0].evicted)
 

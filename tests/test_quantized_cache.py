@@ -223,6 +223,46 @@ def test_a_decode_step_takes_one_softmax_over_every_part(layout):
     assert steps > 0 and c.evicted > 0
 
 
+ONE_CALL = {  # layout -> (sink pool, dense tail) it reads in one quantized kernel call
+    "q8": (True, False),
+    "q4": (True, True),
+    "q4-rotated": (True, True),
+    "mixed-dense-recent": (False, True),  # 8-bit old slots, the recent window dense
+    "mixed-k8v4": None,  # two widths, as "mixed-paper" has two packed parts: part by part
+    "mixed-paper": None,
+}
+
+
+@pytest.mark.parametrize("layout", list(ONE_CALL))
+def test_a_gpu_decode_reads_pools_and_packed_slots_in_one_kernel_call(emulated_gpu, layout):
+    """With a GPU backend present ("metal" played by the CPU emulation of its kernel
+    bodies), a decode query over [dense sinks | packed | dense tail] is one quantized
+    kernel call with the pools (rotated alike for rotated storage), where the widths
+    match; outputs, logits and the positions H2O keeps equal the reference backend's."""
+    rng = np.random.default_rng(13)
+    on_gpu, on_reference = ScoredAttention(backend="metal"), ScoredAttention(backend="reference")
+    caches = PROMPT_LAYOUTS[layout](), PROMPT_LAYOUTS[layout]()
+    for n_new in [20, *[1] * 12]:
+        k, v = random_kv(rng, n_new)
+        q = mx.array(rng.standard_normal((B, N_Q, n_new, D)).astype(np.float32))
+        got, want = (
+            attention(q, *c.update_and_fetch(k, v), c, D**-0.5, c.make_mask(n_new))
+            for attention, c in zip((on_gpu, on_reference), caches, strict=True)
+        )
+        np.testing.assert_allclose(np.array(got[0]), np.array(want[0]), atol=1e-5, rtol=1e-4)
+        np.testing.assert_allclose(np.array(got[1]), np.array(want[1]), atol=1e-4, rtol=1e-4)
+        for c, (_, logits) in zip(caches, (got, want), strict=True):
+            c.update_scores(logits)
+        np.testing.assert_array_equal(*(slot_positions(c) for c in caches))
+    assert caches[0].evicted > 0
+    calls = [(name, kw) for name, shape, kw in emulated_gpu if shape[2] == 1]
+    pooled = [(kw["front"] is not None, kw["tail"] is not None) for _, kw in calls if kw]
+    if ONE_CALL[layout] is None:
+        assert not pooled
+    else:
+        assert len(calls) == 12 and set(pooled) == {ONE_CALL[layout]}
+
+
 def test_dense_recent_mixed_quantizes_each_token_once():
     """Its old segment's values are exactly what h2o-q8 packs for the same tokens: no second
     rounding. (Values: h2o-q8 stores its keys centred, cache/quantized.py.)"""

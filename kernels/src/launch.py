@@ -34,12 +34,16 @@ MASK_NONE, MASK_BOOL, MASK_ADDITIVE, MASK_CAUSAL = 0, 1, 2, 3
 _DENSE_INPUTS = ("queries", "keys", "values", "mask", "scale")
 _QUANTIZED_INPUTS = (
     "queries",
+    "front_keys",
+    "front_values",
     "key_words",
     "key_scales",
     "key_biases",
     "value_words",
     "value_scales",
     "value_biases",
+    "tail_keys",
+    "tail_values",
     "mask",
     "scale",
 )
@@ -72,8 +76,10 @@ def supports(
     *,
     group_size: int | None = None,
     bits: int | None = None,
+    pools: Sequence[mx.array] = (),
 ) -> bool:
-    """Whether the decode kernels handle this call (k: keys, or the packed key words)."""
+    """Whether the decode kernels handle this call (k: keys, or the packed key words;
+    pools: the dense front and tail keys read with packed ones, [B, n_kv, n, D] each)."""
     if q.ndim != 4 or k.ndim != 4 or q.dtype not in DTYPES:
         return False
     B, n_q, L_q, D = q.shape
@@ -87,9 +93,17 @@ def supports(
             return False
         if k.shape[3] * 32 != D * bits:
             return False
-    elif k.shape[3] != D or k.dtype not in DTYPES:
+    elif k.shape[3] != D or k.dtype not in DTYPES or pools:
         return False
+    if not all(_fits_pool(x, (B, n_kv, D)) for x in pools):
+        return False
+    L_k += sum(x.shape[2] for x in pools)
     return _mask_supported(mask, (B, n_q, L_q, L_k))
+
+
+def _fits_pool(x: mx.array, lead: tuple[int, int, int]) -> bool:
+    """A dense pool read beside packed K/V: [B, n_kv, n, D] in a kernel dtype."""
+    return x.ndim == 4 and (x.shape[0], x.shape[1], x.shape[3]) == lead and x.dtype in DTYPES
 
 
 def supports_kvarn(q: mx.array, keys: list, mask: object, fmt) -> bool:
@@ -109,7 +123,7 @@ def supports_kvarn(q: mx.array, keys: list, mask: object, fmt) -> bool:
         return False
     if fmt.group_size not in GROUP_SIZES or D % fmt.group_size:
         return False
-    if any(x is not None and x.dtype not in DTYPES for x in (front, tail)):
+    if not all(_fits_pool(x, (B, n_kv, D)) for x in (front, tail) if x is not None):
         return False
     L_k = kvarn_length(keys, fmt.tile)
     return _mask_supported(mask, (B, n_q, L_q, L_k))
@@ -183,12 +197,16 @@ class DecodeKernels:
         group_size: int = 64,
         bits: int = 8,
         n_blocks: int | None = None,
+        front: tuple[mx.array, mx.array] | None = None,
+        tail: tuple[mx.array, mx.array] | None = None,
     ) -> tuple[mx.array, mx.array]:
-        packed = [*k_q, *v_q]
-        constants = {"BITS": bits, "GROUP_SIZE": group_size}
-        return self._attend(
-            q, "quantized", packed, constants, k_q[0].shape[2], scale, mask, n_blocks
-        )
+        """Over K/V packed by mx.quantize, after a dense `front` (keys, values) and before
+        a dense `tail` when given (a packed H2O cache's sink pool and newest tokens), in
+        that slot order."""
+        inputs, constants = _segments(front, k_q, v_q, tail)
+        constants.update(BITS=bits, GROUP_SIZE=group_size)
+        L_k = sum(x[0].shape[2] for x in (front, k_q, tail) if x is not None)
+        return self._attend(q, "quantized", inputs, constants, L_k, scale, mask, n_blocks)
 
     def kvarn(
         self,
@@ -204,23 +222,15 @@ class DecodeKernels:
         kernels.kvarn.TileFormat), q and the output in the model's frame: the query is
         rotated once on the way in and the output once on the way out."""
         (k_front, k_tiles, k_tail), (v_front, v_tiles, v_tail) = keys, values
-        absent = _placeholder()
-        inputs = [
-            absent if k_front is None else k_front,
-            absent if v_front is None else v_front,
-            *k_tiles,
-            *v_tiles,
-            absent if k_tail is None else k_tail,
-            absent if v_tail is None else v_tail,
-        ]
-        constants = {
-            "KEY_BITS": fmt.key_bits,
-            "VALUE_BITS": fmt.value_bits,
-            "TILE": fmt.tile,
-            "GROUP_SIZE": fmt.group_size,
-            "HAS_FRONT": int(k_front is not None),
-            "HAS_TAIL": int(k_tail is not None),
-        }
+        front = None if k_front is None else (k_front, v_front)
+        tail = None if k_tail is None else (k_tail, v_tail)
+        inputs, constants = _segments(front, k_tiles, v_tiles, tail)
+        constants.update(
+            KEY_BITS=fmt.key_bits,
+            VALUE_BITS=fmt.value_bits,
+            TILE=fmt.tile,
+            GROUP_SIZE=fmt.group_size,
+        )
         L_k = kvarn_length(keys, fmt.tile)
         # Rotated in float32 (as the reference does): a half query rotated in half precision
         # would carry its rounding into every score.
@@ -332,6 +342,14 @@ def _scale_input(scale: float) -> mx.array:
     # One array per scale for the process: a decode step calls the kernel once per layer,
     # and a fresh array each time was one more host-to-device copy per call.
     return mx.array([scale], dtype=mx.float32)
+
+
+def _segments(front, k_packed, v_packed, tail) -> tuple[list[mx.array], dict[str, int]]:
+    """A packed kernel's K/V inputs, [front K, front V, packed K.., packed V.., tail K,
+    tail V] (an absent pool as a placeholder), and its HAS_FRONT / HAS_TAIL constants."""
+    absent = (_placeholder(), _placeholder())
+    inputs = [*(front or absent), *k_packed, *v_packed, *(tail or absent)]
+    return inputs, {"HAS_FRONT": int(front is not None), "HAS_TAIL": int(tail is not None)}
 
 
 @functools.cache
