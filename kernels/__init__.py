@@ -4,8 +4,8 @@
 `quantized_sdpa_with_scores(q, k_q, v_q, scale, mask, group_size, bits)` run on the
 backend a caller prefers (`backend=`: auto, reference, metal, cuda) where it fits the
 shape, else on the reference (MLX ops, everywhere); `select_kvarn_backend` picks one for
-KVarN storage the same way (kernels/kvarn.py has its reference). cache/attention.py decides which
-backend the server prefers.
+KVarN storage the same way (kernels/kvarn.py has its reference). cache/attention.py
+decides which backend the server prefers.
 """
 
 from kernels.dispatch import (

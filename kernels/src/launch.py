@@ -80,14 +80,10 @@ def supports(
 ) -> bool:
     """Whether the decode kernels handle this call (k: keys, or the packed key words;
     pools: the dense front and tail keys read with packed ones, [B, n_kv, n, D] each)."""
-    if q.ndim != 4 or k.ndim != 4 or q.dtype not in DTYPES:
+    if k.ndim != 4 or k.shape[2] < 1 or not _decode_query(q, k.shape[0], k.shape[1]):
         return False
     B, n_q, L_q, D = q.shape
     n_kv, L_k = k.shape[1], k.shape[2]
-    if D not in HEAD_DIMS or not 1 <= L_q <= MAX_QUERY_LEN or L_k < 1:
-        return False
-    if k.shape[0] != B or n_kv < 1 or n_q % n_kv or B * n_q * L_q > MAX_GRID_ROWS:
-        return False
     if bits is not None or group_size is not None:
         if bits not in BITS or group_size not in GROUP_SIZES or k.dtype != mx.uint32:
             return False
@@ -101,6 +97,17 @@ def supports(
     return _mask_supported(mask, (B, n_q, L_q, L_k))
 
 
+def _decode_query(q: mx.array, batch: int, n_kv: int) -> bool:
+    """q [B, n_q, L_q, D]: a kernel dtype and head dim, a decode's few query rows, the
+    keys' batch, query heads grouped over n_kv KV heads, within the grid."""
+    if q.ndim != 4 or q.dtype not in DTYPES:
+        return False
+    B, n_q, L_q, D = q.shape
+    if D not in HEAD_DIMS or not 1 <= L_q <= MAX_QUERY_LEN or batch != B:
+        return False
+    return n_kv >= 1 and n_q % n_kv == 0 and B * n_q * L_q <= MAX_GRID_ROWS
+
+
 def _fits_pool(x: mx.array, lead: tuple[int, int, int]) -> bool:
     """A dense pool read beside packed K/V: [B, n_kv, n, D] in a kernel dtype."""
     return x.ndim == 4 and (x.shape[0], x.shape[1], x.shape[3]) == lead and x.dtype in DTYPES
@@ -110,14 +117,11 @@ def supports_kvarn(q: mx.array, keys: list, mask: object, fmt) -> bool:
     """Whether the decode kernels handle this KVarN part (keys: [front, tiles, tail] with
     tiles present; fmt: kernels.kvarn.TileFormat)."""
     front, tiles, tail = keys
-    if tiles is None or q.ndim != 4 or q.dtype not in DTYPES:
+    if tiles is None or not _decode_query(q, tiles[0].shape[0], tiles[0].shape[1]):
         return False
     B, n_q, L_q, D = q.shape
-    words = tiles[0]  # [B, n_kv, n, D, tile * bits / 32]
-    n_kv = words.shape[1]
-    if D not in HEAD_DIMS or not 1 <= L_q <= MAX_QUERY_LEN or words.shape[0] != B:
-        return False
-    if n_q % n_kv or B * n_q * L_q > MAX_GRID_ROWS or words.shape[3] != D:
+    n_kv = tiles[0].shape[1]
+    if tiles[0].shape[3] != D:  # key words [B, n_kv, n, D, tile * bits / 32]
         return False
     if fmt.key_bits not in KVARN_BITS or fmt.value_bits not in KVARN_BITS:
         return False
