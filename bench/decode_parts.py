@@ -1,18 +1,21 @@
 """Packed decode variants, A/B on the same caches: one softmax over every part vs a softmax
-per part merged by log-sum-exp (`--compare parts`), and 8-bit keys read as bytes vs
+per part merged by log-sum-exp (`--compare parts`), and 8-/4-bit keys read as bytes vs
 mx.quantized_matmul (`--compare bytes`).
 
 Packed H2O caches attend in parts (the dense sink pool, the packed rest; a mixed
 cache's two widths). cache/attention.py takes one softmax over all parts' logits
 for a decode query on the reference backend (`_joint_decode`); the alternative is
 each part on its own, merged by log-sum-exp. On the CPU the reference reads 8-bit
-keys of one group per row as bytes in a dense matmul (kernels/reference.py,
-`_byte_matmul_t`); the alternative is MLX's quantized_matmul. Both variants run on
-the SAME caches after one prompt, alternating every round (A, B, B, A, ...), wall
-and process CPU time.
+keys of one group per row as bytes in a dense matmul, and 4-bit ones as nibbles from a
+few sessions on (kernels/reference.py, `_byte_matmul_t`); the alternative is MLX's
+quantized_matmul. Both variants run on the SAME caches after one prompt, alternating
+every round (A, B, B, A, ...), wall and process CPU time. `--rows N`: N sessions (each
+its own passage) decoding together in one H2O slab, as the server batches them.
 
     python -m bench.decode_parts --out docs/decode_parts.md     # ~4 min on 2 cores
     python -m bench.decode_parts --compare bytes --out docs/decode_bytes.md
+    python -m bench.decode_parts --compare bytes --rows 8 --context 300 \
+        --out docs/decode_bytes_slab.md
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import argparse
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 from bench.report import command, machine, publish
@@ -30,29 +34,36 @@ CASES = {  # label -> make_cache kwargs
     "h2o-q8, max_kv 861": {"policy": "h2o-q8", "max_kv": 861},
     "h2o-q4 rotated, group 32, max_kv 256": {"policy": "h2o-q4", "max_kv": 256, "group_size": 32},
 }
-BYTE_CASES = {  # caches with 8-bit keys of one group per row (head dim 64, group 64)
+BYTE_CASES = {  # caches with 8- or 4-bit keys of one group per row (head dim 64, group 64)
     "h2o-q8, max_kv 256": {"policy": "h2o-q8", "max_kv": 256},
     "h2o-q8, max_kv 861": {"policy": "h2o-q8", "max_kv": 861},
     "h2o-mixed k8v4, max_kv 256": {"policy": "h2o-mixed", "max_kv": 256},
+    "h2o-q4 (rotated, dense tail), max_kv 256": {"policy": "h2o-q4", "max_kv": 256},
 }
 # --compare -> (title, variant A, variant B, cases); the ratio is A / B
 COMPARISONS = {
     "parts": ("Packed decode: one softmax over every part vs per part", "one softmax",
               "per part", CASES),
-    "bytes": ("8-bit keys: read as bytes vs mx.quantized_matmul", "bytes",
+    "bytes": ("8- and 4-bit keys: read as bytes vs mx.quantized_matmul", "bytes",
               "quantized_matmul", BYTE_CASES),
 }  # fmt: skip
 
 
 def timed(model, caches, y, steps: int) -> tuple[float, float, object]:
-    """(tok/s wall, tok/s of process CPU time, last token) over `steps` greedy steps."""
+    """(tok/s wall, tok/s of process CPU time, last tokens) over `steps` greedy steps;
+    `caches()` gives each step's caches (a slab's are built per pass, as the server's)."""
     import mlx.core as mx
 
     wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
-        y = mx.argmax(model(y, cache=caches)[:, -1], axis=-1)[:, None]
+        y = mx.argmax(model(y, cache=caches())[:, -1], axis=-1)[:, None]
         mx.eval(y)
-    return steps / (time.perf_counter() - wall), steps / (time.process_time() - cpu), y
+    rows = y.shape[0]
+    return (
+        rows * steps / (time.perf_counter() - wall),
+        rows * steps / (time.process_time() - cpu),
+        y,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--compare", choices=list(COMPARISONS), default="parts")
+    p.add_argument("--rows", type=int, default=1, help="sessions decoding in one H2O slab")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     title, name_a, name_b, cases = COMPARISONS[args.compare]
@@ -70,18 +82,40 @@ def main(argv: list[str] | None = None) -> int:
     from bench.text import essay_token_ids
     from cache import make_cache
     from cache.attention import ScoredAttention
+    from cache.batch import batch_caches
+    from cache.h2o_slab import H2OSlab, slab_key
     from kernels import reference
     from server.models import load_model
 
     model, tokenizer = load_model("default")
-    prompt = mx.array(essay_token_ids(tokenizer, args.context)[: args.context])[None]
+    ids = essay_token_ids(tokenizer, args.context * args.rows)
+
+    def prefilled(kwargs: dict):
+        """(each step's caches, the next tokens) of args.rows sessions after their prompts
+        (a passage each, 512-token chunks), in one H2O slab when several."""
+        sessions, lasts = [], []
+        for r in range(args.rows):
+            caches = make_cache(model, **kwargs)
+            prompt = mx.array(ids[r * args.context : (r + 1) * args.context])[None]
+            for start in range(0, args.context, 512):
+                logits = model(prompt[:, start : start + 512], cache=caches)
+                mx.eval(logits)
+            sessions.append(caches)
+            lasts.append(logits[:, -1])
+        y = mx.argmax(mx.concatenate(lasts), axis=-1)[:, None]
+        if args.rows == 1:
+            return (lambda: sessions[0]), y
+        slab = H2OSlab(slab_key(sessions[0]))
+        slab.join(list(enumerate(sessions)))
+        return partial(batch_caches, [], slab), y
+
     joint, as_bytes = ScoredAttention._joint_softmax, reference._byte_matmul_t
 
     def per_part(self, queries, parts) -> bool:
         return False
 
-    def quantized_matmul(x, packed):
-        return mx.quantized_matmul(x, *packed, transpose=True, group_size=x.shape[-1], bits=8)
+    def quantized_matmul(x, packed, bits):
+        return mx.quantized_matmul(x, *packed, transpose=True, group_size=x.shape[-1], bits=bits)
 
     def use(name: str) -> None:
         ScoredAttention._joint_softmax = per_part if name == "per part" else joint
@@ -94,11 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     try:
         for label, kwargs in cases.items():
-            caches = make_cache(model, **kwargs)
-            for start in range(0, args.context, 512):
-                logits = model(prompt[:, start : start + 512], cache=caches)
-                mx.eval(logits)
-            y = mx.argmax(logits[:, -1], axis=-1)[:, None]
+            caches, y = prefilled(kwargs)
             got: dict[str, list[tuple[float, float]]] = {name_a: [], name_b: []}
             for r in range(args.rounds):
                 for name in (name_a, name_b) if r % 2 == 0 else (name_b, name_a):
@@ -118,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         ScoredAttention._joint_softmax, reference._byte_matmul_t = joint, as_bytes
     publish(
         title,
-        f"Default model, {args.context}-token prompt in 512-token chunks, then "
+        f"Default model, {args.rows} session(s) in one H2O slab, a {args.context}-token "
+        "prompt each in 512-token chunks, then "
         f"{args.rounds} rounds of {args.steps} greedy decode steps per variant on the same "
         f"caches, alternating which goes first; ratio = {name_a} / {name_b}. "
         f"Machine: {machine()}.",

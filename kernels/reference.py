@@ -129,6 +129,10 @@ def _f32(x: mx.array) -> mx.array:
 
 
 QuantizedTensor = tuple[mx.array, mx.array, mx.array]
+# 4-bit keys are read as nibbles (_byte_matmul_t) from this many batch rows (an H2O slab of
+# sessions) on: h2o-q4 decode, default model, A/B on the same caches: 1 session 0.99x,
+# a slab of 4 1.03x, of 8 1.11x quantized_matmul's step rate.
+NIBBLE_KEYS_FROM_BATCH = 4
 
 
 def packed_matmul(
@@ -142,25 +146,33 @@ def packed_matmul(
         # K/V (an H100, 2026-11-25); dequantized, the same attention matched the CUDA kernel.
         dense = mx.dequantize(w, _f32(scales), _f32(biases), group_size=group_size, bits=bits)
         return x @ (dense.swapaxes(-1, -2) if transpose else dense)
-    if transpose and bits == 8 and scales.shape[-1] == 1 and mx.default_device() == mx.cpu:
-        return _byte_matmul_t(x, packed)
+    as_bytes = bits == 8 or (bits == 4 and x.shape[0] >= NIBBLE_KEYS_FROM_BATCH)
+    if transpose and as_bytes and scales.shape[-1] == 1 and mx.default_device() == mx.cpu:
+        return _byte_matmul_t(x, packed, bits)
     return mx.quantized_matmul(
         x, w, _f32(scales), _f32(biases), transpose=transpose, group_size=group_size, bits=bits
     )
 
 
-def _byte_matmul_t(x: mx.array, packed: QuantizedTensor) -> mx.array:
-    """x @ dequantize(packed)^T for 8-bit rows of one group each, without MLX's CPU
-    quantized_matmul, which takes 4-5x a dense product for a decode query's few rows
-    (3 rows x 256 keys: 245 vs 55 us): the words read as bytes (mx.quantize's element
-    order) in one dense matmul, scale and bias folded in after, as
-    x . (s w + b) = s (x . w) + b sum(x). Several groups per row cost more ops than
-    they save, so those keep quantized_matmul."""
+def _byte_matmul_t(x: mx.array, packed: QuantizedTensor, bits: int) -> mx.array:
+    """x @ dequantize(packed)^T for 8- or 4-bit rows of one group each, without MLX's
+    CPU quantized_matmul, which takes 4-5x a dense product for a decode query's few rows
+    (3 rows x 272 keys x 3 heads: 84 vs 21 us; 8 sessions: 640 vs 125): the words read as
+    bytes (mx.quantize's element order: 4-bit element 2j in byte j's low nibble, 2j + 1
+    in its high one) in dense matmuls, scale and bias folded in after, as
+    x . (s c + b) = s (x . c) + b sum(x). 8 sessions' 4-bit keys: 255 us (more ops, less
+    work each: they pay from a few sessions on, NIBBLE_KEYS_FROM_BATCH). Several groups
+    per row cost more ops than they save, so those keep quantized_matmul."""
     words, scales, biases = packed
     x32 = _f32(x)
-    codes = words.view(mx.uint8).astype(mx.float32)  # [..., N, K]
+    codes = words.view(mx.uint8)  # [..., N, K]
+    if bits == 8:
+        dots = x32 @ codes.astype(mx.float32).swapaxes(-1, -2)
+    else:
+        low, high = (c.astype(mx.float32).swapaxes(-1, -2) for c in (codes & 15, codes >> 4))
+        dots = x32[..., 0::2] @ low + x32[..., 1::2] @ high
     s, b = (_f32(a).swapaxes(-1, -2) for a in (scales, biases))  # [..., 1, N]
-    out = (x32 @ codes.swapaxes(-1, -2)) * s + x32.sum(-1, keepdims=True) * b
+    out = dots * s + x32.sum(-1, keepdims=True) * b
     return out if out.dtype == x.dtype else out.astype(x.dtype)
 
 

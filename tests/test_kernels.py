@@ -187,20 +187,23 @@ def test_packed_matmul_on_cuda_dequantizes_to_the_same_product(
     assert_close(dequantized, direct, 1e-4, "product")
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
-def test_8bit_keys_of_one_group_read_as_bytes_give_quantized_matmuls_product(D, dtype):
-    """The CPU reference reads 8-bit rows of one group as bytes (one dense matmul, scale and
-    bias folded in after) instead of mx.quantized_matmul: the same product, also over a
-    slice of the packed rows (a cache's keys past its dense sink pool)."""
+def test_keys_of_one_group_read_as_bytes_give_quantized_matmuls_product(bits, D, dtype):
+    """The CPU reference reads 8- and 4-bit rows of one group as bytes (dense matmuls, a
+    4-bit byte's low nibble the even channel, scale and bias folded in after; 4-bit from
+    a slab's few sessions on) instead of mx.quantized_matmul: the same product, also
+    over a slice of the packed rows (a cache's keys past its dense sink pool)."""
     rng = np.random.default_rng(2)
-    x = mx.array(rng.standard_normal((1, 3, 3, D), dtype=np.float32) * D**-0.5).astype(dtype)
-    keys = mx.array(rng.standard_normal((1, 3, 260, D), dtype=np.float32))
-    packed = [a[:, :, 4:] for a in quantize(keys, D, 8)]
+    B = reference.NIBBLE_KEYS_FROM_BATCH
+    x = mx.array(rng.standard_normal((B, 3, 3, D), dtype=np.float32) * D**-0.5).astype(dtype)
+    keys = mx.array(rng.standard_normal((B, 3, 260, D), dtype=np.float32))
+    packed = [a[:, :, 4:] for a in quantize(keys, D, bits)]
     with mx.stream(mx.cpu):
-        got = reference.packed_matmul(x, packed, True, D, 8)
-        want = mx.quantized_matmul(x, *packed, transpose=True, group_size=D, bits=8)
-    assert got.dtype == dtype and got.shape == want.shape == (1, 3, 3, 256)
+        got = reference.packed_matmul(x, packed, True, D, bits)
+        want = mx.quantized_matmul(x, *packed, transpose=True, group_size=D, bits=bits)
+    assert got.dtype == dtype and got.shape == want.shape == (B, 3, 3, 256)
     assert_close(got.astype(mx.float32), want.astype(mx.float32), TOLERANCE[dtype], "product")
 
 
