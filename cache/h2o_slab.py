@@ -26,7 +26,9 @@ windowed and tiled layouts differ), never re-indexed, all with one configuration
 (`slab_key`). A packed row also stacks its key centre and dense sink pool, and joins
 once that pool is full (its sinks seen); with 4-bit keys also its dense tail, once that
 holds its newest tokens past the sinks: the slab keeps the slot each tail token fills,
-masks those packed copies and scores the tail's logits in their slots. While in the slab
+masks those packed copies and scores the tail's logits in their slots; it encodes and
+writes the copies for all rows once every `tail` steps, as a lone cache does (and before
+rows move or are read: `pack_pending`). While in the slab
 a member's caches keep their counters (length, tokens seen, evicted) and no arrays;
 `leave` writes its rows back, `lend` hands out copies until the next step. A member
 nearing its model's context must leave first (`near_wall`): re-indexing runs alone.
@@ -98,6 +100,9 @@ class H2OSlabLayer:
         self.tail_keys = self.tail_values = None  # [rows, H, tail, D]: newest tokens, dense
         self.held = None  # bool [rows, H, slots]: the slots each row's head holds
         self.tail_slots = None  # int32 [rows, H, tail]: the slot each tail token fills
+        # The newest tail tokens whose packed copies wait (every row alike: rows join with
+        # none waiting and take a token each step), as a lone cache's `unpacked`.
+        self.unpacked = 0
         self._mask = None  # this step's `held` per query head, [rows, q_heads, 1, slots]
 
     @property
@@ -134,8 +139,15 @@ class H2OSlabLayer:
             self.tail_keys = shifted_in(self.tail_keys, keys)
             self.tail_values = shifted_in(self.tail_values, values)
             self.tail_slots = shifted_in(self.tail_slots, at.astype(mx.int32))
-        keys, values = caches[0]._encode(keys, values)  # every row's config is the same
-        self.keys, self.values = tree_map(put, self.keys, keys), tree_map(put, self.values, values)
+            # Its packed copy is masked while the tail serves it: packed with the tail's
+            # others once every `tail` steps (as a lone cache does), not encoded now.
+            self.unpacked += 1
+            if self.unpacked == self.tail_slots.shape[2]:
+                self.pack_pending()
+        else:
+            keys, values = caches[0]._encode(keys, values)  # every row's config is the same
+            self.keys = tree_map(put, self.keys, keys)
+            self.values = tree_map(put, self.values, values)
         self.positions = put(self.positions, mx.broadcast_to(seen.reshape(B, 1, 1), (B, H, 1)))
         self.held = held
         self._mask = None
@@ -143,6 +155,16 @@ class H2OSlabLayer:
             c._len += 1
             c.offset += 1
         return self.keys, self.values
+
+    def pack_pending(self) -> None:
+        """Write the packed copies the newest tail tokens wait for, every row's at once."""
+        n, self.unpacked = self.unpacked, 0
+        if not n:
+            return
+        tail = (self.tail_keys[:, :, -n:], self.tail_values[:, :, -n:])
+        keys, values = self._caches()[0]._encode(*tail)
+        put = partial(scatter_write, self.tail_slots[:, :, -n:])
+        self.keys, self.values = tree_map(put, self.keys, keys), tree_map(put, self.values, values)
 
     def kv_segments(self, keys, values) -> list:
         """Every slot of every row; a packed row's dense sink pool shadows its first slots,
@@ -269,6 +291,7 @@ class H2OSlab:
     def join(self, sessions: list[tuple[Hashable, list[H2OKVCache]]]) -> None:
         """Move sessions' rows into the slab as its last rows (one copy of the slab)."""
         self.reclaim()
+        self.pack_pending()  # the rows after join wait for none, as the new ones
         for _, caches in sessions:  # the slab reads every slot it did not write packed
             for c in caches:
                 if isinstance(c, QuantizedH2OKVCache):
@@ -308,6 +331,7 @@ class H2OSlab:
     def leave(self, member: Hashable, caches: list[H2OKVCache] | None) -> None:
         """Take a member's row out; write it back into its caches (None: drop it)."""
         self.reclaim()
+        self.pack_pending()
         i = self.members.index(member)
         del self.members[i], self.caches[i]
         written = []
@@ -329,11 +353,17 @@ class H2OSlab:
 
     def lend(self, member: Hashable, caches: list[H2OKVCache]) -> None:
         """Give a member's caches copies of its rows, for a reader between steps."""
+        self.pack_pending()
         i = self.members.index(member)
         for layer, c in zip(self.layers, caches, strict=True):
             for name, arrays in layer.row(i).items():
                 setattr(c, name, arrays)
         self._lent.append(caches)
+
+    def pack_pending(self) -> None:
+        """Every layer's waiting packed copies written: before rows move or are read."""
+        for layer in self.layers:
+            layer.pack_pending()
 
     def reclaim(self) -> None:
         """Drop lent copies: the slab holds the rows."""
@@ -350,7 +380,7 @@ def select_write(taken: mx.array, buf: mx.array, new: mx.array) -> mx.array:
 
 
 def scatter_write(at: mx.array, buf: mx.array, new: mx.array) -> mx.array:
-    """`buf` [B, H, slots, ...] with `new` [B, H, 1, ...] in slot `at` [B, H, 1]."""
+    """`buf` [B, H, slots, ...] with `new` [B, H, n, ...] in slots `at` [B, H, n]."""
     where = mx.broadcast_to(at.reshape(*at.shape, *[1] * (new.ndim - 3)), new.shape)
     return mx.put_along_axis(buf, where, new, axis=2)
 
