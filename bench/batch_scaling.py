@@ -15,7 +15,8 @@ decode steps with the next step queued before waiting (as generate_step does).
   server batches dense H2O sessions of one configuration now.
 
 Rounds interleave every (cache, B) pair, order reversed every other round; scaling =
-B x (B=1 step time) / (B step time), medians over rounds.
+B x (B=1 step time) / (B step time), medians over rounds. `--slab-policies`: slabs of
+other policies in the same rounds, each step against the `--policy` slab's of its round.
 
     python -m bench.batch_scaling --out docs/batch_scaling.md     # ~5 min on 2 cores
 
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--policy", default="h2o", help="the H2O cases' policy (h2o, h2o-q8, ...)")
+    p.add_argument("--slab-policies", nargs="*", default=[], help="more slabs, e.g. h2o-q4")
     p.add_argument("--synthetic", choices=SHAPES, help="random weights of this shape")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--out", type=Path, default=None)
@@ -77,20 +79,20 @@ def main(argv: list[str] | None = None) -> int:
         logits = model(prompts(rows), cache=caches)
         return lambda: caches, logits
 
-    def prefilled_sessions(rows: int) -> tuple[list, mx.array]:
-        """`rows` sessions of args.policy, each prompt prefilled alone (as the server
-        does); their caches and last logits."""
+    def prefilled_sessions(rows: int, policy: str) -> tuple[list, mx.array]:
+        """`rows` sessions of `policy`, each prompt prefilled alone (as the server does);
+        their caches and last logits."""
         install_router(model)
-        sessions = [make_cache(model, args.policy, max_kv=256) for _ in range(rows)]
+        sessions = [make_cache(model, policy, max_kv=256) for _ in range(rows)]
         lasts = [model(p[None], cache=c) for p, c in zip(prompts(rows), sessions, strict=True)]
         return sessions, mx.concatenate(lasts)
 
     def h2o(rows: int):
-        sessions, logits = prefilled_sessions(rows)
+        sessions, logits = prefilled_sessions(rows, args.policy)
         return partial(batch_caches, sessions), logits
 
-    def h2o_slab(rows: int):
-        sessions, logits = prefilled_sessions(rows)
+    def h2o_slab(rows: int, policy: str):
+        sessions, logits = prefilled_sessions(rows, policy)
         if rows == 1:  # the server slabs two or more
             return partial(batch_caches, sessions), logits
         slab = H2OSlab(slab_key(sessions[0]))
@@ -114,10 +116,13 @@ def main(argv: list[str] | None = None) -> int:
         n = args.steps
         return (time.perf_counter() - wall) / n, (time.process_time() - cpu) / n
 
+    def slab_case(policy: str) -> str:
+        return f"{policy} max_kv 256, one H2OSlab (cache/h2o_slab.py)"
+
     cases = {
         "stock mlx-lm (one KVCache)": stock,
         f"{args.policy} max_kv 256, a part per session (cache/batch.py)": h2o,
-        f"{args.policy} max_kv 256, one H2OSlab (cache/h2o_slab.py)": h2o_slab,
+        **{slab_case(p): partial(h2o_slab, policy=p) for p in [args.policy, *args.slab_policies]},
     }
     pairs = [(name, rows) for name in cases for rows in args.rows]
     got: dict[tuple[str, int], list[tuple[float, float]]] = {pair: [] for pair in pairs}
@@ -144,6 +149,22 @@ def main(argv: list[str] | None = None) -> int:
                 f"{statistics.median(scaling):.2f}x | {', '.join(f'{x:.2f}' for x in scaling)} | "
                 f"{statistics.median(c for _, c in got[name, rows]) * 1e3:.1f} |"
             )
+    if args.slab_policies:
+        lines += [
+            "",
+            f"Slab step rate against the {args.policy} slab's in the same round:",
+            "",
+            "| cache | rows | vs the " + args.policy + " slab (median) | per round |",
+            "|---|---|---|---|",
+        ]
+        for policy in args.slab_policies:
+            for rows in args.rows:
+                base, mine = got[slab_case(args.policy), rows], got[slab_case(policy), rows]
+                ratios = [a[0] / b[0] for a, b in zip(base, mine, strict=True)]
+                lines.append(
+                    f"| {slab_case(policy)} | {rows} | {statistics.median(ratios):.3f}x | "
+                    f"{', '.join(f'{x:.2f}' for x in ratios)} |"
+                )
     publish(
         "Batched decode: what one forward pass for B rows gains",
         f"{about}, {args.context} tokens per row, {args.steps} pipelined greedy "
