@@ -41,42 +41,24 @@ DEVICE_FN int imin(int a, int b) {
     }                                                          \
   }
 
-// KVarN tiles (kernels/kvarn.py has the layout), token u of tile j, this lane's channels.
-// Keys are channels x tokens, KEY_BITS-wide fields in one affine group per channel, times
-// the tile's token factor: k[u, c] = (code * scale[c] + bias[c]) * factor[u].
-#define DEQUANTIZE_KVARN_KEY(dst, words, words_strides, scales, scales_strides, biases,    \
-                             biases_strides, factors, factors_strides, b, h, j, u)         \
-  {                                                                                      \
-    constexpr int FIELDS_PER_WORD = 32 / KEY_BITS;                                       \
-    constexpr uint32_t FIELD_MASK = (1u << KEY_BITS) - 1u;                               \
-    const float factor_ = TO_F32(factors[OFFSET4(factors_strides, b, h, j, u)]);         \
-    const int shift_ = (u % FIELDS_PER_WORD) * KEY_BITS;                                 \
-    for (int i_ = 0; i_ < PER_LANE; i_++) {                                              \
-      const int c_ = d0 + i_;                                                            \
-      const uint32_t word_ =                                                             \
-          words[OFFSET5(words_strides, b, h, j, c_, u / FIELDS_PER_WORD)];               \
-      const float scale_ = TO_F32(scales[OFFSET5(scales_strides, b, h, j, c_, 0)]);      \
-      const float bias_ = TO_F32(biases[OFFSET5(biases_strides, b, h, j, c_, 0)]);       \
-      dst[i_] = (scale_ * float((word_ >> shift_) & FIELD_MASK) + bias_) * factor_;      \
-    }                                                                                    \
-  }
-
-// Values are tokens x channels, VALUE_BITS-wide fields in groups of GROUP_SIZE channels,
-// times the tile's channel factor: v[u, c] = (code * scale[u] + bias[u]) * factor[c].
-#define DEQUANTIZE_KVARN_VALUE(dst, words, words_strides, scales, scales_strides, biases,  \
-                               biases_strides, factors, factors_strides, b, h, j, u)       \
-  {                                                                                      \
-    constexpr int FIELDS_PER_WORD = 32 / VALUE_BITS;                                     \
-    constexpr uint32_t FIELD_MASK = (1u << VALUE_BITS) - 1u;                             \
-    const int group_ = d0 / GROUP_SIZE;                                                  \
-    const float scale_ = TO_F32(scales[OFFSET5(scales_strides, b, h, j, u, group_)]);    \
-    const float bias_ = TO_F32(biases[OFFSET5(biases_strides, b, h, j, u, group_)]);     \
-    for (int i_ = 0; i_ < PER_LANE; i_++) {                                              \
-      const int c_ = d0 + i_;                                                            \
-      const uint32_t word_ =                                                             \
-          words[OFFSET5(words_strides, b, h, j, u, c_ / FIELDS_PER_WORD)];               \
-      const uint32_t field_ = (word_ >> ((c_ % FIELDS_PER_WORD) * VALUE_BITS)) & FIELD_MASK; \
-      const float factor_ = TO_F32(factors[OFFSET4(factors_strides, b, h, j, c_)]);      \
-      dst[i_] = (scale_ * float(field_) + bias_) * factor_;                              \
-    }                                                                                    \
+// This lane's PER_LANE elements (channels c_ from d0) of one token of a KVarN tile j
+// (kernels/kvarn.py has the layout): BITS_-wide fields in mx.quantize's packing, each
+// (code * scale + bias) * factor. The caller says where, as expressions of c_: the word
+// [word_row, word_col] and the field's shift in it, the scale and bias [scale_row,
+// scale_col], the factor [factor_at] (keys: channels x tokens, a group per channel, a
+// factor per token; values: tokens x channels, GROUP_SIZE channels a group, a factor
+// per channel).
+#define DEQUANTIZE_KVARN(dst, BITS_, words, words_strides, word_row, word_col, shift, scales, \
+                         scales_strides, biases, biases_strides, scale_row, scale_col,        \
+                         factors, factors_strides, factor_at, b, h, j)                        \
+  {                                                                                          \
+    for (int i_ = 0; i_ < PER_LANE; i_++) {                                                  \
+      const int c_ = d0 + i_;                                                                \
+      const uint32_t word_ = words[OFFSET5(words_strides, b, h, j, word_row, word_col)];     \
+      const float code_ = float((word_ >> (shift)) & ((1u << BITS_) - 1u));                  \
+      const float scale_ = TO_F32(scales[OFFSET5(scales_strides, b, h, j, scale_row, scale_col)]); \
+      const float bias_ = TO_F32(biases[OFFSET5(biases_strides, b, h, j, scale_row, scale_col)]);  \
+      const float factor_ = TO_F32(factors[OFFSET4(factors_strides, b, h, j, factor_at)]);   \
+      dst[i_] = (scale_ * code_ + bias_) * factor_;                                          \
+    }                                                                                        \
   }

@@ -32,38 +32,29 @@ MAX_GRID_ROWS = 65535  # CUDA's limit on gridDim.y
 MASK_NONE, MASK_BOOL, MASK_ADDITIVE, MASK_CAUSAL = 0, 1, 2, 3
 
 _DENSE_INPUTS = ("queries", "keys", "values", "mask", "scale")
-_QUANTIZED_INPUTS = (
-    "queries",
-    "front_keys",
-    "front_values",
-    "key_words",
-    "key_scales",
-    "key_biases",
-    "value_words",
-    "value_scales",
-    "value_biases",
-    "tail_keys",
-    "tail_values",
-    "mask",
-    "scale",
-)
-_KVARN_INPUTS = (
-    "queries",
-    "front_keys",
-    "front_values",
-    "key_words",
-    "key_scales",
-    "key_biases",
-    "key_factors",
-    "value_words",
-    "value_scales",
-    "value_biases",
-    "value_factors",
-    "tail_keys",
-    "tail_values",
-    "mask",
-    "scale",
-)
+
+
+def _packed_inputs(*extra: str) -> tuple[str, ...]:
+    """A packed kernel's inputs: the dense front pool, packed keys and values (words,
+    scales, biases, then `extra` per side: KVarN's factors), the dense tail pool."""
+    key, value = (
+        [f"{side}_{n}" for n in ("words", "scales", "biases", *extra)] for side in ("key", "value")
+    )
+    return (
+        "queries",
+        "front_keys",
+        "front_values",
+        *key,
+        *value,
+        "tail_keys",
+        "tail_values",
+        "mask",
+        "scale",
+    )
+
+
+_QUANTIZED_INPUTS = _packed_inputs()
+_KVARN_INPUTS = _packed_inputs("factors")  # key_factors, value_factors
 _INPUTS = {"dense": _DENSE_INPUTS, "quantized": _QUANTIZED_INPUTS, "kvarn": _KVARN_INPUTS}
 _SINGLE_OUTPUTS = ("out", "scores")
 _SPLIT_OUTPUTS = ("scores", "partial_out", "partial_max", "partial_sum")
