@@ -360,17 +360,11 @@ EMULATED_POOLED = [
 ]
 
 
-@pytest.mark.parametrize(
-    "front, packed, tail, D, gqa, mask, bits, group_size, L_q, dtype, n_blocks",
-    EMULATED_POOLED,
-    ids=case_ids(EMULATED_POOLED),
-)
-def test_emulated_quantized_reads_dense_pools_in_slot_order(
-    front, packed, tail, D, gqa, mask, bits, group_size, L_q, dtype, n_blocks
+def check_pooled(
+    backend, front, packed, tail, D, gqa, mask, bits, group_size, L_q, dtype, n_blocks
 ):
-    """One quantized kernel call over [dense front | packed | dense tail] (a packed H2O
-    cache's sink pool and newest tokens) gives the reference's scores and output over
-    the same keys dequantized, in that order; pools may be strided slices."""
+    """One quantized kernel call over [dense front | packed | dense tail] against the
+    reference over the same keys dequantized, in that order; pools are strided slices."""
     q, k, v, m = make_inputs(front + packed + tail, D, gqa, L_q=L_q, mask=mask)
     q = q.astype(dtype)
     k_q, v_q = (quantize(x[:, :, front : front + packed], group_size, bits) for x in (k, v))
@@ -381,9 +375,8 @@ def test_emulated_quantized_reads_dense_pools_in_slot_order(
                 mx.concatenate([x, x], axis=2)[:, :, a:b].astype(dtype) for x in (k, v)
             )
     pool_keys = [p[0] for p in pools.values()]
-    assert launch.supports(q, k_q[0], m, group_size=group_size, bits=bits, pools=pool_keys)
+    assert backend.supports(q, k_q[0], m, group_size=group_size, bits=bits, pools=pool_keys)
     extra = {} if n_blocks is None else {"n_blocks": n_blocks}
-    backend = kernel_backend("emulated")
     out, scores = backend.quantized_sdpa_with_scores(
         q, k_q, v_q, D**-0.5, m, group_size, bits, **extra, **pools
     )
@@ -399,6 +392,26 @@ def test_emulated_quantized_reads_dense_pools_in_slot_order(
     assert out.dtype == dtype and scores.shape == want_scores.shape
     assert_close(scores, want_scores, 1e-5, "scores")
     assert_close(out, want_out, TOLERANCE[dtype], "out")
+
+
+POOLED_ARGS = "front, packed, tail, D, gqa, mask, bits, group_size, L_q, dtype, n_blocks"
+
+
+@pytest.mark.parametrize(POOLED_ARGS, EMULATED_POOLED, ids=case_ids(EMULATED_POOLED))
+def test_emulated_quantized_reads_dense_pools_in_slot_order(
+    front, packed, tail, D, gqa, mask, bits, group_size, L_q, dtype, n_blocks
+):
+    """A packed H2O cache's sink pool and newest tokens read beside its packed slots."""
+    backend = kernel_backend("emulated")
+    check_pooled(backend, front, packed, tail, D, gqa, mask, bits, group_size, L_q, dtype, n_blocks)
+
+
+@on_backends(GPU_BACKENDS, POOLED_ARGS, EMULATED_POOLED)
+def test_gpu_quantized_reads_dense_pools_in_slot_order(
+    name, front, packed, tail, D, gqa, mask, bits, group_size, L_q, dtype, n_blocks
+):
+    backend = kernel_backend(name)
+    check_pooled(backend, front, packed, tail, D, gqa, mask, bits, group_size, L_q, dtype, n_blocks)
 
 
 def test_pools_must_fit_the_packed_keys():
