@@ -490,12 +490,17 @@ def test_emulated_kvarn_matches_reference(segments, D, gqa, mask, fmt, L_q, dtyp
     check_kvarn(kernel_backend("emulated"), segments, D, gqa, mask, fmt, L_q, dtype, n_blocks)
 
 
-@on_backends(GPU_BACKENDS, "segments, mask, fmt", [(4, 3, 20), (128, 4, 0)], MASKS,
-             [(32, 4, 2, 32), (128, 4, 4, 64), (64, 2, 2, 32)])  # fmt: skip
-def test_gpu_kvarn_matches_reference(name, segments, mask, fmt):
-    L_q = 2 if mask == "causal" else 1
-    check_kvarn(kernel_backend(name), segments, 64, 3, mask, TileFormat(*fmt), L_q)
-    check_kvarn(kernel_backend(name), segments, 128, 1, mask, TileFormat(*fmt), L_q, n_blocks=3)
+GPU_KVARN = [
+    *EMULATED_KVARN,
+    ((128, 16, 100), 128, 3, "bool", (128, 4, 2, 32), 1, mx.bfloat16, None),  # kvarn, 2.3k
+    ((4, 4, 63), 64, 3, "causal", (64, 4, 2, 32), 4, mx.float32, None),  # h2o-kvarn, chunk
+]
+
+
+@on_backends(GPU_BACKENDS, "segments, D, gqa, mask, fmt, L_q, dtype, n_blocks", GPU_KVARN)
+def test_gpu_kvarn_matches_reference(name, segments, D, gqa, mask, fmt, L_q, dtype, n_blocks):
+    fmt = TileFormat(*fmt)
+    check_kvarn(kernel_backend(name), segments, D, gqa, mask, fmt, L_q, dtype, n_blocks)
 
 
 def test_kvarn_kernel_supports_decode_shapes_only():
