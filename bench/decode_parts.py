@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         return partial(batch_caches, [], slab), y
 
     joint, as_bytes = ScoredAttention._joint_softmax, reference._byte_matmul_t
+    nibbles_from = reference.NIBBLE_KEYS_FROM_BATCH
 
     def per_part(self, queries, parts) -> bool:
         return False
@@ -120,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     def use(name: str) -> None:
         ScoredAttention._joint_softmax = per_part if name == "per part" else joint
         reference._byte_matmul_t = quantized_matmul if name == "quantized_matmul" else as_bytes
+        # "bytes" reads 4-bit keys as nibbles at any batch (the server: from a few rows on)
+        reference.NIBBLE_KEYS_FROM_BATCH = 1 if name == "bytes" else nibbles_from
 
     lines = [
         f"| cache | {name_a} tok/s | {name_b} tok/s | ratio (median) | per-round ratios "
@@ -146,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             print(lines[-1], file=sys.stderr, flush=True)
     finally:
         ScoredAttention._joint_softmax, reference._byte_matmul_t = joint, as_bytes
+        reference.NIBBLE_KEYS_FROM_BATCH = nibbles_from
     publish(
         title,
         f"Default model, {args.rows} session(s) in one H2O slab, a {args.context}-token "
