@@ -229,7 +229,7 @@ class DecodeKernels:
         L_k = kvarn_length(keys, fmt.tile)
         # Rotated in float32 (as the reference does): a half query rotated in half precision
         # would carry its rounding into every score.
-        q_rot = rotate(q if q.dtype == mx.float32 else q.astype(mx.float32))
+        q_rot = rotate(q.astype(mx.float32))  # no op for a float32 query
         out, scores = self._attend(q_rot, "kvarn", inputs, constants, L_k, scale, mask, n_blocks)
         return rotate(out).astype(q.dtype), scores
 
