@@ -211,24 +211,22 @@ class H2OKVarNCache(KVarNCache):
         old, self.tiles = self.tiles, None
         if n_new:
             B, H, _, D = dense[0].shape
-            counts = intact.sum(-1) if n else mx.zeros((B, H), mx.int32)
-            first = min(int(counts.min().item()), n_new)  # new tiles intact in every head
-            if first < n_new:
-                shape = (B, H, n_new - first, t, D)
-                k_new, v_new = (x[:, :, first * t : n_new * t].reshape(shape) for x in dense)
-                fresh = [
-                    encode_keys(k_new, fmt, self.repack_sinkhorn_iters),
-                    encode_values(v_new, fmt, self.repack_sinkhorn_iters),
-                ]
-            else:
-                fresh = [[None] * 4, [None] * 4]
+            # Every new tile is encoded, and each head keeps its intact old tiles over the
+            # fresh ones: skipping tiles intact in every head needed their count on the host,
+            # a sync per layer that cost an eviction step more than the encoding it saved.
+            shape = (B, H, n_new, t, D)
+            k_new, v_new = (x[:, :, : n_new * t].reshape(shape) for x in dense)
+            fresh = [
+                encode_keys(k_new, fmt, self.repack_sinkhorn_iters),
+                encode_values(v_new, fmt, self.repack_sinkhorn_iters),
+            ]
             if n:
                 # New tile j is the head's j-th intact old tile while j < its intact count.
                 ids = mx.argsort(mx.where(intact, 0, n) + mx.arange(n), axis=-1)
                 ids = mx.take(ids, mx.minimum(mx.arange(n_new), n - 1), axis=-1)
-                use_old = mx.arange(n_new) < counts[..., None]
+                use_old = mx.arange(n_new) < intact.sum(-1)[..., None]
                 self.tiles = [
-                    [_pick(o, f, ids, use_old, first) for o, f in zip(olds, news, strict=True)]
+                    [_pick(o, f, ids, use_old) for o, f in zip(olds, news, strict=True)]
                     for olds, news in zip(old, fresh, strict=True)
                 ]
             else:
@@ -299,14 +297,8 @@ class H2OKVarNCache(KVarNCache):
             ]
 
 
-def _pick(old: mx.array, fresh: mx.array | None, ids: mx.array, use_old: mx.array, first: int):
-    """Tile array: old tiles `ids` [B, H, n_new] where `use_old`, else the re-packed `fresh`
-    (which covers new tiles first.. only: the earlier ones are intact in every head)."""
+def _pick(old: mx.array, fresh: mx.array, ids: mx.array, use_old: mx.array) -> mx.array:
+    """Tile array: old tiles `ids` [B, H, n_new] where `use_old`, else the re-packed `fresh`."""
     trailing = (1,) * (old.ndim - 3)
     reused = mx.take_along_axis(old, ids.reshape(*ids.shape, *trailing), axis=2)
-    if fresh is None:
-        return reused
-    mixed = mx.where(
-        use_old[:, :, first:].reshape(*fresh.shape[:3], *trailing), reused[:, :, first:], fresh
-    )
-    return mx.concatenate([reused[:, :, :first], mixed], axis=2) if first else mixed
+    return mx.where(use_old.reshape(*fresh.shape[:3], *trailing), reused, fresh)

@@ -21,7 +21,7 @@ from cache.kvarn_tiles import SINKHORN_ITERS, fit_quantize, imbalance, pack_code
 from cache.router import uninstall_router
 from config.cache_spec import H2O_KVARN_VALUE_GROUP, KVARN_PRESETS
 from kernels.hadamard import hadamard_block, rotate, rotation_matrix
-from kernels.kvarn import kvarn_sdpa_with_probs
+from kernels.kvarn import dequantize_storage, kvarn_sdpa_with_probs
 from kernels.reference import sdpa_with_scores
 from kernels.src import EMULATOR_DIALECT, emulator, launch
 
@@ -422,6 +422,35 @@ def test_h2o_kvarn_eviction_keeps_intact_tiles_bit_for_bit():
     after = [np.array(a) for a in c.tiles[0] + c.tiles[1]]
     for old, new in zip(before, after, strict=True):
         np.testing.assert_array_equal(new[:, :, 0], old[:, :, 0])  # tile 0 untouched
+
+
+def test_h2o_kvarn_heads_keep_their_own_intact_tiles():
+    """Heads that lose tokens from different tiles: a head whose tile lost nothing keeps
+    its bytes, a head whose tiles all lost tokens re-packs its survivors, in position order."""
+    rng = np.random.default_rng(14)
+    c = H2OKVarNCache(96, **SEGMENTS, tile=32, head_dim=D)
+    k, v = random_kv(rng, 96)
+    c.update_and_fetch(k, v)
+    c.update_scores(mx.zeros((B, N_Q, 96, 96)))
+    c.update_and_fetch(*random_kv(rng, 1))
+    # Head 0 loses positions 36..67 (tile 1); head 1 loses 20..51, half of each tile.
+    pos = np.array(c.positions[0])
+    low = [(pos[0] >= 36) & (pos[0] < 68), (pos[1] >= 20) & (pos[1] < 52)]
+    c.scores = mx.array(np.where(np.stack(low), 0.0, 1.0).astype(np.float32)[None])
+    before = [np.array(a) for a in c.tiles[0] + c.tiles[1]]
+    c.update_scores(mx.zeros((B, N_Q, 1, 97)))
+    assert c.evicted == 32 and c.n_tiles() == 1
+    after = [np.array(a) for a in c.tiles[0] + c.tiles[1]]
+    for old, new in zip(before, after, strict=True):
+        np.testing.assert_array_equal(new[0, 0, 0], old[0, 0, 0])  # head 0: tile 0 kept
+    assert not np.array_equal(after[0][0, 1, 0], before[0][0, 1, 0])  # head 1: re-packed
+    kept = [np.sort(pos[h][~low[h]]) for h in range(N_KV)]
+    np.testing.assert_array_equal(np.array(c.positions[0]), np.stack(kept))
+    # Head 1's tile holds its first 32 survivors after the sinks (4-bit: near, not exact).
+    keys, _ = dequantize_storage(*c._fetch(), c.fmt)
+    got, want = keys[0, 1, 4:36], rotate(k)[0, 1][mx.array(kept[1][4:36])]
+    rel = float(mx.sqrt(mx.mean((got - want) ** 2) / mx.mean(want**2)))
+    assert rel < 0.2, rel
 
 
 def test_emulated_gpu_kernel_serves_rotated_packed_storage():
