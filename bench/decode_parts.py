@@ -1,6 +1,7 @@
-"""Packed decode variants, A/B on the same caches: one softmax over every part vs a softmax
-per part merged by log-sum-exp (`--compare parts`), and 8-/4-bit keys read as bytes vs
-mx.quantized_matmul (`--compare bytes`).
+"""Decode variants, A/B on the same caches: one softmax over every part vs a softmax per
+part merged by log-sum-exp (`--compare parts`), 8-/4-bit keys read as bytes vs
+mx.quantized_matmul (`--compare bytes`), and each step's scores computed with it vs left
+lazy until an eviction reads them (`--compare scores`).
 
 Packed H2O caches attend in parts (the dense sink pool, the packed rest; a mixed
 cache's two widths). cache/attention.py takes one softmax over all parts' logits
@@ -16,6 +17,11 @@ its own passage) decoding together in one H2O slab, as the server batches them.
     python -m bench.decode_parts --compare bytes --out docs/decode_bytes.md
     python -m bench.decode_parts --compare bytes --rows 8 --context 300 \
         --out docs/decode_bytes_slab.md
+    python -m bench.decode_parts --compare scores --context 2100 --steps 64 --rounds 4 \
+        --out docs/score_chain.md
+
+Each round also records how far the process's MLX memory (`mx.get_active_memory`) grew
+over its steps: what a variant holds beyond the caches themselves.
 """
 
 from __future__ import annotations
@@ -40,28 +46,42 @@ BYTE_CASES = {  # caches with 8- or 4-bit keys of one group per row (head dim 64
     "h2o-mixed k8v4, max_kv 256": {"policy": "h2o-mixed", "max_kv": 256},
     "h2o-q4 (rotated, dense tail), max_kv 256": {"policy": "h2o-q4", "max_kv": 256},
 }
+SCORE_CASES = {  # an eviction every 16 (max_kv 256), 128 (2048) or 64 (h2o-kvarn) steps
+    "h2o, max_kv 256": {"policy": "h2o", "max_kv": 256},
+    "h2o, max_kv 2048": {"policy": "h2o", "max_kv": 2048},
+    "h2o-q4, max_kv 256": {"policy": "h2o-q4", "max_kv": 256},
+    "h2o-kvarn, max_kv 256": {"policy": "h2o-kvarn", "max_kv": 256},
+}
 # --compare -> (title, variant A, variant B, cases); the ratio is A / B
 COMPARISONS = {
     "parts": ("Packed decode: one softmax over every part vs per part", "one softmax",
               "per part", CASES),
     "bytes": ("8- and 4-bit keys: read as bytes vs mx.quantized_matmul", "bytes",
               "quantized_matmul", BYTE_CASES),
+    "scores": ("A decode step's scores: computed with it vs left lazy", "eager", "lazy",
+               SCORE_CASES),
 }  # fmt: skip
 
 
-def timed(model, caches, y, steps: int) -> tuple[float, float, object]:
-    """(tok/s wall, tok/s of process CPU time, last tokens) over `steps` greedy steps;
-    `caches()` gives each step's caches (a slab's are built per pass, as the server's)."""
+def timed(model, caches, y, steps: int) -> tuple[float, float, float, object]:
+    """(tok/s wall, tok/s of process CPU time, MB the active memory grew, last tokens) over
+    `steps` greedy steps; `caches()` gives each step's caches (a slab's are built per pass,
+    as the server's)."""
     import mlx.core as mx
 
     wall, cpu = time.perf_counter(), time.process_time()
+    start = most = mx.get_active_memory()
     for _ in range(steps):
         y = mx.argmax(model(y, cache=caches())[:, -1], axis=-1)[:, None]
         mx.eval(y)
+        most = max(most, mx.get_active_memory())
+    # What the steps left lazy (scores no output needed) is this variant's work too.
+    mx.eval([c.scores for c in caches() if getattr(c, "scores", None) is not None])
     rows = y.shape[0]
     return (
         rows * steps / (time.perf_counter() - wall),
         rows * steps / (time.process_time() - cpu),
+        (most - start) / 1e6,
         y,
     )
 
@@ -81,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.text import essay_token_ids
     from cache import make_cache
-    from cache.attention import ScoredAttention
+    from cache.attention import ATTENTION, ScoredAttention
     from cache.batch import batch_caches
     from cache.h2o_slab import H2OSlab, slab_key
     from kernels import reference
@@ -123,33 +143,36 @@ def main(argv: list[str] | None = None) -> int:
         reference._byte_matmul_t = quantized_matmul if name == "quantized_matmul" else as_bytes
         # "bytes" reads 4-bit keys as nibbles at any batch (the server: from a few rows on)
         reference.NIBBLE_KEYS_FROM_BATCH = 1 if name == "bytes" else nibbles_from
+        ATTENTION.eager_scores = name != "lazy"
 
     lines = [
         f"| cache | {name_a} tok/s | {name_b} tok/s | ratio (median) | per-round ratios "
-        "| CPU-time ratio (median) |",
-        "|---|---|---|---|---|---|",
+        f"| CPU-time ratio (median) | memory growth per round, MB ({name_a} / {name_b}) |",
+        "|---|---|---|---|---|---|---|",
     ]
     try:
         for label, kwargs in cases.items():
             caches, y = prefilled(kwargs)
-            got: dict[str, list[tuple[float, float]]] = {name_a: [], name_b: []}
+            got: dict[str, list[tuple[float, float, float]]] = {name_a: [], name_b: []}
             for r in range(args.rounds):
                 for name in (name_a, name_b) if r % 2 == 0 else (name_b, name_a):
                     use(name)
-                    wall, cpu, y = timed(model, caches, y, args.steps)
-                    got[name].append((wall, cpu))
+                    wall, cpu, grew, y = timed(model, caches, y, args.steps)
+                    got[name].append((wall, cpu, grew))
             ratios = [a[0] / b[0] for a, b in zip(got[name_a], got[name_b], strict=True)]
             cpu = [a[1] / b[1] for a, b in zip(got[name_a], got[name_b], strict=True)]
             lines.append(
-                f"| {label} | {statistics.median(w for w, _ in got[name_a]):.2f} | "
-                f"{statistics.median(w for w, _ in got[name_b]):.2f} | "
+                f"| {label} | {statistics.median(w for w, *_ in got[name_a]):.2f} | "
+                f"{statistics.median(w for w, *_ in got[name_b]):.2f} | "
                 f"{statistics.median(ratios):.3f} | {', '.join(f'{x:.2f}' for x in ratios)} | "
-                f"{statistics.median(cpu):.3f} |"
+                f"{statistics.median(cpu):.3f} | "
+                f"{max(g for *_, g in got[name_a]):.1f} / {max(g for *_, g in got[name_b]):.1f} |"
             )
             print(lines[-1], file=sys.stderr, flush=True)
     finally:
         ScoredAttention._joint_softmax, reference._byte_matmul_t = joint, as_bytes
         reference.NIBBLE_KEYS_FROM_BATCH = nibbles_from
+        ATTENTION.eager_scores = True
     publish(
         title,
         f"Default model, {args.rows} session(s) in one H2O slab, a {args.context}-token "

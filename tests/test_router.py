@@ -102,3 +102,23 @@ def test_a_cache_that_never_gets_scores_refuses_to_grow():
     c.update_and_fetch(kv, kv)  # 12: a chunk may overflow until its scores arrive
     with pytest.raises(ScoresMissing, match="did not pass scores"):
         c.update_and_fetch(kv[:, :, :1], kv[:, :, :1])
+
+
+@pytest.mark.parametrize("policy", ["h2o", "h2o-q4", "h2o-kvarn"])
+def test_decoding_holds_no_growing_chain_of_scores(policy):
+    """Decode steps that evaluate only their logits (as generate_step and the server do)
+    keep memory flat between evictions: each step's scores are computed with it, not
+    left lazy holding that step's probabilities until the next eviction."""
+    model = tiny("llama", head_dim=64)  # a head dim every packed policy stores
+    caches = make_cache(model, policy=policy, max_kv=2048)
+    prompt = mx.random.randint(0, 64, (1, 1300), key=mx.random.key(3))
+    for start in range(0, 1300, 500):
+        mx.eval(model(prompt[:, start : start + 500], cache=caches))
+    token = mx.array([[1]])
+    used = []
+    for _ in range(40):  # no eviction, no buffer growth (256 slots at a time) in these
+        mx.eval(model(token, cache=caches))
+        used.append(mx.get_active_memory())
+    uninstall_router(model)
+    # A lazy chain holds 4 heads x ~1.3k keys x 4 bytes per layer and step: ~1.7 MB here.
+    assert used[-1] - used[4] < 128 * 1024, (used[4], used[-1])
