@@ -88,7 +88,7 @@ class ScoredAttention:
         self.quantized_path = "fused"
         self.block = block
         # Each call's scores computed with it (`start_scores`); False leaves them lazy, as
-        # before stop 45 (bench.score_chain measures both).
+        # before stop 45 (`bench.decode_parts --compare scores` measures both).
         self.eager_scores = eager_scores
         # A prompt's output from one mx.fast SDPA call, its scores in a separate pass of
         # query blocks. None: on a GPU, where that prefills 1.09-1.47x faster at the same

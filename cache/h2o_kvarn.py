@@ -213,7 +213,7 @@ class H2OKVarNCache(KVarNCache):
             B, H, _, D = dense[0].shape
             # Every new tile is encoded, and each head keeps its intact old tiles over the
             # fresh ones: skipping tiles intact in every head needed their count on the host,
-            # a sync per layer that cost an eviction step more than the encoding it saved.
+            # a sync per layer that stalls a pipelined (or GPU) decode at every eviction.
             shape = (B, H, n_new, t, D)
             k_new, v_new = (x[:, :, : n_new * t].reshape(shape) for x in dense)
             fresh = [
