@@ -349,7 +349,7 @@ def _segments(front, k_packed, v_packed, tail) -> tuple[list[mx.array], dict[str
 
 @functools.cache
 def _placeholder() -> mx.array:
-    # For an input a call does not have (the mask, a KVarN pool): never read.
+    # For an input a call does not have (the mask, an absent front or tail pool): never read.
     return mx.zeros((1, 1, 1, 1), dtype=mx.bool_)
 
 
