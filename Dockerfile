@@ -10,6 +10,7 @@ RUN apt-get update \
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY config config
+COPY models models
 COPY kernels kernels
 COPY cache cache
 COPY server server

@@ -41,8 +41,10 @@ $(STAMP): pyproject.toml
 serve: setup
 	$(VENV)/bin/h2o-server serve --model default
 
+# Two workers (one per core; each test file stays on one of them, so its fixtures and
+# servers start once), every process with one OpenBLAS thread (tests/conftest.py).
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --maxprocesses 2 --dist loadfile
 
 lint: setup
 	$(VENV)/bin/ruff check .

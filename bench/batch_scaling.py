@@ -1,7 +1,7 @@
 """What batching B decode rows into one forward pass buys on this machine, per cache.
 
 The server advances every decoding session in one forward pass per round
-(server/batcher.py); how much that gains over one stream is bounded by what the
+(server/engine/batcher.py); how much that gains over one stream is bounded by what the
 model's batched forward itself gains. This measures that bound without the server
 (no HTTP, tokenizer or sampling): B rows of `--context` tokens each, then greedy
 decode steps with the next step queued before waiting (as generate_step does).
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = mx.random.randint(0, SHAPES[args.synthetic][-1], (total,), key=mx.random.key(0))
         ids, about = ids.tolist(), f"Synthetic `{args.synthetic}` (random weights, {args.dtype})"
     else:
-        from server.models import load_model  # the server's packages: not on a lent GPU
+        from models.loading import load_model  # the server's packages: not on a lent GPU
 
         model, tokenizer = load_model("default")
         ids, about = essay_token_ids(tokenizer, total), "Default model (float32)"

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     preload_openblas()
-    from server.models import load_model
+    from models.loading import load_model
 
     model, tokenizer = load_model(args.model)
     context = model.args.max_position_embeddings

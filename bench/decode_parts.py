@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     from cache.batch import batch_caches
     from cache.h2o_slab import H2OSlab, slab_key
     from kernels import reference
-    from server.models import load_model
+    from models.loading import load_model
 
     model, tokenizer = load_model("default")
     ids = essay_token_ids(tokenizer, args.context * args.rows)

@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         what = f"Synthetic `{args.synthetic}` (random weights, {args.dtype})"
     else:
         from bench.text import essay_token_ids
-        from server.models import load_model
+        from models.loading import load_model
 
         model, tokenizer = load_model(args.model)
         context = mx.array(essay_token_ids(tokenizer, args.context))

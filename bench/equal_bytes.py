@@ -47,7 +47,7 @@ def sized(model, shares_for, share: int, fields: dict) -> dict:
     """`fields` with the max_kv (and layer shares) `serve` would give them within `share`;
     `shares_for(policy)`: the model's layer profile, as `serve` loads it (or None)."""
     from cache.budget import Budget, fit_spec
-    from server.models import kv_shape
+    from models.shape import kv_shape
 
     policy, rest = fields["policy"], {k: v for k, v in fields.items() if k != "policy"}
     spec = fit_spec(kv_shape(model), Budget(share, 1), policy, shares_for=shares_for, **rest)
@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     from bench.eval_cli import _load
     from bench.ppl import nll_autoregressive, nll_one_shot, sample_windows
     from cache.budget import parse_bytes
-    from server.layer_budgets import load_layer_profile
-    from server.models import served_model_id
+    from models.loading import served_model_id
+    from server.engine.layer_budgets import load_layer_profile
 
     began = time.time()
     model, tokenizer = _load(args.model)

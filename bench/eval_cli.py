@@ -199,8 +199,8 @@ def cases_from(args: argparse.Namespace) -> list:
 def with_layer_budgets(cases: list, args: argparse.Namespace, model) -> list:
     """The cases under each `--layer-budgets` choice: uniform, and/or one profile."""
     from bench.ppl import with_layer_profile
-    from server.layer_budgets import UNIFORM, load_layer_profile
-    from server.models import served_model_id
+    from models.loading import served_model_id
+    from server.engine.layer_budgets import UNIFORM, load_layer_profile
 
     budgets = list(dict.fromkeys(args.layer_budgets or [UNIFORM]))
     profiles = [b for b in budgets if b != UNIFORM]
@@ -217,7 +217,7 @@ def with_layer_budgets(cases: list, args: argparse.Namespace, model) -> list:
 
 @cache
 def _load(name: str):
-    from server.models import load_model
+    from models.loading import load_model
 
     return load_model(name)
 

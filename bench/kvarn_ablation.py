@@ -43,7 +43,7 @@ from bench.text import essay_token_ids
 from cache.h2o_kvarn import H2OKVarNCache
 from cache.kvarn_tiles import SINKHORN_ITERS, fit_quantize, quantize_keys, quantize_values
 from kernels.hadamard import rotate
-from server.models import load_model
+from models.loading import load_model
 
 CLIP_RATIOS = (1.0, 0.9, 0.8, 0.7, 0.6)
 

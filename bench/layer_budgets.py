@@ -21,8 +21,8 @@ from bench.rules_grid import run, table
 def profile_rows(model_name: str, max_kvs: list[int]) -> list[str]:
     from bench.eval_cli import _load
     from config.cache_spec import CacheSpec
-    from server.layer_budgets import load_layer_profile
-    from server.models import served_model_id
+    from models.loading import served_model_id
+    from server.engine.layer_budgets import load_layer_profile
 
     model, _ = _load(model_name)
     profile, why = load_layer_profile("auto", model, served_model_id(model_name))

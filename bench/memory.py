@@ -33,7 +33,7 @@ def measure(policy: str, context: int, max_kv: int, chunk: int, decode: int) -> 
 
     from bench.text import essay_token_ids
     from cache import cache_usage, make_cache
-    from server.models import load_model
+    from models.loading import load_model
 
     model, tokenizer = load_model("default")
     ids = essay_token_ids(tokenizer, context + decode)

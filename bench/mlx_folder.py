@@ -21,7 +21,7 @@ def export_default(folder: Path = DEFAULT_FOLDER) -> Path:
         return folder
     from mlx_lm.utils import save_config, save_model
 
-    from server.models import load_model
+    from models.loading import load_model
 
     model, tokenizer = load_model("default")
     folder.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,6 @@ import mlx.core as mx
 from bench.text import essay_token_ids
 from cache import ATTENTION, cache_usage, configure, make_cache
 from cache.budget import (
-    KVARN_POLICIES,
     ModelShape,
     bytes_per_token,
     cache_bytes,
@@ -42,7 +41,7 @@ from cache.budget import (
 )
 from config.cache_spec import DEFAULT_MIXED, POLICIES
 from kernels import select_backend
-from server.models import load_model
+from models.loading import load_model
 
 # name -> (label, make_cache kwargs); the first is the baseline.
 CASES = {
@@ -334,16 +333,16 @@ def budget_formula(shape, kwargs: dict, stored: int, max_kv: int) -> float | Non
     policy = kwargs["policy"]
     if kwargs.get("mixed", DEFAULT_MIXED) != DEFAULT_MIXED:
         return None
-    if policy in KVARN_POLICIES:
+    if "kvarn" in POLICIES[policy].knobs:
         if kwargs.get("kvarn", "k4v2") != "k4v2":
             return None
-        if policy == "kvarn":
+        if not POLICIES[policy].bounded:
             return cache_bytes(shape, policy, stored) / stored
         return cache_bytes(shape, policy, max_kv) / (max_kv + 1)
     group_size = kwargs.get("group_size", 64)
     if POLICIES[policy].scored:  # per layer too: a packed cache's key centre, dense pools
         priced = session_bytes(
-            shape, policy, max_kv, group_size, dense_recent=kwargs.get("dense_recent")
+            shape, policy, max_kv, group_size=group_size, dense_recent=kwargs.get("dense_recent")
         )
         return priced / (max_kv + 1)
     return bytes_per_token(shape, policy, group_size=group_size)

@@ -45,7 +45,7 @@ class LocalServer:
         import uvicorn
 
         from config.settings import ServerSettings
-        from server.app import create_app
+        from server.api.app import create_app
 
         # Even layers: every case is the max_kv it names (eval recall takes no --layer-budgets)
         settings = ServerSettings(
@@ -169,7 +169,7 @@ def run_trial(server: LocalServer, users: list[str], number: str, kv_cache: dict
 
 def run_recall(args, cases: list, progress=None) -> list[dict[str, Any]]:
     """One record per cache case: recall over `args.samples` trials (see module doc)."""
-    from server.models import load_model
+    from models.loading import load_model
 
     longest_kv = max((c.max_kv for c in cases if c.max_kv), default=256)
     filler = args.filler_tokens

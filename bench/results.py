@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,8 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import plots, results_gemma, rules_grid
-from bench.eval_cli import eval_records
-from bench.report import machine
+from bench.report import eval_command, git_revision, machine, run_eval
 from config.cache_spec import POLICIES, CacheSpec
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -142,16 +140,6 @@ def plan(long_chunked: bool, g: dict = SCALE) -> list[tuple[str, list[str]]]:
             )
         )
     return [(name, argv.split() if isinstance(argv, str) else argv) for name, argv in steps]
-
-
-def command(argv: list[str]) -> str:
-    return "h2o-server " + " ".join(argv)
-
-
-def run_step(argv: list[str]) -> list[dict[str, Any]]:
-    from server.cli import build_parser
-
-    return eval_records(build_parser().parse_args(argv))
 
 
 # --------------------------------------------------------------------------- tables
@@ -429,23 +417,10 @@ def rules_section(rows: list[dict], cmds: list[str]) -> list[str]:
     ]
 
 
-def git_revision() -> str:
-    try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
-        ).stdout.strip()
-        return rev + (" (with uncommitted changes in the working tree)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def write_report(done: dict[str, dict], out: Path, minutes: float, g: dict = SCALE) -> Path:
     """RESULTS.md and its PNGs from the finished steps; a missing step is reported as such."""
     steps = {name: step["records"] for name, step in done.items()}
-    cmds = {name: command(step["argv"]) for name, step in done.items()}
+    cmds = {name: eval_command(step["argv"]) for name, step in done.items()}
     lines = [
         "# Results: H2O against a sliding window and the full cache",
         "",
@@ -594,10 +569,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, step_argv in plan(args.long_chunked, grid):
         if args.only_report or done.get(name, {}).get("argv") == step_argv:
             continue
-        print(f"[{name}] {command(step_argv)}", file=sys.stderr)
+        print(f"[{name}] {eval_command(step_argv)}", file=sys.stderr)
         t0 = time.time()
         try:
-            records = run_step(step_argv)
+            records = run_eval(step_argv)
         except Exception as e:  # a broken step must not cost the others: report it missing
             print(f"[{name}] FAILED: {type(e).__name__}: {e}", file=sys.stderr)
             continue

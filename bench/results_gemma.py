@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.report import eval_command, git_revision, run_eval
+
 MODEL = "gemma3-270m"
 HEADING = "## Gemma 3 270M"
 # (max_kvs, seq_lens, samples) at full scale and for `--smoke`. 1024 tokens: twice the
@@ -95,18 +97,16 @@ def splice(report: str, section: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.results import command, git_revision, run_step
-
     p = argparse.ArgumentParser(description="Run the Gemma 3 step and rewrite its section")
     p.add_argument("--out", type=Path, default=Path("docs/RESULTS.md"))
     p.add_argument("--smoke", action="store_true", help="tiny grid, to check the pipeline")
     args = p.parse_args(argv)
     name, step_argv = step(args.smoke)
     revision, t0 = git_revision(), time.time()
-    rows = run_step(step_argv.split())
+    rows = run_eval(step_argv.split())
     minutes = (time.time() - t0) / 60
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    section = gemma_section(rows, command(step_argv.split())) + [
+    section = gemma_section(rows, eval_command(step_argv.split())) + [
         f"(This step ran on its own, `python -m bench.results_gemma`: {minutes:.0f} minutes, "
         f"finished {when}, code revision {revision}.)",
         "",

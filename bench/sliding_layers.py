@@ -27,9 +27,9 @@ import mlx.core as mx
 from bench.ppl import nll_one_shot, nll_stepped, sample_windows
 from bench.report import command, machine, publish
 from cache import H2OKVCache, SinkRotatingKVCache, WindowedH2OKVCache, make_cache
-from cache.factory import layer_windows
 from config.cache_spec import split_segments
-from server.models import load_model
+from models.loading import load_model
+from models.shape import layer_windows
 
 UNBOUNDED = 2**30  # a "window" no token ever leaves (int32 positions)
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from bench.local_server import free_port, start_server
 from bench.report import command, machine, publish
 from config.blas import preload_openblas
-from server.claims import ALIVE
+from server.sessions.claims import ALIVE
 
 BOOKKEEPING = {".lock", ALIVE}
 

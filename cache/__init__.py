@@ -1,13 +1,14 @@
-"""H2O KV caches, score rules, budget math and the attention router.
+"""KV caches, score rules, budget math and the attention router.
 
-The cache vocabulary (policies, presets, score rules, CacheSpec) lives in
-config/cache_spec.py; this package implements it.
+The policies are records in config/policies.py; the cache contract every class here
+speaks is cache/contract.py.
 """
 
-import mlx_lm.models.cache as _mlx_lm_cache
-
+from cache.adaptive import AdaptiveH2OKVCache
 from cache.attention import ATTENTION, ScoredAttention, configure
-from cache.factory import adopt_rope, cache_usage, make_cache, tokens_seen
+from cache.contract import LayerCache, ScoredCache, cache_class, tokens_seen
+from cache.factory import adopt, cache_usage, make_cache
+from cache.full import FullKVCache
 from cache.h2o import H2OKVCache, ScoresMissing
 from cache.h2o_kvarn import H2OKVarNCache
 from cache.kvarn import KVarNCache
@@ -18,30 +19,34 @@ from cache.recall import RecallH2OKVCache
 from cache.rotating import SinkRotatingKVCache
 from cache.router import UnroutedAttention, install_router, uninstall_router, verify_routing
 from cache.windowed import WINDOWED, WindowedH2OKVCache
+from config.policies import POLICIES
 
-# mlx-lm's load_prompt_cache looks cache classes up by name in its own module.
-_OWN_CACHES = (
-    H2OKVCache, QuantizedH2OKVCache, MixedH2OKVCache, KVarNCache, H2OKVarNCache,
-    MergingH2OKVCache, RecallH2OKVCache,
-)  # fmt: skip
-for _cls in (*_OWN_CACHES, SinkRotatingKVCache, *WINDOWED.values()):
-    setattr(_mlx_lm_cache, _cls.__name__, _cls)
+# Every record's class loaded now: importing it registers it with mlx-lm's loader
+# (LayerCache.__init_subclass__), before any spilled cache is read back.
+for _policy in POLICIES.values():
+    cache_class(_policy)
 
 __all__ = [
-    "adopt_rope",
+    "adopt",
+    "AdaptiveH2OKVCache",
     "ATTENTION",
+    "FullKVCache",
     "H2OKVCache",
     "H2OKVarNCache",
     "KVarNCache",
+    "LayerCache",
     "MergingH2OKVCache",
     "MixedH2OKVCache",
     "QuantizedH2OKVCache",
     "RecallH2OKVCache",
     "ScoredAttention",
+    "ScoredCache",
     "ScoresMissing",
     "SinkRotatingKVCache",
     "UnroutedAttention",
+    "WINDOWED",
     "WindowedH2OKVCache",
+    "cache_class",
     "cache_usage",
     "configure",
     "install_router",

@@ -26,13 +26,18 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
+import numpy as np
 
+from cache.budget import ADAPTIVE_BOOKKEEPING
+from cache.contents import LayerContents, scored_contents
 from cache.h2o import H2OKVCache, gather_slots
 
 DEFAULT_FLOOR = 0.2  # of a head's uniform heavy share it always keeps
 
 
 class AdaptiveH2OKVCache(H2OKVCache):
+    slot_extra_bytes = ADAPTIVE_BOOKKEEPING  # the head id
+
     def __init__(self, max_size: int, *, floor: float = DEFAULT_FLOOR, **h2o):
         """`h2o`: H2OKVCache's knobs (sink, heavy, recent, score, evict_batch)."""
         super().__init__(max_size, **h2o)
@@ -52,7 +57,7 @@ class AdaptiveH2OKVCache(H2OKVCache):
         B, H, N, _ = keys.shape
         self.n_heads = H
         flat_k, flat_v = (x.reshape(B, 1, H * N, x.shape[-1]) for x in (keys, values))
-        start, end = self._len, self._len + H * N
+        start, end = self.used, self.used + H * N
         if self.positions is None or end > self.positions.shape[-1]:
             self._grow(flat_k, flat_v, end)
             self.heads = self._grown(self.heads, (B, 1), (), mx.uint8, self.positions.shape[-1])
@@ -64,19 +69,30 @@ class AdaptiveH2OKVCache(H2OKVCache):
         )
         self.heads[:, :, start:end] = mx.repeat(mx.arange(H, dtype=mx.uint8), N)
         self.scores[:, :, start:end] = 0.0
-        self._len = end
+        self.used = end
         self.offset += N
         return self._fetch()
 
-    def attention_mask(self, n_q_heads: int, n_new: int) -> mx.array:
+    def attention_mask(self, n_q_heads: int, n_new: int, mask=None) -> mx.array:
         """[B, n_q_heads, n_new, slots]: a query head sees its KV head's slots, causally."""
-        n = self._len
+        n = self.used
         group = mx.arange(n_q_heads) // (n_q_heads // self.n_heads)
         visible = self.heads[:, :, None, :n] == group[None, :, None, None].astype(mx.uint8)
         if n_new == 1:
             return visible
         query_pos = mx.arange(self.offset - n_new, self.offset, dtype=mx.int32)
         return visible & (self.positions[:, :, None, :n] <= query_pos[None, None, :, None])
+
+    def contents(self) -> LayerContents:
+        """Each KV head's slots of the pool (heads hold different counts)."""
+        n = self.used
+        if self.positions is None or n == 0:
+            return scored_contents(self, 0)
+        heads, pos, score = (
+            np.array(a[0, 0, :n]) for a in (self.heads, self.positions, self.scores)
+        )
+        per_head = [heads == h for h in range(self.n_heads)]
+        return scored_contents(self, 0, [pos[m] for m in per_head], [score[m] for m in per_head])
 
     @property
     def nbytes(self) -> int:
@@ -85,7 +101,7 @@ class AdaptiveH2OKVCache(H2OKVCache):
     def trimmable_tokens(self) -> int:
         if self.positions is None:
             return 0
-        n = self._len
+        n = self.used
         mine = self.heads[..., :n] == mx.arange(self.n_heads, dtype=mx.uint8)[:, None]
         held = mx.sort(mx.where(mine, self.positions[..., :n], -(2**30)), axis=-1)  # [B, H, n]
         in_order = held == mx.arange(self.offset - n, self.offset, dtype=mx.int32)
@@ -95,7 +111,7 @@ class AdaptiveH2OKVCache(H2OKVCache):
     def state(self):
         if self.positions is None:
             return None, None, None, None, None, self.meta_state[0]
-        n = self._len
+        n = self.used
         kv = self._kv_state()
         return (*kv, self.scores[..., :n], self.positions[..., :n], self.heads[..., :n],
                 self.meta_state[0])  # fmt: skip
@@ -118,20 +134,20 @@ class AdaptiveH2OKVCache(H2OKVCache):
         self.floor, self.n_heads = meta["floor"], meta["n_heads"]
 
     def _gather(self, idx: mx.array, capacity: int) -> None:
-        self.heads = gather_slots(self.heads[:, :, : self._len], idx, capacity)
+        self.heads = gather_slots(self.heads[:, :, : self.used], idx, capacity)
         super()._gather(idx, capacity)
 
-    def _reset_free_slots(self) -> None:
+    def reset_free_slots(self) -> None:
         """Appending writes positions and head ids itself; free slots only need score 0."""
-        if self._len < self.scores.shape[-1]:
-            self.scores[..., self._len :] = 0.0
+        if self.used < self.scores.shape[-1]:
+            self.scores[..., self.used :] = 0.0
 
     def _evict(self) -> None:
         """Keep every head's sinks and recent window, then the pool's best middle slots."""
-        H, n = self.n_heads, self._len
+        H, n = self.n_heads, self.used
         keep = H * (self.max_size + 1 - self.evict_batch)
         pos, heads = self.positions[..., :n], self.heads[..., :n]
-        middle = self._in_middle(pos)
+        middle = self.in_middle(pos, self.seen)
         value = self.score_rule.rank(self.scores[..., :n], pos, self.seen)
         guard = int(self.floor * self.heavy)
         if guard:

@@ -118,10 +118,8 @@ class ScoredAttention:
         additive logit per stored key, [B, n_kv_heads, keys] (cache/merging.py).
         """
         L = queries.shape[2]
-        archive = None
-        if hasattr(cache, "archive_part"):  # cache/recall.py: a prompt reads evicted tokens
-            archive = cache.archive_part(L)
-            cache.observe(queries, scale)
+        archive = cache.archive_part(L)  # cache/recall.py: a prompt reads evicted tokens
+        cache.observe(queries, scale)
         parts = cache.kv_segments(keys, values)
         # KVarN caches take a block's scores over every stored key, not a prefix.
         scores_prefix = all(fmt.tile is None for _, _, fmt in parts)
@@ -378,9 +376,8 @@ def start_scores(cache) -> None:
     layer and step, memory stays flat, and this CPU decodes 1.06-1.08x faster at max_kv
     256 (0.98x at 2048, within noise; docs/score_chain.md).
     """
-    scores = getattr(cache, "scores", None)
-    if scores is not None:
-        mx.async_eval(scores)
+    if cache.scores is not None:
+        mx.async_eval(cache.scores)
 
 
 def _mask_rows(mask, L: int, n_keys: int, start: int, stop: int):

@@ -11,7 +11,7 @@ cache against its own keys, a slab's rows in one attention call under its
 padding mask. A batched step computes what each row would alone. A decode step
 brings one token per row; a prefill pass brings a chunk per row, causal within
 each row. Rows of unequal chunks are right-padded by the caller
-(server/batcher.py), with each row's real length given: a part then stores and
+(server/engine/batcher.py), with each row's real length given: a part then stores and
 attends only its row's real tokens, and the padded positions' attention output
 is zero, so any cache (scoring, evicting) takes exactly the chunk it would alone.
 """
@@ -24,10 +24,14 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from cache.h2o_slab import H2OSlabLayer
+
 
 def _rows(part) -> int:
     """Batch rows a part carries: a slab's (KVSlab, cache/h2o_slab.py) or one session's."""
-    return part.offset.shape[0] if isinstance(part, BatchKVCache) else getattr(part, "rows", 1)
+    if isinstance(part, BatchKVCache):
+        return part.offset.shape[0]
+    return part.rows if isinstance(part, H2OSlabLayer) else 1
 
 
 class BatchedCache:
@@ -105,8 +109,7 @@ def batch_caches(sessions: list[list], *slabs, lengths: list | None = None) -> l
     real tokens per session (no slabs then)."""
     slabs = [s for s in slabs if s.members]
     for s in slabs:
-        if hasattr(s, "begin_step"):
-            s.begin_step()
+        s.begin_step()
     layers = [list(layer) for layer in zip(*sessions, strict=True)]
     if not layers:  # every decoding session is in a slab
         layers = [[] for _ in slabs[0].layers]
@@ -115,6 +118,14 @@ def batch_caches(sessions: list[list], *slabs, lengths: list | None = None) -> l
         BatchedCache([*(s.layers[n] for s in slabs), *parts], masks, lengths)
         for n, parts in enumerate(layers)
     ]
+
+
+def plain(cache) -> bool:
+    """Whether a layer's cache is mlx-lm's plain KVCache (the full policy's, or one read
+    back from an older spill): what a KVSlab holds (its subclasses store otherwise)."""
+    from cache.full import FullKVCache  # the contract's module imports this one
+
+    return type(cache) in (KVCache, FullKVCache)
 
 
 class KVSlab:
@@ -140,6 +151,9 @@ class KVSlab:
     @property
     def rows(self) -> int:
         return len(self.members)
+
+    def begin_step(self) -> None:
+        """A forward pass starts (nothing is built per step here; an H2OSlab's is)."""
 
     def join(self, sessions: list[tuple[Hashable, list[KVCache]]]) -> None:
         """Move sessions' K/V into the slab as its last rows (one copy of the slab)."""

@@ -1,24 +1,19 @@
-"""Budget math: bytes per cached token, and the CacheSpec that fits a memory budget.
+"""Budget math: what a conversation's caches cost, and the CacheSpec that fits a budget.
 
-Pure arithmetic over the cache vocabulary (config/cache_spec.py); no MLX.
+Every policy's cache class prices one layer (`LayerCache.layer_bytes`, cache/contract.py)
+exactly as it allocates it, so `session_bytes` sums the layers without knowing any
+policy: a global layer holds max_kv tokens of the policy's cache; a sliding-window
+layer its own window when that fits in max_kv (or the policy is unbounded: a dense
+window), else max_kv tokens of the cache its policy record names for such layers
+(config/policies.py `in_window`), which is exactly what cache/factory.py builds. The
+helpers below are the arithmetic those prices share:
 
 bytes/token = layers x kv_heads x (2 x head_dim x element bytes + H2O bookkeeping)
-where quantized policies store head_dim x bits / 8 bytes plus one scale and one
-bias (float32 on CPU, float16 elsewhere) per `group_size` elements, and scored
-(H2O) policies keep a float32 score and an int32 position per KV head and token.
-
-kvarn and h2o-kvarn are priced by `cache_bytes` at their largest, exactly as their
-`nbytes` counts (cache/kvarn.py): the dense front pool (kvarn: 128 sink slots; h2o-kvarn:
-H2O's sinks) and the dense tail pool (one tile of slots) whole, plus every packed tile
-(`tile_nbytes`: words, float16 scales, biases and Sinkhorn factors); h2o-kvarn adds
-H2O's score and position for max_kv + 1 slots. Their bytes per token are that total
-amortized over max_kv tokens, so they depend on max_kv.
-
-A session's bytes are summed per layer (`session_bytes`), since layers hold different
-counts: a global layer holds max_kv tokens as above, a sliding-window layer its window
-when that fits in max_kv (or the policy is unbounded; a dense sliding cache), else
-max_kv tokens of the policy's cache (h2o-kvarn: a dense max_kv window), exactly what
-cache/factory.py builds.
+where packed K/V take head_dim x bits / 8 bytes plus one scale and one bias (in the
+model's dtype) per `group_size` elements, and evicting (H2O) caches keep a float32 score
+and an int32 position per KV head and slot (max_kv + 1 slots: the newest token waits in
+a spare one until the eviction). KVarN caches hold both dense pools whole plus every
+packed tile (`tile_nbytes`: words, float16 scales, biases and Sinkhorn factors).
 """
 
 from __future__ import annotations
@@ -28,35 +23,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from config.cache_spec import (
-    AUTO,
-    DEFAULT_GROUP_SIZE,
-    DEFAULT_KVARN,
-    H2O_KVARN_VALUE_GROUP,
-    KVARN_PRESETS,
     KVARN_SCALE_BYTES,
-    KVARN_SINK,
-    KVARN_TILE,
-    POLICIES,
     QUANT_GROUP_SIZES,
-    RECALL_ARCHIVE,
-    RECALL_BITS,
     CacheSpec,
     choose,
     dense_recent_tokens,
-    h2o_kvarn_tile,
-    split_segments,
 )
+from config.policies import AUTO, AUTO_ORDER, POLICIES
+from models.shape import ModelShape
 
 H2O_BOOKKEEPING = 8  # float32 score + int32 position, per KV head and token
 ADAPTIVE_BOOKKEEPING = 1  # h2o-ada: a uint8 head id per slot (cache/adaptive.py)
 MERGING_BOOKKEEPING = 4  # h2o-merge: a float32 count per slot (cache/merging.py)
-FULL_CACHE_STEP = 256  # mlx-lm KVCache.step
-# What `auto` picks when the context does not fit packed: at equal bytes 8-bit H2O
-# holds 3.3x dense H2O's tokens at no measurable loss per token (docs/equal_bytes.md).
-AUTO_BOUNDED = "h2o-q8"
 MIN_MAX_KV = 16
 MAX_TOKENS = 2**24  # where max_kv_within stops looking (sliding layers alone never fill up)
+REFERENCE_TOKENS = 8192  # bytes_per_token amortizes a cache of this many tokens
 _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+__all__ = ["ModelShape"]  # re-exported: callers price a shape they got from models.shape
 
 
 def parse_bytes(text: str | int) -> int:
@@ -72,32 +56,6 @@ def parse_bytes(text: str | int) -> int:
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    layers: int  # attention layers holding a KV cache
-    kv_heads: int
-    head_dim: int
-    element_bytes: int  # K/V dtype: 4 for float32 (CPU), 2 for float16/bfloat16
-    context: int  # the model's trained context length
-    # Sliding-window sizes of the layers that have one (Gemma 3: 15 of 18 at 512);
-    # the other layers attend globally.
-    windows: tuple[int, ...] = ()
-
-    @classmethod
-    def of(cls, model, element_bytes: int, windows: tuple[int, ...] = ()) -> ModelShape:
-        """`windows`: what cache.factory.layer_windows reports for this model."""
-        args = model.args
-        heads = args.num_attention_heads
-        kv_heads = getattr(args, "num_key_value_heads", None) or heads
-        head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
-        context = getattr(args, "max_position_embeddings", None) or 4096
-        return cls(len(model.layers), kv_heads, head_dim, element_bytes, context, windows)
-
-    @property
-    def global_layers(self) -> int:
-        return self.layers - len(self.windows)
-
-
-@dataclass(frozen=True)
 class Budget:
     """Bytes for every conversation's KV cache, split evenly over `sessions`."""
 
@@ -109,20 +67,39 @@ class Budget:
         return self.total // self.sessions
 
 
-KVARN_POLICIES = ("kvarn", "h2o-kvarn")
-KVARN_REFERENCE_TOKENS = 8192  # bytes_per_token of the kvarn policies without a max_kv
+# ------------------------------------------------------------ arithmetic the prices share
 
 
-def value_group(head_dim: int, policy: str = "kvarn") -> int:
-    """KVarN's value quantization group: H2O_KVARN_VALUE_GROUP for h2o-kvarn, else the
-    largest of 128/64/32 dividing the head dim."""
+def kv_width(shape: ModelShape, bits: int | None, group_size: int) -> float:
+    """Bytes of one token's K or V in one head: dense, or packed plus a scale and a bias
+    per group."""
+    if bits is None:
+        return shape.head_dim * shape.element_bytes
+    return shape.head_dim * bits / 8 + 2 * shape.element_bytes * shape.head_dim / group_size
+
+
+def packed_extras(shape: ModelShape, spec: CacheSpec, windowed: bool = False) -> int:
+    """What a packed H2O layer (h2o-q8, h2o-q4, h2o-mixed k8v4) holds besides its slots:
+    the key centre and, outside sliding windows, the dense sink pool and, with 4-bit keys,
+    the dense tail of the newest tokens (cache/quantized.py)."""
+    segments = spec.segments()
+    sinks = 0 if windowed else segments.sink
+    tail = 0
+    if not windowed:
+        tail = dense_recent_tokens(spec.info.key_bits, segments.recent, spec.dense_recent)
+    return shape.kv_heads * (1 + 2 * (sinks + tail)) * shape.head_dim * shape.element_bytes
+
+
+def value_group(head_dim: int, fixed: int | None = None) -> int:
+    """KVarN's value quantization group: `fixed` (h2o-kvarn's), else the largest of
+    128/64/32 dividing the head dim."""
     widest_first = sorted(QUANT_GROUP_SIZES, reverse=True)
-    for g in (H2O_KVARN_VALUE_GROUP,) if policy == "h2o-kvarn" else widest_first:
+    for g in (fixed,) if fixed else widest_first:
         if head_dim % g == 0:
             return g
     raise ValueError(
-        f"head dim {head_dim} is not a multiple of 32, the smallest quantization group "
-        "mx.quantize supports: KVarN cannot pack its values; use a dense policy"
+        f"head dim {head_dim} is not a multiple of {fixed or 32}, the smallest quantization "
+        "group mx.quantize supports here: KVarN cannot pack its values; use a dense policy"
     )
 
 
@@ -135,158 +112,96 @@ def tile_nbytes(head_dim: int, tile: int, key_bits: int, value_bits: int, group:
     return keys + values
 
 
-def cache_bytes(shape: ModelShape, policy: str, max_kv: int, kvarn: str = DEFAULT_KVARN) -> int:
-    """Bytes of one conversation's kvarn / h2o-kvarn cache at its largest (max_kv tokens)."""
-    if policy not in KVARN_POLICIES:
-        raise ValueError(f"cache_bytes prices the kvarn policies, not {policy!r}")
-    key_bits, value_bits = KVARN_PRESETS[kvarn]
-    tile = KVARN_TILE if policy == "kvarn" else h2o_kvarn_tile(max_kv)
-    dense_slot = 2 * shape.head_dim * shape.element_bytes
-    if policy == "kvarn":
-        front, tokens, book = KVARN_SINK, max_kv, 0
-    else:  # the newest token sits in a spare slot until eviction, as in dense H2O
-        front, tokens = split_segments(max_kv).sink, max_kv + 1
-        book = H2O_BOOKKEEPING * tokens
+def kvarn_layer_bytes(
+    shape: ModelShape,
+    tokens: int,
+    front: int,
+    tile: int,
+    bits: tuple[int, int],
+    group: int,
+    bookkeeping: int = 0,
+) -> int:
+    """One layer of KVarN storage holding `tokens`: the dense front pool (`front` slots)
+    and tail pool (one tile) whole, every full tile packed, plus `bookkeeping` bytes per
+    KV head."""
     tiles = max(0, tokens - front) // tile
     tail_pool = tile if tokens > front else 0
-    group = value_group(shape.head_dim, policy)
-    packed = tiles * tile_nbytes(shape.head_dim, tile, key_bits, value_bits, group)
-    per_head = (front + tail_pool) * dense_slot + packed + book
-    return shape.layers * shape.kv_heads * per_head
+    packed = tiles * tile_nbytes(shape.head_dim, tile, *bits, group)
+    per_head = (front + tail_pool) * shape.dense_token_bytes + packed + bookkeeping
+    return shape.kv_heads * per_head
 
 
-def kv_width(shape: ModelShape, bits: int | None, group_size: int) -> float:
-    """Bytes of one token's K or V in one head: dense, or packed plus a scale and a bias
-    per group."""
-    if bits is None:
-        return shape.head_dim * shape.element_bytes
-    return shape.head_dim * bits / 8 + 2 * shape.element_bytes * shape.head_dim / group_size
+# ------------------------------------------------------------------- what a session costs
 
 
-def bytes_per_token(
-    shape: ModelShape,
-    policy: str,
-    group_size: int = DEFAULT_GROUP_SIZE,
-    max_kv: int | None = None,
-    kvarn: str = DEFAULT_KVARN,
-) -> float:
-    """Bytes one cached token costs across all layers under `policy` (every layer's cache
-    of the policy's kind; `session_bytes` counts what each layer really holds).
-
-    kvarn / h2o-kvarn (preset `kvarn`): `cache_bytes` over max_kv (default
-    KVARN_REFERENCE_TOKENS).
-    """
-    info = POLICIES[choose("policy", policy, POLICIES)]
-    if policy in KVARN_POLICIES:
-        tokens = max_kv or KVARN_REFERENCE_TOKENS
-        return cache_bytes(shape, policy, tokens, kvarn) / tokens
-
-    per_head = kv_width(shape, info.key_bits, group_size)
-    per_head += kv_width(shape, info.value_bits, group_size)
-    if info.scored:
-        per_head += H2O_BOOKKEEPING
-    if info.cache == "adaptive":
-        per_head += ADAPTIVE_BOOKKEEPING
-    if info.cache == "merging":
-        per_head += MERGING_BOOKKEEPING
-    return shape.layers * shape.kv_heads * per_head
+def _spec(policy: str | CacheSpec, max_kv: int | None, fields: dict) -> CacheSpec:
+    if isinstance(policy, CacheSpec):
+        return policy.replace(max_kv=max_kv or policy.max_kv, layer_shares=None, **fields)
+    return CacheSpec(choose("policy", policy, POLICIES), max_kv, **fields)
 
 
-def archive_bytes_per_token(shape: ModelShape, group_size: int = DEFAULT_GROUP_SIZE) -> float:
-    """h2o-recall: one archived token across all layers (8-bit K and V with a scale and a
-    bias per group, its position and score)."""
-    packed = 2 * kv_width(shape, RECALL_BITS, group_size)
-    return shape.layers * shape.kv_heads * (packed + H2O_BOOKKEEPING)
+def layer_bytes(shape: ModelShape, spec: CacheSpec, window: int | None = None) -> float:
+    """One layer's cache as make_cache builds it: a global layer (window None) holds the
+    policy's cache; a sliding-window layer its own window, dense, when that fits in max_kv
+    or the policy is unbounded, else max_kv tokens of its `in_window` policy's cache."""
+    from cache.contract import cache_class  # the classes price themselves, importing this
 
-
-def packed_extras(
-    shape: ModelShape,
-    max_kv: int,
-    windowed: bool = False,
-    key_bits: int = 8,
-    dense_recent: int | None = None,
-) -> int:
-    """What a packed H2O layer (h2o-q8, h2o-q4, h2o-mixed k8v4) holds besides its slots:
-    the key centre and, outside sliding windows, the dense sink pool and, with 4-bit keys,
-    the dense tail of the newest tokens (`dense_recent`, None: the default for `key_bits`;
-    cache/quantized.py)."""
-    segments = split_segments(max_kv)
-    sinks = 0 if windowed else segments.sink
-    tail = 0 if windowed else dense_recent_tokens(key_bits, segments.recent, dense_recent)
-    return shape.kv_heads * (1 + 2 * (sinks + tail)) * shape.head_dim * shape.element_bytes
-
-
-def _layer_bytes(
-    shape: ModelShape,
-    policy: str,
-    max_kv: int,
-    group_size: int,
-    kvarn: str,
-    windowed: bool = False,
-    dense_recent: int | None = None,
-) -> float:
-    """One layer's cache of `policy`'s kind at max_kv, as allocated (spare slot, steps);
-    `windowed`: inside a sliding window larger than max_kv."""
-    info = POLICIES[policy]
-    if policy in KVARN_POLICIES:
-        return cache_bytes(shape, policy, max_kv, kvarn) / shape.layers
-    if not info.bounded:
-        slots = -(-max_kv // FULL_CACHE_STEP) * FULL_CACHE_STEP
-    else:
-        slots = max_kv + 1 if info.scored else max_kv
-    held = slots * bytes_per_token(shape, policy, group_size)
-    if info.cache in ("quantized", "mixed"):
-        extras = packed_extras(shape, max_kv, windowed, info.key_bits, dense_recent)
-        held += extras * shape.layers
-    if info.cache == "recall":
-        held += RECALL_ARCHIVE * max_kv * archive_bytes_per_token(shape, group_size)
-    return held / shape.layers
+    info = spec.info
+    if window is None:
+        return cache_class(info).layer_bytes(shape, spec)
+    if not info.bounded or window <= spec.max_kv:
+        return window * shape.kv_heads * shape.dense_token_bytes
+    return cache_class(info.window_policy()).layer_bytes(shape, spec, window)
 
 
 def session_bytes(
-    shape: ModelShape,
-    policy: str,
-    max_kv: int,
-    group_size: int = DEFAULT_GROUP_SIZE,
-    kvarn: str = DEFAULT_KVARN,
-    dense_recent: int | None = None,
+    shape: ModelShape, policy: str | CacheSpec, max_kv: int | None = None, **fields
 ) -> float:
-    """Bytes of one session's caches at `max_kv`, as allocated, summed over the layers."""
-    info = POLICIES[choose("policy", policy, POLICIES)]
-    per_layer = _layer_bytes(shape, policy, max_kv, group_size, kvarn, False, dense_recent)
-    dense = bytes_per_token(shape, "rotating") / shape.layers  # one token, one layer
-    total = shape.global_layers * per_layer
-    for window in shape.windows:
-        if not info.bounded or window <= max_kv:
-            total += window * dense  # the layer keeps its own window
-        elif policy == "h2o-kvarn":
-            total += max_kv * dense  # a max_kv window (no KVarN twin inside a window)
-        elif info.cache in ("adaptive", "merging", "recall"):
-            total += _layer_bytes(shape, "h2o", max_kv, group_size, kvarn)  # plain H2O
-        else:
-            total += _layer_bytes(shape, policy, max_kv, group_size, kvarn, windowed=True)
-    return total
+    """Bytes of one session's caches at `max_kv`, as allocated, summed over the layers.
+    `fields`: the CacheSpec's other fields (group_size, kvarn, dense_recent, ...)."""
+    spec = _spec(policy, max_kv, fields)
+    total = shape.global_layers * layer_bytes(shape, spec)
+    return total + sum(layer_bytes(shape, spec, window) for window in shape.windows)
 
 
-def max_kv_within(
-    nbytes: int,
-    shape: ModelShape,
-    policy: str,
-    kvarn: str = DEFAULT_KVARN,
-    group_size: int = DEFAULT_GROUP_SIZE,
-    dense_recent: int | None = None,
-) -> int:
+def cache_bytes(shape: ModelShape, policy: str | CacheSpec, max_kv: int, **fields) -> float:
+    """Bytes of one conversation's caches at `max_kv` with every layer global."""
+    return shape.layers * layer_bytes(shape, _spec(policy, max_kv, fields))
+
+
+def bytes_per_token(
+    shape: ModelShape, policy: str | CacheSpec, max_kv: int | None = None, **fields
+) -> float:
+    """What one cached token costs across all layers: a cache of `max_kv` tokens
+    (default REFERENCE_TOKENS) with every layer global, over its tokens."""
+    tokens = max_kv or REFERENCE_TOKENS
+    return cache_bytes(shape, policy, tokens, **fields) / tokens
+
+
+def _priced_fields(policy: str, fields: dict) -> dict:
+    """The spec fields a policy's price depends on (its record's knobs); segment sizes
+    follow the preset at every max_kv tried."""
+    knobs = POLICIES[policy].knobs
+    return {k: v for k, v in fields.items() if k in knobs and v is not None}
+
+
+def max_kv_within(nbytes: int, shape: ModelShape, policy: str, **fields) -> int:
     """The largest max_kv whose caches, as allocated, fit in `nbytes` (0 if none).
+    `fields`: CacheSpec fields (those the policy's price depends on are used).
 
-    A full cache gets whole steps of 256 tokens. The cost is not monotone at a
-    window: at max_kv = window a sliding layer swaps the policy's cache for its own
-    dense window, which may cost less, so each stretch between windows is searched
-    on its own (the cost grows with max_kv inside one).
+    Caches that allocate in blocks (mlx-lm's KVCache, 256 tokens) get whole blocks.
+    The cost is not monotone at a window: at max_kv = window a sliding layer swaps the
+    policy's cache for its own dense window, which may cost less, so each stretch
+    between windows is searched on its own (the cost grows with max_kv inside one).
     """
-    step = FULL_CACHE_STEP if POLICIES[choose("policy", policy, POLICIES)].cache == "full" else 1
+    from cache.contract import cache_class
+
+    info = POLICIES[choose("policy", policy, POLICIES)]
+    step = cache_class(info).token_step
+    priced = _priced_fields(policy, fields)
 
     def fits(k: int) -> bool:
-        return session_bytes(shape, policy, k * step, group_size, kvarn, dense_recent) <= nbytes
+        return session_bytes(shape, policy, k * step, **priced) <= nbytes
 
     starts = sorted({2, *shape.windows})  # max_kv 1 cannot be split into segments
     best = 0
@@ -308,15 +223,13 @@ def max_kv_within(
 
 
 def auto_policy(shape: ModelShape, budget: Budget) -> str:
-    """full when the model's whole context fits, else kvarn when it fits packed (nothing
-    forgotten, within ~0.5% of full), else 8-bit H2O: in the same bytes it keeps more
-    than dense or merging H2O, and loses less (docs/equal_bytes.md)."""
-    share = budget.per_session
-    if share >= session_bytes(shape, "full", shape.context):
-        return "full"
-    if share >= session_bytes(shape, "kvarn", shape.context):
-        return "kvarn"
-    return AUTO_BOUNDED
+    """The first of AUTO_ORDER (config/policies.py) that holds the model's whole context
+    in one session's share, else its last (bounded) one."""
+    *whole_context, bounded = AUTO_ORDER
+    for policy in whole_context:
+        if budget.per_session >= session_bytes(shape, policy.name, shape.context):
+            return policy.name
+    return bounded.name
 
 
 def fit_spec(
@@ -345,10 +258,7 @@ def fit_spec(
     if shares_for is not None and not explicit_segments:
         fields["layer_shares"] = shares_for(policy)
     if budget is not None:
-        kvarn = fields.get("kvarn", DEFAULT_KVARN)
-        group_size = fields.get("group_size", DEFAULT_GROUP_SIZE)
-        dense_recent = fields.get("dense_recent")
-        limit = max_kv_within(budget.per_session, shape, policy, kvarn, group_size, dense_recent)
+        limit = max_kv_within(budget.per_session, shape, policy, **fields)
         limit = min(limit, shape.context)
         if limit < MIN_MAX_KV:
             raise ValueError(

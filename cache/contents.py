@@ -5,12 +5,14 @@ the model can still attend to. Reads MLX arrays, so only the thread that owns ML
 may call it (the worker, between rounds: a batched round wraps each session's own
 caches and leaves them consistent with `session.tokens` once it is over).
 
-- Scored caches (`h2o`, `h2o-q8`/`h2o-q4`, `h2o-mixed`, `h2o-kvarn`) record each
-  slot's token position and accumulated score per KV head; heads evict independently.
-- mlx-lm's `KVCache` and `KVarNCache` (packed, never evicts) hold every token seen.
-- mlx-lm's `RotatingKVCache` holds its `keep` sink tokens and the newest rest of
-  its buffer (after a multi-token chunk the buffer briefly holds more than
-  max_size; after a decode step exactly max_size).
+Each cache class builds its own (`LayerCache.contents`, cache/contract.py) with the
+helpers below:
+- evicting caches record each slot's token position and accumulated score per KV head;
+  heads evict independently (a pooled layer's heads hold different counts);
+- full and KVarN caches (packed, never evicting) hold every token seen;
+- a rotating cache holds its `keep` sink tokens and the newest rest of its buffer
+  (after a multi-token chunk the buffer briefly holds more than max_size; after a
+  decode step exactly max_size).
 """
 
 from __future__ import annotations
@@ -19,62 +21,51 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from cache.factory import tokens_seen
-from cache.h2o import H2OKVCache
-from cache.h2o_kvarn import H2OKVarNCache
-from cache.kvarn import KVarNCache
-
-SCORED = (H2OKVCache, H2OKVarNCache)  # per-slot `positions` and `scores` [B, H, slots]
+from config.policies import FULL, H2O, ROTATING
 
 
 @dataclass(frozen=True)
 class LayerContents:
     """One layer's cache: `positions[h]` are the token positions KV head h holds."""
 
-    kind: str  # "h2o" (scored eviction), "full", "kvarn" (both keep all) or "rotating"
+    kind: str  # config.policies.VIEW_KINDS: h2o (scored eviction), full and kvarn, rotating
     offset: int  # tokens the layer has seen
-    positions: np.ndarray  # int32 [kv_heads, held], sorted per head
-    scores: np.ndarray | None  # float32 [kv_heads, held], aligned with positions (H2O only)
+    positions: list[np.ndarray]  # int32 per KV head, sorted (heads may hold different counts)
+    scores: list[np.ndarray] | None  # float32 per KV head, aligned with positions (H2O only)
     sink: int  # positions below this are protected sink tokens
     recent: int  # positions >= offset - recent are the protected recent window
 
 
-def layer_contents(cache) -> LayerContents | None:
-    """What `cache` holds, or None for caches that hold no token positions (recurrent state)."""
-    if isinstance(cache, SCORED):
-        return _scored_contents(cache)
-    if isinstance(cache, RotatingKVCache):
-        return _rotating_contents(cache)
-    if isinstance(cache, KVarNCache):
-        heads = 0 if cache.front is None else cache.front[0].shape[1]
-        return _every_token("kvarn", cache.offset, heads)
-    if type(cache) is KVCache:
-        return _every_token("full", cache.offset, 0 if cache.keys is None else cache.keys.shape[1])
-    return None
+def every_token(offset: int, heads: int, kind: str = FULL.name) -> LayerContents:
+    """A cache that holds every token it has seen, in each of its heads."""
+    row = np.arange(offset, dtype=np.int32)
+    return LayerContents(kind, offset, [row] * heads, None, 0, 0)
 
 
-def _every_token(kind: str, offset: int, heads: int) -> LayerContents:
-    positions = np.broadcast_to(np.arange(offset, dtype=np.int32), (heads, offset))
-    return LayerContents(kind, offset, positions, None, 0, 0)
-
-
-def _scored_contents(cache: H2OKVCache | H2OKVarNCache) -> LayerContents:
-    n = cache.size()
-    if cache.positions is None or n == 0:
-        positions, scores = np.zeros((0, 0), np.int32), np.zeros((0, 0), np.float32)
+def scored_contents(cache, n: int, positions=None, scores=None) -> LayerContents:
+    """An H2O cache's: per KV head, the positions its first `n` slots hold and their
+    scores (or the given per-head `positions` and `scores`), sorted by position."""
+    if positions is None:
+        positions, scores = [], []
+        if cache.positions is not None and n:
+            # Sessions run at batch 1; slot order is arbitrary, so sort by position.
+            pos, score = cache.positions[0, :, :n], cache.scores[0, :, :n]
+            order = mx.argsort(pos, axis=-1)
+            pos, score = mx.take_along_axis(pos, order, -1), mx.take_along_axis(score, order, -1)
+            mx.eval(pos, score)
+            positions = list(np.array(pos, np.int32))
+            scores = list(np.array(score, np.float32))
     else:
-        # Sessions run at batch 1; slot order is arbitrary, so sort by position.
-        pos, score = cache.positions[0, :, :n], cache.scores[0, :, :n]
-        order = mx.argsort(pos, axis=-1)
-        pos, score = mx.take_along_axis(pos, order, -1), mx.take_along_axis(score, order, -1)
-        mx.eval(pos, score)
-        positions, scores = np.array(pos, np.int32), np.array(score, np.float32)
-    return LayerContents("h2o", tokens_seen(cache), positions, scores, cache.sink, cache.recent)
+        orders = [np.argsort(p, kind="stable") for p in positions]
+        positions = [np.asarray(p, np.int32)[o] for p, o in zip(positions, orders, strict=True)]
+        scores = [np.asarray(s, np.float32)[o] for s, o in zip(scores, orders, strict=True)]
+    return LayerContents(H2O.name, cache.tokens_seen, positions, scores, cache.sink, cache.recent)
 
 
-def _rotating_contents(cache: RotatingKVCache) -> LayerContents:
+def window_contents(cache) -> LayerContents:
+    """A rotating cache's (mlx-lm's RotatingKVCache): its `keep` sink tokens and the newest
+    rest of its buffer."""
     offset, keep = cache.offset, cache.keep
     heads = 0 if cache.keys is None else cache.keys.shape[1]
     held = 0 if cache.keys is None else min(offset, cache.keys.shape[2])
@@ -84,5 +75,4 @@ def _rotating_contents(cache: RotatingKVCache) -> LayerContents:
         row = np.concatenate([sinks, newest])
     else:
         row = np.arange(offset, dtype=np.int32)
-    positions = np.broadcast_to(row, (heads, len(row)))
-    return LayerContents("rotating", offset, positions, None, keep, cache.max_size - keep)
+    return LayerContents(ROTATING.name, offset, [row] * heads, None, keep, cache.max_size - keep)

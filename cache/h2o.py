@@ -24,7 +24,7 @@ score 0 and the position the next appended token will have, so appending
 writes keys and values only.
 
 Subclasses change how K/V are stored (cache/quantized.py) by overriding the
-`_encode`/`_fetch`/`_grow_kv`/`_gather_kv`/`_kv_state`/`_kv_loaded` hooks; buffers may be
+`encode`/`_fetch`/`_grow_kv`/`_gather_kv`/`_kv_state`/`_kv_loaded` hooks; buffers may be
 lists of arrays (mx.quantize's packed weights, scales, biases), every one
 with the sequence on axis 2, so scoring and eviction never look inside them.
 """
@@ -32,21 +32,32 @@ with the sequence on axis 2, so scoring and eviction never look inside them.
 from __future__ import annotations
 
 import json
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.base import create_causal_mask
 
-from cache.attention import DENSE, KVFormat
-from cache.scores import ScoreRule, make_score_rule
-from config.cache_spec import DEFAULT_SCORE, default_evict_batch, split_segments
+from cache.budget import H2O_BOOKKEEPING
+from cache.contents import LayerContents, scored_contents
+from cache.contract import LayerCache, ScoredCache
+from cache.heavy_hitters import HeavyHitters, segment_knobs
+from cache.scores import ScoreRule
+from config.cache_spec import DEFAULT_SCORE, CacheSpec
+
+if TYPE_CHECKING:
+    from cache.budget import ModelShape
+
+
+SLOT_BUFFERS = ("keys", "values", "scores", "positions")  # every one along the slot axis
 
 
 class ScoresMissing(RuntimeError):
     """An H2O cache was fed tokens, but its layer's attention never reported scores."""
 
 
-class H2OKVCache:
+class H2OKVCache(HeavyHitters, ScoredCache):
     step = 256
 
     def __init__(
@@ -58,32 +69,98 @@ class H2OKVCache:
         score: str | ScoreRule = DEFAULT_SCORE,
         evict_batch: int | None = None,
     ):
-        segments = split_segments(max_size, sink=sink, heavy=heavy, recent=recent)
-        self.max_size, self.sink, self.heavy, self.recent = (
-            segments.max_size,
-            segments.sink,
-            segments.heavy,
-            segments.recent,
-        )
-        if evict_batch is None:
-            evict_batch = default_evict_batch(self.max_size, self.heavy)
-        if not 1 <= evict_batch <= max(1, self.heavy):
-            raise ValueError(
-                f"evict_batch must be between 1 and the heavy budget ({self.heavy}), "
-                f"got {evict_batch}"
-            )
-        self.evict_batch = evict_batch
-        self.score_rule = make_score_rule(score) if isinstance(score, str) else score
+        self.set_rule(max_size, sink, heavy, recent, score, evict_batch)
         self.keys = self.values = None  # [B, H, capacity, D] (or a list of such buffers)
         self.scores = None  # float32 [B, H, capacity]: accumulated importance
         self.positions = None  # int32 [B, H, capacity]: token index held by each slot
         self.lags = None  # int32 [B, H, capacity]: token index - RoPE position (once re-indexed)
         self.seen = self.shift = 0
-        self.evicted = 0  # tokens evicted (per head; every head evicts as many)
-        self._len = 0  # slots in use
+        self.used = 0  # slots in use
 
-    # Context shift: make_cache sets both for policies whose storage can re-rotate keys
-    # (PolicyInfo.reindexes: dense and packed H2O).
+    # ------------------------------------------------------------ building, pricing
+
+    @classmethod
+    def from_spec(cls, spec: CacheSpec, window: int | None = None) -> H2OKVCache:
+        knobs = {**segment_knobs(spec), **cls.spec_knobs(spec)}
+        if window is None:
+            return cls(spec.max_kv, **knobs)
+        from cache.windowed import windowed  # the twins subclass this module's classes
+
+        return windowed(cls)(spec.max_kv, window=window, **knobs)
+
+    @classmethod
+    def spec_knobs(cls, spec: CacheSpec) -> dict:
+        """Constructor knobs of this class, beyond the H2O rule's, from a spec."""
+        return {}
+
+    @classmethod
+    def layer_bytes(cls, shape: ModelShape, spec: CacheSpec, window: int | None = None) -> float:
+        """max_kv + 1 slots (the newest token waits in a spare one until the eviction) of
+        K/V, a float32 score and an int32 position, per KV head; plus `extra_bytes`."""
+        per_slot = cls.slot_bytes(shape, spec) + H2O_BOOKKEEPING + cls.slot_extra_bytes
+        return (spec.max_kv + 1) * shape.kv_heads * per_slot + cls.extra_bytes(shape, spec, window)
+
+    @classmethod
+    def slot_bytes(cls, shape: ModelShape, spec: CacheSpec) -> float:
+        """K and V of one token in one KV head, as stored."""
+        return shape.dense_token_bytes
+
+    slot_extra_bytes = 0  # per slot and KV head, beside K/V, score and position
+
+    @classmethod
+    def extra_bytes(cls, shape: ModelShape, spec: CacheSpec, window: int | None) -> float:
+        """What a layer holds besides its slots."""
+        return 0
+
+    # ------------------------------------------------------------------ the contract
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.seen
+
+    def contents(self) -> LayerContents:
+        return scored_contents(self, self.used // self._slots_per_token)
+
+    def adopt(self, fresh: LayerCache) -> None:
+        """RoPE and the context wall: make_cache attaches them, a file cannot hold them."""
+        self.wall, self.rope = fresh.wall, fresh.rope
+
+    def set_context(self, rope, wall: int) -> None:
+        self.rope, self.wall = rope, wall
+
+    def slab_key(self) -> Hashable | None:
+        """Dense and packed (cache/quantized.py) H2O caches can join a slab once filled,
+        never re-indexed; other layouts (subclasses) cannot."""
+        if not self.slab_rows or self.positions is None or self.lags is not None:
+            return None
+        stored = (self.keys, self.values)
+        shapes = tuple((a.dtype, a.shape[1], a.shape[3:]) for _, a in tree_flatten(stored))
+        config = (self.max_size, self.sink, self.heavy, self.recent, self.evict_batch)
+        return (type(self).__name__, *config, self.score_rule, self.slab_layout(), shapes)
+
+    # Whether an H2OSlab can hold this class's rows (cache/h2o_slab.py): exactly these
+    # buffers per slot, nothing else that moves.
+    slab_rows: bool = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # Each class opts in: a subclass may store or move what the slab does not know.
+        cls.slab_rows = cls.__dict__.get("slab_rows", False)
+
+    def slab_layout(self) -> tuple:
+        """What else than the slots a slab row of this cache holds, in its key."""
+        return ()
+
+    def pack_pending(self) -> None:
+        """Write what waits to be stored (packed caches defer their newest tokens)."""
+
+    def slab_buffers(self) -> tuple[str, ...]:
+        """The attributes a slab stacks per row: the slot buffers (keys, values, scores,
+        positions: the slot axis 2), then any fixed per-row arrays."""
+        return SLOT_BUFFERS
+
+    # Context shift: make_cache sets both (set_context) for policies whose storage can
+    # re-rotate keys (config/policies.py `reindexes`: dense, packed and merging H2O).
     wall: int | None = None  # RoPE positions stay below this (the model's context)
     rope = None  # the layer's RoPE module: rope(x, offset=...)
 
@@ -102,13 +179,13 @@ class H2OKVCache:
         """Store N new tokens (post-RoPE keys) and return every stored key/value."""
         self._check_scored()
         n_new = keys.shape[2]
-        end = self._len + n_new
-        keys, values = self._encode(keys, values)
+        end = self.used + n_new
+        keys, values = self.encode(keys, values)
         if self.positions is None or end > self.positions.shape[-1]:
             self._grow(keys, values, end)
         # Free slots already hold score 0 and these tokens' positions.
-        self._write_slots(keys, values, self._len, end)
-        self._len = end
+        self._write_slots(keys, values, self.used, end)
+        self.used = end
         self.offset += n_new
         return self._fetch()
 
@@ -117,9 +194,9 @@ class H2OKVCache:
 
         `probs`: the softmax the attention used, when it has it (saves rules a second one).
         """
-        if scores.shape[-1] != self._len:
+        if scores.shape[-1] != self.used:
             raise ValueError(
-                f"scores cover {scores.shape[-1]} keys but the cache holds {self._len}"
+                f"scores cover {scores.shape[-1]} keys but the cache holds {self.used}"
             )
         self.add_scores(scores, probs)
         self.evict_if_full()
@@ -131,8 +208,8 @@ class H2OKVCache:
         can see (slots of one chunk are stored in order).
         """
         n = scores.shape[-1]
-        if n > self._len:
-            raise ValueError(f"scores cover {n} keys but the cache holds {self._len}")
+        if n > self.used:
+            raise ValueError(f"scores cover {n} keys but the cache holds {self.used}")
         full = n == self.scores.shape[-1]
         held = self.scores if full else self.scores[..., :n]
         updated = self.score_rule.accumulate(held, scores, self.positions.shape[1], probs)
@@ -143,7 +220,7 @@ class H2OKVCache:
 
     def evict_if_full(self) -> None:
         """Evict down to max_kv; then re-index if RoPE positions near the wall."""
-        if self._len > self._slot_budget:
+        if self.used > self.slot_budget:
             self._evict()
         # A quarter of the context is left for the next chunk (the server's is 512 tokens);
         # re-indexing must win back at least an eighth of it to be worth its work.
@@ -156,7 +233,7 @@ class H2OKVCache:
         n); the next token gets position n. Attention between held tokens keeps their order
         but not their distances: what StreamingLLM does past the window, measured better
         than the original positions beyond the context (docs/context_wall.md)."""
-        n = self._len
+        n = self.used
         pos = self.positions[..., :n]
         rank = mx.argsort(mx.argsort(pos, axis=-1), axis=-1).astype(mx.int32)
         rope_pos = pos if self.lags is None else pos - self.lags[..., :n]
@@ -165,13 +242,7 @@ class H2OKVCache:
             self.lags = mx.zeros(self.positions.shape, dtype=mx.int32)
         self.lags[..., :n] = pos - rank
         self.shift = self.seen - n
-        self._reset_free_slots()
-
-    def kv_segments(self, keys, values) -> list[tuple[object, object, KVFormat]]:
-        """What update_and_fetch returned, as (keys, values, format) parts for attention."""
-        return [(keys, values, self.kv_format)]
-
-    kv_format: KVFormat = DENSE
+        self.reset_free_slots()
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Mask for N new tokens: every stored key visible, the new keys causal.
@@ -190,7 +261,7 @@ class H2OKVCache:
 
     def size(self) -> int:
         """Tokens physically stored (per head; on average when heads hold different counts)."""
-        return self._len // self._slots_per_token
+        return self.used // self._slots_per_token
 
     def empty(self) -> bool:
         return self.positions is None
@@ -215,7 +286,7 @@ class H2OKVCache:
         """
         if self.positions is None:
             return 0
-        n = self._len
+        n = self.used
         held = mx.sort(self.positions[..., :n], axis=-1)
         # Sorted positions end at seen - 1; they are contiguous over a suffix only.
         in_order = held == mx.arange(self.seen - n, self.seen, dtype=held.dtype)
@@ -226,20 +297,20 @@ class H2OKVCache:
         n = max(0, min(n, self.trimmable_tokens()))
         if n == 0:
             return 0
-        keep = self.positions[..., : self._len] < self.seen - n
-        slots = mx.arange(self._len)
+        keep = self.positions[..., : self.used] < self.seen - n
+        slots = mx.arange(self.used)
         # Kept slots first, in slot order: every head keeps the same count.
-        order = mx.sort(mx.where(keep, slots, self._len + slots), axis=-1)
+        order = mx.sort(mx.where(keep, slots, self.used + slots), axis=-1)
         self.offset -= n
         dropped = n * self._slots_per_token
-        self._gather(order[..., : self._len - dropped], capacity=self.positions.shape[-1])
+        self._gather(order[..., : self.used - dropped], capacity=self.positions.shape[-1])
         return n
 
     @property
     def state(self):
         if self.positions is None:
             return None, None, None, None, self.meta_state[0]
-        n = self._len
+        n = self.used
         positions = self.positions[..., :n]
         if self.lags is not None:  # re-indexed: the lags travel with the positions
             positions = mx.stack([positions, self.lags[..., :n]])
@@ -252,7 +323,7 @@ class H2OKVCache:
         if self.positions is not None and self.positions.ndim == 4:
             self.positions, self.lags = self.positions[0], self.positions[1]
         self.meta_state = (meta,)
-        self._len = 0 if self.positions is None else self.positions.shape[-1]
+        self.used = 0 if self.positions is None else self.positions.shape[-1]
         self._kv_loaded()
 
     def _kv_loaded(self) -> None:
@@ -261,43 +332,23 @@ class H2OKVCache:
     @property
     def meta_state(self) -> tuple[str]:
         meta = {
-            "max_size": self.max_size,
-            "sink": self.sink,
-            "heavy": self.heavy,
-            "recent": self.recent,
-            "score": self.score_rule.name,
-            "score_knobs": self.score_rule.knobs(),
-            "evict_batch": self.evict_batch,
+            **self.rule_meta(),
             "offset": self.seen,  # tokens seen; RoPE's offset is seen - shift
             "shift": self.shift,
-            "evicted": self.evicted,
         }
         return (json.dumps(meta),)
 
     @meta_state.setter
     def meta_state(self, v) -> None:
         meta = json.loads(v[0])
-        self.max_size, self.sink, self.heavy, self.recent = (
-            meta["max_size"],
-            meta["sink"],
-            meta["heavy"],
-            meta["recent"],
-        )
-        self.score_rule = make_score_rule(meta["score"], **meta.get("score_knobs", {}))
-        self.evict_batch = meta.get("evict_batch", 1)
-        self.seen, self.evicted = meta["offset"], meta["evicted"]
-        self.shift = meta.get("shift", 0)  # wall and rope: make_cache or adopt_rope
-
-    @classmethod
-    def from_state(cls, state) -> H2OKVCache:
-        obj = cls.__new__(cls)
-        obj.state = state
-        return obj
+        self.load_rule_meta(meta)
+        self.seen = meta["offset"]
+        self.shift = meta.get("shift", 0)  # wall and rope: make_cache or adopt
 
     # ------------------------------------------------------------ K/V storage hooks
 
     def _write_slots(self, keys, values, start: int, end: int) -> None:
-        """Encoded K/V (`_encode`'s form) into slots [start, end) of every buffer."""
+        """Encoded K/V (`encode`'s form) into slots [start, end) of every buffer."""
         if isinstance(keys, mx.array):  # dense: no tree walk, once per layer and step
             self.keys[:, :, start:end] = keys
             self.values[:, :, start:end] = values
@@ -306,13 +357,13 @@ class H2OKVCache:
         for (_, buf), (_, new) in zip(stored, fresh, strict=True):
             buf[:, :, start:end] = new
 
-    def _encode(self, keys: mx.array, values: mx.array):
+    def encode(self, keys: mx.array, values: mx.array):
         """New tokens in the form the buffers store (dense: as they come)."""
         return keys, values
 
     def _fetch(self):
         """What attention reads: every stored key/value, spare slots cut off."""
-        n = self._len
+        n = self.used
         if n == self.positions.shape[-1]:
             return self.keys, self.values
         if isinstance(self.keys, mx.array):
@@ -320,7 +371,7 @@ class H2OKVCache:
         return tree_map(lambda a: a[:, :, :n], (self.keys, self.values))
 
     def _kv_state(self) -> tuple:
-        return tree_map(lambda a: a[:, :, : self._len], (self.keys, self.values))
+        return tree_map(lambda a: a[:, :, : self.used], (self.keys, self.values))
 
     def _grow_kv(self, keys, values, capacity: int) -> None:
         """Reallocate the K/V buffers to `capacity` slots (keys/values: encoded new tokens)."""
@@ -333,13 +384,13 @@ class H2OKVCache:
 
     def _rerope_keys(self, delta: mx.array) -> None:
         """Rotate each held key [B, H, n] by `delta` positions (RoPE composes by adding)."""
-        n = self._len
+        n = self.used
         self.keys[:, :, :n] = turn_keys(self.rope, self.keys[:, :, :n], delta)
 
     def _gather_kv(self, idx: mx.array, capacity: int) -> None:
         """K/V of slots `idx` [B, H, K] into `capacity` slots."""
         self.keys, self.values = tree_map(
-            lambda buf: gather_slots(buf[:, :, : self._len], idx[..., None], capacity),
+            lambda buf: gather_slots(buf[:, :, : self.used], idx[..., None], capacity),
             (self.keys, self.values),
         )
 
@@ -350,15 +401,15 @@ class H2OKVCache:
     _slots_per_token = 1
 
     @property
-    def _slot_budget(self) -> int:
+    def slot_budget(self) -> int:
         """Slots in use past which eviction runs."""
         return self.max_size * self._slots_per_token
 
     def _check_scored(self) -> None:
         """Eviction runs when scores arrive; a cache past max_size never got them."""
-        if self._len > self._slot_budget:
+        if self.used > self.slot_budget:
             raise ScoresMissing(
-                f"this H2O cache holds {self._len} tokens (max_kv {self.max_size}): its layer's "
+                f"this H2O cache holds {self.used} tokens (max_kv {self.max_size}): its layer's "
                 "attention did not pass scores to update_scores, so nothing was evicted. The "
                 "model's attention must call mlx-lm's scaled_dot_product_attention through the "
                 "router installed by cache.make_cache; use policy full or rotating otherwise"
@@ -369,14 +420,14 @@ class H2OKVCache:
     ) -> mx.array:
         """A [*lead, capacity, *tail] buffer holding `buf`'s used slots."""
         fresh = mx.zeros((*lead, capacity, *tail), dtype=dtype)
-        if buf is not None and self._len:
-            fresh[:, :, : self._len] = buf[:, :, : self._len]
+        if buf is not None and self.used:
+            fresh[:, :, : self.used] = buf[:, :, : self.used]
         return fresh
 
     def _grow(self, keys, values, needed: int) -> None:
         # Decode needs max_size + 1 slots at most (one for the newest token); a
         # prefill chunk gets exactly what it needs until eviction cuts it back.
-        decode_slots = self._slot_budget + self._slots_per_token
+        decode_slots = self.slot_budget + self._slots_per_token
         if needed <= decode_slots:
             capacity = min(-(-needed // self.step) * self.step, decode_slots)
         else:
@@ -390,30 +441,30 @@ class H2OKVCache:
         self.positions = self._grown(self.positions, lead, (), mx.int32, capacity)
         if self.lags is not None:
             self.lags = self._grown(self.lags, lead, (), mx.int32, capacity)
-        self._reset_free_slots()
+        self.reset_free_slots()
 
-    def _reset_free_slots(self) -> None:
+    def reset_free_slots(self) -> None:
         """Free slots get score 0 and the positions (and lag) the next appended tokens will
         have."""
-        free = self.positions.shape[-1] - self._len
+        free = self.positions.shape[-1] - self.used
         if free:
-            self.positions[..., self._len :] = mx.arange(
+            self.positions[..., self.used :] = mx.arange(
                 self.seen, self.seen + free, dtype=mx.int32
             )
-            self.scores[..., self._len :] = 0.0
+            self.scores[..., self.used :] = 0.0
             if self.lags is not None:
-                self.lags[..., self._len :] = self.shift
+                self.lags[..., self.used :] = self.shift
 
     def _gather(self, idx: mx.array, capacity: int) -> None:
         """Rebuild the buffers from slots `idx` [B, H, K] into `capacity` slots."""
-        n = self._len
+        n = self.used
         self._gather_kv(idx, capacity)
         self.scores = gather_slots(self.scores[:, :, :n], idx, capacity)
         self.positions = gather_slots(self.positions[:, :, :n], idx, capacity)
         if self.lags is not None:
             self.lags = gather_slots(self.lags[:, :, :n], idx, capacity)
-        self._len = idx.shape[-1]
-        self._reset_free_slots()
+        self.used = idx.shape[-1]
+        self.reset_free_slots()
 
     def _evict(self) -> None:
         """Keep sinks, the recent window and the best middle tokens: max_size + 1 - batch."""
@@ -421,22 +472,12 @@ class H2OKVCache:
         self._gather(kept, capacity=self.max_size + 1)
 
     def _eviction_split(self) -> tuple[mx.array, mx.array]:
-        """(slots kept, slots leaving) [B, H, *], the leavers counted as evicted: sinks,
-        the recent window and the best middle tokens stay, max_size + 1 - batch in all."""
-        keep = self.max_size + 1 - self.evict_batch
-        ranked = self._eviction_ranks(self.positions[..., : self._len])
-        order = mx.argpartition(-ranked, kth=keep - 1, axis=-1)
-        self.evicted += self._len - keep
-        return order[..., :keep], order[..., keep:]
+        """(slots kept, slots leaving) [B, H, *], the leavers counted as evicted."""
+        return self.split(self.eviction_ranks(self.positions[..., : self.used]))
 
-    def _eviction_ranks(self, pos: mx.array) -> mx.array:
-        """What eviction keeps the top of: middle tokens by score, sinks and recent at +inf."""
-        value = self.score_rule.rank(self.scores[..., : self._len], pos, self.seen)
-        return mx.where(self._in_middle(pos), value, mx.inf)
-
-    def _in_middle(self, pos: mx.array) -> mx.array:
-        """Which of these positions are neither sinks nor in the recent window."""
-        return (pos >= self.sink) & (pos < self.seen - self.recent)
+    def eviction_ranks(self, pos: mx.array) -> mx.array:
+        """What eviction keeps the top of (HeavyHitters.rank_middle over the held slots)."""
+        return self.rank_middle(self.scores[..., : self.used], pos, self.seen)
 
 
 def gather_slots(buf: mx.array, idx: mx.array, capacity: int) -> mx.array:

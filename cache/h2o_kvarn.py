@@ -33,14 +33,20 @@ import json
 
 import mlx.core as mx
 
+from cache.budget import H2O_BOOKKEEPING, kvarn_layer_bytes, value_group
+from cache.contents import LayerContents, scored_contents
+from cache.heavy_hitters import HeavyHitters, segment_knobs
 from cache.kvarn import KVarNCache
+from cache.kvarn import check_head_dim as check_kvarn_head_dim
 from cache.kvarn_tiles import SINKHORN_ITERS, encode_keys, encode_values
-from cache.scores import ScoreRule, make_score_rule
+from cache.scores import ScoreRule
 from config.cache_spec import (
     DEFAULT_SCORE,
     H2O_KVARN_REPACK_SINKHORN_ITERS,
     H2O_KVARN_VALUE_GROUP,
+    KVARN_PRESETS,
     KVARN_STRATEGIES,
+    CacheSpec,
     choose,
     h2o_kvarn_tile,
     split_segments,
@@ -48,7 +54,7 @@ from config.cache_spec import (
 from kernels.kvarn import dequantize_keys, dequantize_values
 
 
-class H2OKVarNCache(KVarNCache):
+class H2OKVarNCache(HeavyHitters, KVarNCache):
     repack_sinkhorn_iters: int = H2O_KVARN_REPACK_SINKHORN_ITERS  # also for older saves
 
     def __init__(
@@ -83,15 +89,49 @@ class H2OKVarNCache(KVarNCache):
         choose("h2o-kvarn strategy", strategy, KVARN_STRATEGIES)
         if strategy == "tile" and budget.heavy < tile:
             raise ValueError(f"tile eviction needs a heavy budget of at least one tile ({tile})")
-        self.max_size, self.heavy, self.recent = budget.max_size, budget.heavy, budget.recent
         # A tile's worth at a time by default: every eviction re-packs the damaged tiles,
         # so fewer, larger evictions quantize survivors fewer times (docs/quantized.md).
-        self.evict_batch = evict_batch or max(1, min(tile, self.heavy))
-        self.score_rule = make_score_rule(score) if isinstance(score, str) else score
+        self.set_rule(
+            max_size, budget.sink, budget.heavy, budget.recent, score, evict_batch,
+            default_batch=max(1, min(tile, budget.heavy)),
+        )  # fmt: skip
         self.strategy = strategy
         self.repack_sinkhorn_iters = repack_sinkhorn_iters
         self.scores = self.positions = None  # [B, H, size] per slot
-        self.evicted = 0
+
+    # ------------------------------------------------------------ building, pricing
+
+    @classmethod
+    def from_spec(cls, spec: CacheSpec, window: int | None = None) -> H2OKVarNCache:
+        if window is not None:
+            raise ValueError("no KVarN twin inside a sliding window (config/policies.py)")
+        return cls(
+            spec.max_kv, *KVARN_PRESETS[spec.kvarn], **segment_knobs(spec),
+            strategy=spec.kvarn_strategy,
+        )  # fmt: skip
+
+    @classmethod
+    def layer_bytes(cls, shape, spec: CacheSpec, window: int | None = None) -> float:
+        """max_kv + 1 tokens (the newest waits in a spare slot until the eviction, as in
+        dense H2O): H2O's sinks as the front pool, whole tiles, the tail pool whole; a
+        score and a position per slot."""
+        tokens, group = spec.max_kv + 1, value_group(shape.head_dim, H2O_KVARN_VALUE_GROUP)
+        return kvarn_layer_bytes(
+            shape, tokens, spec.segments().sink, h2o_kvarn_tile(spec.max_kv),
+            KVARN_PRESETS[spec.kvarn], group, bookkeeping=H2O_BOOKKEEPING * tokens,
+        )  # fmt: skip
+
+    @classmethod
+    def check_head_dim(cls, spec: CacheSpec, head_dim: int) -> None:
+        check_kvarn_head_dim(head_dim, H2O_KVARN_VALUE_GROUP)
+
+    # ------------------------------------------------------------------ the contract
+
+    def contents(self) -> LayerContents:
+        return scored_contents(self, self.size())
+
+    def trimmable_tokens(self) -> int:
+        return 0 if self.evicted else super().trimmable_tokens()
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         lead, n = keys.shape[:2], keys.shape[2]
@@ -105,7 +145,7 @@ class H2OKVarNCache(KVarNCache):
 
     def update_scores(self, scores: mx.array, probs: mx.array | None = None) -> None:
         """Accumulate one attention call's logits [B, n_q_heads, L_q, size], then evict."""
-        super().update_scores(scores)
+        KVarNCache.update_scores(self, scores)  # checks the length
         self.add_scores(scores, probs)
         self.evict_if_full()
 
@@ -146,30 +186,22 @@ class H2OKVarNCache(KVarNCache):
     @property
     def meta_state(self) -> tuple[str]:
         meta = json.loads(super().meta_state[0])
-        keys = (
-            "max_size",
-            "heavy",
-            "recent",
-            "evict_batch",
-            "strategy",
-            "evicted",
-            "repack_sinkhorn_iters",
-        )
-        meta.update({k: getattr(self, k) for k in keys})
-        meta.update(score=self.score_rule.name, score_knobs=self.score_rule.knobs())
+        meta.update(self.rule_meta())  # its sink is KVarN's front pool, the same number
+        meta.update(strategy=self.strategy, repack_sinkhorn_iters=self.repack_sinkhorn_iters)
         return (json.dumps(meta),)
 
     @meta_state.setter
     def meta_state(self, v) -> None:
         meta = json.loads(v[0])
-        rule = make_score_rule(meta.pop("score"), **meta.pop("score_knobs"))
-        KVarNCache.meta_state.fset(self, (json.dumps(meta),))
-        self.score_rule = rule
+        self.load_rule_meta(meta)
+        kvarn_keys = ("key_bits", "value_bits", "tile", "sink", "sinkhorn_iters")
+        kvarn_keys += ("value_group_size", "n_front", "n_tail", "offset")
+        own = {k: meta[k] for k in kvarn_keys if k in meta}
+        KVarNCache.meta_state.fset(self, (json.dumps(own),))
+        self.strategy = meta["strategy"]
+        self.repack_sinkhorn_iters = meta.get("repack_sinkhorn_iters", 0)
 
     # ------------------------------------------------------------------ eviction
-
-    def _middle(self) -> mx.array:
-        return (self.positions >= self.sink) & (self.positions < self.offset - self.recent)
 
     def _evict_tokens(self) -> None:
         """Keep dense H2O's slots; re-pack only the tiles that lost tokens."""
@@ -180,9 +212,7 @@ class H2OKVarNCache(KVarNCache):
             self.tile,
         )
         n = self.n_tiles()
-        importance = self.score_rule.rank(self.scores, self.positions, self.offset)
-        ranked = mx.where(self._middle(), importance, mx.inf)
-        top = mx.argpartition(-ranked, kth=keep - 1, axis=-1)[..., :keep]
+        top, _ = self.split(self.rank_middle(self.scores, self.positions, self.offset))
         kept = mx.put_along_axis(
             mx.zeros(self.scores.shape, mx.bool_), top, mx.array(True), axis=-1
         )
@@ -200,7 +230,6 @@ class H2OKVarNCache(KVarNCache):
         ]
         self.scores = mx.take_along_axis(self.scores, order, axis=-1)
         self.positions = mx.take_along_axis(self.positions, order, axis=-1)
-        self.evicted += size - keep
         self._rebuild(order, intact)
 
     def _rebuild(self, order: mx.array, intact: mx.array) -> None:

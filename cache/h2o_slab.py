@@ -20,10 +20,11 @@ own: a row leaving or lent is laid out as a lone cache holds it (held slots firs
 position order), which is what the packed layouts need (their sink pool shadows the
 first slots) and any order serves a dense one.
 
-Members: sessions whose every layer is a dense `H2OKVCache` or a packed
-`QuantizedH2OKVCache` (h2o-q8, h2o-q4, h2o-mixed; not other subclasses: merging,
-windowed and tiled layouts differ), never re-indexed, all with one configuration
-(`slab_key`). A packed row also stacks its key centre and dense sink pool, and joins
+Members: sessions whose every layer's cache has a `slab_key` (cache/contract.py): dense
+`H2OKVCache` and packed `QuantizedH2OKVCache` (h2o-q8, h2o-q4, h2o-mixed k8v4) opt in;
+merging, windowed and tiled layouts differ and do not), never re-indexed, all with one
+configuration (`slab_key`). A member's arrays are the ones its caches name
+(`slab_buffers`). A packed row also stacks its key centre and dense sink pool, and joins
 once that pool is full (its sinks seen); with 4-bit keys also its dense tail, once that
 holds its newest tokens past the sinks: the slab keeps the slot each tail token fills,
 masks those packed copies and scores the tail's logits in their slots; it encodes and
@@ -44,44 +45,18 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
 from cache.attention import DENSE
+from cache.contract import LayerCache, ScoredCache
+from cache.h2o import SLOT_BUFFERS as SLOTS
 from cache.h2o import H2OKVCache
-from cache.quantized import QuantizedH2OKVCache, shifted_in
-
-SLOTS = ("keys", "values", "scores", "positions")  # along the slot axis, max_kv + 1 wide
-# A packed row's own arrays: fixed while it decodes, but for the dense tail of its newest
-# tokens, shifted by one each step.
-PACKED_ROW = ("key_center", "sink_keys", "sink_values", "tail_keys", "tail_values")
-
-
-def _row_buffers(cache: H2OKVCache) -> tuple[str, ...]:
-    """The per-row arrays a member's cache holds."""
-    if type(cache) is H2OKVCache:
-        return SLOTS
-    return SLOTS + tuple(n for n in PACKED_ROW if getattr(cache, n) is not None)
+from cache.quantized import shifted_in
 
 
 def slab_key(caches: list) -> tuple | None:
     """What the members of one H2OSlab share, or None if these caches cannot join one."""
-    if not caches:
+    if not caches or not all(isinstance(c, LayerCache) for c in caches):
         return None
-    key = []
-    for c in caches:
-        if type(c) not in (H2OKVCache, QuantizedH2OKVCache):
-            return None
-        if c.positions is None or c.lags is not None:
-            return None
-        layout = ()
-        if isinstance(c, QuantizedH2OKVCache):
-            if c.sink_keys is not None and c.seen < c.sink:  # its sink pool still fills
-                return None
-            if c.tail_keys is not None and c._tail_slots() < c.tail:  # so does its tail
-                return None
-            layout = (c.kv_format, _row_buffers(c), c.tail)
-        stored = (c.keys, c.values)
-        shapes = tuple((a.dtype, a.shape[1], a.shape[3:]) for _, a in tree_flatten(stored))
-        config = (c.max_size, c.sink, c.heavy, c.recent, c.evict_batch, c.score_rule)
-        key.append((type(c).__name__, *config, layout, shapes))
-    return tuple(key)
+    key = tuple(c.slab_key() for c in caches)
+    return None if any(k is None for k in key) else key
 
 
 def near_wall(caches: list[H2OKVCache], margin: int = 2) -> bool:
@@ -90,7 +65,7 @@ def near_wall(caches: list[H2OKVCache], margin: int = 2) -> bool:
     return c.rope is not None and c.offset + margin >= c.wall - c.wall // 4
 
 
-class H2OSlabLayer:
+class H2OSlabLayer(ScoredCache):
     """One layer of an H2OSlab: a part of a BatchedCache, attended by the router."""
 
     def __init__(self, slab: H2OSlab, index: int, names: tuple[str, ...]):
@@ -108,6 +83,10 @@ class H2OSlabLayer:
     @property
     def rows(self) -> int:
         return len(self.slab.members)
+
+    def forget_mask(self) -> None:
+        """The rows or the slots they hold changed: the next attention builds its mask."""
+        self._mask = None
 
     def _caches(self) -> list[H2OKVCache]:
         return [caches[self.index] for caches in self.slab.caches]
@@ -145,14 +124,14 @@ class H2OSlabLayer:
             if self.unpacked == self.tail_slots.shape[2]:
                 self.pack_pending()
         else:
-            keys, values = caches[0]._encode(keys, values)  # every row's config is the same
+            keys, values = caches[0].encode(keys, values)  # every row's config is the same
             self.keys = tree_map(put, self.keys, keys)
             self.values = tree_map(put, self.values, values)
         self.positions = put(self.positions, mx.broadcast_to(seen.reshape(B, 1, 1), (B, H, 1)))
         self.held = held
         self._mask = None
         for c in caches:
-            c._len += 1
+            c.used += 1
             c.offset += 1
         return self.keys, self.values
 
@@ -162,7 +141,7 @@ class H2OSlabLayer:
         if not n:
             return
         tail = (self.tail_keys[:, :, -n:], self.tail_values[:, :, -n:])
-        keys, values = self._caches()[0]._encode(*tail)
+        keys, values = self._caches()[0].encode(*tail)
         put = partial(scatter_write, self.tail_slots[:, :, -n:])
         self.keys, self.values = tree_map(put, self.keys, keys), tree_map(put, self.values, values)
 
@@ -179,7 +158,7 @@ class H2OSlabLayer:
             parts.append((self.tail_keys, self.tail_values, DENSE))
         return parts
 
-    def attention_mask(self, n_heads: int, n_queries: int) -> mx.array:
+    def attention_mask(self, n_heads: int, n_queries: int, mask=None) -> mx.array:
         """The slots each query head's KV head holds (the sink pool's are always held), but
         for the tail tokens' packed copies; then the tail, all of it."""
         if self._mask is None:
@@ -204,7 +183,7 @@ class H2OSlabLayer:
         updated = rule.accumulate(self.scores, logits, self.positions.shape[1], probs)
         # Slots a row does not hold stay at 0, as a lone cache's free slots are.
         self.scores = mx.where(self.held, updated, 0.0)
-        full = tuple(c._len > c._slot_budget for c in caches)
+        full = tuple(c.used > c.slot_budget for c in caches)
         if any(full):
             self._evict(full, caches)
 
@@ -221,9 +200,9 @@ class H2OSlabLayer:
         their own tokens seen), and the next tokens fill them: no K/V moves. A full row
         holds every slot, so one ranking over the slab serves every row that evicts."""
         view = copy.copy(caches[0])
-        view.scores, view.positions, view._len = self.scores, self.positions, self.size()
+        view.scores, view.positions, view.used = self.scores, self.positions, self.size()
         view.seen = (self.slab.seen_at_start() + 1).reshape(-1, 1, 1)  # this token's counted
-        ranked = view._eviction_ranks(self.positions)
+        ranked = view.eviction_ranks(self.positions)
         keep = view.max_size + 1 - view.evict_batch
         leaving = mx.argpartition(-ranked, kth=keep - 1, axis=-1)[..., keep:]
         freed = mx.put_along_axis(self.held, leaving, mx.array(False), axis=2)
@@ -234,8 +213,8 @@ class H2OSlabLayer:
         self.scores = mx.where(freed, self.scores, 0.0)
         for c, evicts in zip(caches, full, strict=True):
             if evicts:
-                c.evicted += c._len - keep
-                c._len = keep
+                c.evicted += c.used - keep
+                c.used = keep
 
     def row(self, i: int) -> dict[str, object]:
         """Row i as a lone cache lays it out: held slots first, in position order."""
@@ -294,11 +273,10 @@ class H2OSlab:
         self.pack_pending()  # the rows after join wait for none, as the new ones
         for _, caches in sessions:  # the slab reads every slot it did not write packed
             for c in caches:
-                if isinstance(c, QuantizedH2OKVCache):
-                    c.pack_pending()
+                c.pack_pending()
         per_layer = list(zip(*(caches for _, caches in sessions), strict=True))
         if not self.layers:
-            names = [_row_buffers(caches[0]) for caches in per_layer]
+            names = [caches[0].slab_buffers() for caches in per_layer]
             self.layers = [H2OSlabLayer(self, n, layer) for n, layer in enumerate(names)]
         for layer, caches in zip(self.layers, per_layer, strict=True):
             width = caches[0].max_size + 1
@@ -310,7 +288,7 @@ class H2OSlab:
                 stacked = rows if have is None else [have, *rows]
                 setattr(layer, name, tree_map(lambda *a: mx.concatenate(a), *stacked))
             # A lone cache holds its first _len slots, every head alike.
-            lens = mx.array([c._len for c in caches], dtype=mx.int32)[:, None, None]
+            lens = mx.array([c.used for c in caches], dtype=mx.int32)[:, None, None]
             held = mx.arange(width, dtype=mx.int32) < lens
             held = mx.broadcast_to(held, (len(caches), layer.positions.shape[1], width))
             layer.held = held if layer.held is None else mx.concatenate([layer.held, held])
@@ -320,7 +298,7 @@ class H2OSlab:
                 tail = mx.broadcast_to(tail, (len(caches), layer.positions.shape[1], T))
                 have = layer.tail_slots
                 layer.tail_slots = tail if have is None else mx.concatenate([have, tail])
-            layer._mask = None
+            layer.forget_mask()
         for member, caches in sessions:
             self.members.append(member)
             self.caches.append(caches)
@@ -340,13 +318,13 @@ class H2OSlab:
                 for name, arrays in layer.row(i).items():
                     setattr(caches[n], name, arrays)
                     written += _leaves(arrays)
-                caches[n]._reset_free_slots()  # a free slot holds its next token's position
+                caches[n].reset_free_slots()  # a free slot holds its next token's position
             for name in (*layer.names, "held", "tail_slots"):
                 buf = getattr(layer, name)
                 if buf is not None:
                     rest = tree_map(lambda a: mx.concatenate([a[:i], a[i + 1 :]]), buf)
                     setattr(layer, name, rest if self.members else None)
-            layer._mask = None
+            layer.forget_mask()
         if not self.members:
             self.layers = []
         mx.async_eval(written)  # copied now: a lazy copy would keep the old slab alive

@@ -28,9 +28,12 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from cache.attention import KVFormat
-from cache.budget import value_group
+from cache.budget import kvarn_layer_bytes, value_group
+from cache.contents import LayerContents, every_token
+from cache.contract import ScoredCache
 from cache.kvarn_tiles import SINKHORN_ITERS, encode_keys, encode_values
-from config.cache_spec import KVARN_SINK, KVARN_TILE, QUANT_GROUP_SIZES
+from config.cache_spec import KVARN_PRESETS, KVARN_SINK, KVARN_TILE, QUANT_GROUP_SIZES, CacheSpec
+from config.policies import KVARN
 from kernels.hadamard import hadamard_block, rotate
 from kernels.kvarn import TileFormat
 
@@ -47,7 +50,7 @@ def check_head_dim(head_dim: int, group: int | None = None) -> None:
         raise ValueError(f"head dim {head_dim} is not a multiple of the value group {group}")
 
 
-class KVarNCache:
+class KVarNCache(ScoredCache):
     """Rotated K/V: dense front (sink) pool, Sinkhorn-balanced packed tiles, dense tail."""
 
     # Channels per value scale; None: the widest that divides the head dim (also what
@@ -85,6 +88,34 @@ class KVarNCache:
         self.tiles = None  # [key tiles, value tiles] (kernels/kvarn.py layout)
         self.n_front = self.n_tail = 0
         self.offset = 0
+
+    # ------------------------------------------------------------ building, pricing
+
+    @classmethod
+    def from_spec(cls, spec: CacheSpec, window: int | None = None) -> KVarNCache:
+        if window is not None:
+            raise ValueError("KVarN keeps every token: a sliding-window layer keeps its window")
+        return cls(*KVARN_PRESETS[spec.kvarn])
+
+    @classmethod
+    def layer_bytes(cls, shape, spec: CacheSpec, window: int | None = None) -> float:
+        """max_kv tokens: both pools whole, every full tile packed."""
+        bits, group = KVARN_PRESETS[spec.kvarn], value_group(shape.head_dim)
+        return kvarn_layer_bytes(shape, spec.max_kv, KVARN_SINK, KVARN_TILE, bits, group)
+
+    @classmethod
+    def check_head_dim(cls, spec: CacheSpec, head_dim: int) -> None:
+        check_head_dim(head_dim)
+
+    # ------------------------------------------------------------------ the contract
+
+    def contents(self) -> LayerContents:
+        heads = 0 if self.front is None else self.front[0].shape[1]
+        return every_token(self.offset, heads, kind=KVARN.name)
+
+    def trimmable_tokens(self) -> int:
+        """The dense pools' tokens: packed tiles stay."""
+        return self.n_tail if self.tiles is not None else self.n_front + self.n_tail
 
     # ------------------------------------------------------------------ protocol
 
@@ -197,12 +228,6 @@ class KVarNCache:
     def meta_state(self, v) -> None:
         for key, value in json.loads(v[0]).items():
             setattr(self, key, value)
-
-    @classmethod
-    def from_state(cls, state) -> KVarNCache:
-        obj = cls.__new__(cls)
-        obj.state = state
-        return obj
 
     # ------------------------------------------------------------------ internals
 

@@ -30,18 +30,19 @@ from pathlib import Path
 import mlx.core as mx
 
 from cache.batch import batch_caches
-from cache.factory import layer_windows, make_cache
-from config.cache_spec import POLICIES
+from cache.factory import make_cache
+from config.policies import FULL, H2O, POLICIES
+from models.shape import layer_windows
 
 PROFILES = Path(__file__).parent / "profiles"
-BASE_POLICY = "h2o"  # whose profile serves a policy that has none of its own (h2o-q8, ...)
+BASE_POLICY = H2O.name  # whose profile serves a policy that has none of its own (h2o-q8, ...)
 SHARE_POWER, SHARE_MIN, SHARE_MAX = 0.5, 0.75, 2.0
 
 
 @dataclass(frozen=True)
 class LayerProfile:
     model: str  # the model it was measured on
-    identity: str  # a fingerprint of its weights (server/spill.py model_identity)
+    identity: str  # a fingerprint of its weights (server/sessions/spill.py model_identity)
     # policy -> per-layer NLL increase (nats/token); None for a sliding-window layer
     sensitivity: dict[str, list[float | None]]
     calibration: dict  # how it was measured: text, windows, tokens, max_kv, chunk
@@ -126,7 +127,7 @@ def calibrate(
         bounded = make_cache(model, policy, max_kv=max_kv)  # row k takes layer k's cache
         rows = []
         for layer in [*global_layers, None]:  # the last row bounds nothing: the reference
-            caches = make_cache(model, "full")
+            caches = make_cache(model, FULL.name)
             if layer is not None:
                 caches[layer] = bounded[layer]
             rows.append(caches)

@@ -30,10 +30,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from cache.budget import MERGING_BOOKKEEPING
 from cache.h2o import H2OKVCache, gather_slots
 
 
 class MergingH2OKVCache(H2OKVCache):
+    slot_extra_bytes = MERGING_BOOKKEEPING  # the count
+
     def __init__(self, max_size: int, **h2o):
         """`h2o`: H2OKVCache's knobs (sink, heavy, recent, score, evict_batch)."""
         super().__init__(max_size, **h2o)
@@ -41,7 +44,7 @@ class MergingH2OKVCache(H2OKVCache):
 
     def logit_bias(self) -> mx.array:
         """log(count) per stored slot, [B, H, slots]: attention adds it to every logit."""
-        return mx.log(self.counts[..., : self._len])
+        return mx.log(self.counts[..., : self.used])
 
     @property
     def nbytes(self) -> int:
@@ -50,7 +53,7 @@ class MergingH2OKVCache(H2OKVCache):
     @property
     def state(self):
         *rest, meta = super().state
-        counts = None if self.counts is None else self.counts[..., : self._len]
+        counts = None if self.counts is None else self.counts[..., : self.used]
         return (*rest, counts, meta)
 
     @state.setter
@@ -60,12 +63,12 @@ class MergingH2OKVCache(H2OKVCache):
 
     # ------------------------------------------------------------------ internals
 
-    def _eviction_ranks(self, pos: mx.array) -> mx.array:
+    def eviction_ranks(self, pos: mx.array) -> mx.array:
         """H2O's ranks, each middle one times the distance to the nearest middle key ranked
         at least as high (a tie goes to the lower slot index): what merging it would lose."""
-        ranks = super()._eviction_ranks(pos)
+        ranks = super().eviction_ranks(pos)
         n = pos.shape[-1]
-        middle = self._in_middle(pos)
+        middle = self.in_middle(pos, self.seen)
         unit = _unit(self.keys[:, :, :n].astype(mx.float32))
         similarity = unit @ unit.swapaxes(-1, -2)  # [B, H, slot, other slot]
         mine, theirs = ranks[..., :, None], ranks[..., None, :]
@@ -82,20 +85,20 @@ class MergingH2OKVCache(H2OKVCache):
         self.counts = self._grown(
             counts, self.positions.shape[:2], (), mx.float32, self.positions.shape[-1]
         )
-        self._reset_free_slots()
+        self.reset_free_slots()
 
-    def _reset_free_slots(self) -> None:
-        super()._reset_free_slots()
-        if self.counts is not None and self._len < self.counts.shape[-1]:
-            self.counts[..., self._len :] = 1.0
+    def reset_free_slots(self) -> None:
+        super().reset_free_slots()
+        if self.counts is not None and self.used < self.counts.shape[-1]:
+            self.counts[..., self.used :] = 1.0
 
     def _gather(self, idx: mx.array, capacity: int) -> None:
-        self.counts = gather_slots(self.counts[:, :, : self._len], idx, capacity)
+        self.counts = gather_slots(self.counts[:, :, : self.used], idx, capacity)
         super()._gather(idx, capacity)
 
     def _evict(self) -> None:
         """The lowest-worth middle tokens leave, folded into their nearest kept slot."""
-        n = self._len
+        n = self.used
         # What a slot weighs in a merge: the attention it draws per query (the rule's rank;
         # a merged slot's already counts its tokens', through its log(count) bias). Kept
         # above 0 so that a merge never divides by 0.
@@ -118,7 +121,7 @@ class MergingH2OKVCache(H2OKVCache):
         kept_k, kept_v = self.keys[:, :, :keep], self.values[:, :, :keep]
         similarity = _unit(gone_k) @ _unit(kept_k).swapaxes(-1, -2)  # [B, H, gone, keep]
         kept_pos = self.positions[:, :, None, :keep]
-        open_slot = self._in_middle(kept_pos)
+        open_slot = self.in_middle(kept_pos, self.seen)
         into = mx.argmax(mx.where(open_slot, similarity, -mx.inf), axis=-1)  # [B, H, gone]
         # A head with no middle slot kept (heavy 0) drops its leavers, as plain H2O does.
         merged = open_slot.any(axis=-1)[..., None]

@@ -22,7 +22,7 @@ from mlx.utils import tree_map
 from cache.attention import DENSE, KVFormat, seq_length
 from cache.h2o import H2OKVCache, gather_slots
 from cache.quantized import QuantizedH2OKVCache, quantize
-from config.cache_spec import DEFAULT_GROUP_SIZE, MIXED_SCHEMES
+from config.cache_spec import DEFAULT_GROUP_SIZE, MIXED_SCHEMES, CacheSpec
 
 
 class MixedH2OKVCache(H2OKVCache):
@@ -46,12 +46,35 @@ class MixedH2OKVCache(H2OKVCache):
         super().__init__(max_size, **h2o)
         self.group_size, self.heavy_bits, self.recent_bits = group_size, heavy_bits, recent_bits
 
+    # ------------------------------------------------------------ building, pricing
+
+    @classmethod
+    def from_spec(cls, spec: CacheSpec, window: int | None = None) -> H2OKVCache:
+        """The layout `spec.mixed` names: k8v4 is a QuantizedH2OKVCache with split widths."""
+        layout, _ = MIXED_LAYOUTS[spec.mixed]
+        if layout is not cls:
+            return layout.from_spec(spec, window)
+        return super().from_spec(spec, window)
+
+    @classmethod
+    def spec_knobs(cls, spec: CacheSpec) -> dict:
+        return {"group_size": spec.group_size, **MIXED_LAYOUTS[spec.mixed][1]}
+
+    @classmethod
+    def layer_bytes(cls, shape, spec: CacheSpec, window: int | None = None) -> float:
+        """Priced as k8v4 (the policy's widths) in every layout."""
+        return QuantizedH2OKVCache.layer_bytes(shape, spec, window)
+
+    @classmethod
+    def check_head_dim(cls, spec: CacheSpec, head_dim: int) -> None:
+        QuantizedH2OKVCache.check_head_dim(spec, head_dim)
+
     # ------------------------------------------------------------------ protocol
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Append to the recent window; tokens pushed out of it move to the old segment."""
         n_new = keys.shape[2]
-        end = self._len + n_new
+        end = self.used + n_new
         if self.positions is None or end > self.positions.shape[-1]:
             self._grow(keys, values, end)  # scores/positions; the segments size themselves
         if self.keys is None:
@@ -64,7 +87,7 @@ class MixedH2OKVCache(H2OKVCache):
             if spill:
                 self._append_old(buf, n_old, _slots(window, 0, spill))
             buf[1] = _slots(window, spill, None) if spill < seq_length(window) else None
-        self._len = end
+        self.used = end
         self.offset += n_new
         return self._fetch()
 
@@ -83,14 +106,14 @@ class MixedH2OKVCache(H2OKVCache):
         if n == 0:
             return 0
         # Slots are in position order in every head: the newest n are the last n.
-        keep = self._len - n
+        keep = self.used - n
         n_old = self._n_old()
         rec_keep = keep - min(n_old, keep)
         for buf in (self.keys, self.values):
             buf[1] = _slots(buf[1], 0, rec_keep) if rec_keep else None
-        self._len = keep
+        self.used = keep
         self.offset -= n
-        self._reset_free_slots()
+        self.reset_free_slots()
         return n
 
     def _kv_loaded(self) -> None:
@@ -115,7 +138,7 @@ class MixedH2OKVCache(H2OKVCache):
     # ------------------------------------------------------------------ storage hooks
 
     def _n_old(self) -> int:
-        return self._len - seq_length(self.keys[1])
+        return self.used - seq_length(self.keys[1])
 
     def _encode_recent(self, x: mx.array):
         if self.recent_bits is None:

@@ -59,24 +59,30 @@ layer and KV head.
 from __future__ import annotations
 
 import json
+from collections.abc import Hashable
 
 import mlx.core as mx
 
 from cache.attention import DENSE, KVFormat, seq_length
+from cache.budget import kv_width, packed_extras
 from cache.h2o import H2OKVCache, turn_keys
-from config.cache_spec import DEFAULT_GROUP_SIZE, dense_recent_tokens
+from config.cache_spec import DEFAULT_GROUP_SIZE, CacheSpec, dense_recent_tokens
 from kernels.hadamard import hadamard_block, rotate
 
 PACKED_PARTS = 3  # mx.quantize's words, scales, biases
 
 
-def quantize(x: mx.array, group_size: int, bits: int) -> list[mx.array]:
-    """mx.quantize along the head dim: [words, scales, biases], the sequence still on axis 2."""
-    if x.shape[-1] % group_size:
+def check_group(head_dim: int, group_size: int) -> None:
+    if head_dim % group_size:
         raise ValueError(
-            f"head dim {x.shape[-1]} is not a multiple of the quantization group size "
+            f"head dim {head_dim} is not a multiple of the quantization group size "
             f"{group_size}: use a smaller group_size (32) or a dense policy"
         )
+
+
+def quantize(x: mx.array, group_size: int, bits: int) -> list[mx.array]:
+    """mx.quantize along the head dim: [words, scales, biases], the sequence still on axis 2."""
+    check_group(x.shape[-1], group_size)
     return mx.quantize(x, group_size=group_size, bits=bits)
 
 
@@ -132,6 +138,50 @@ class QuantizedH2OKVCache(H2OKVCache):
 
     # The sliding-window twin evicts its sinks once they leave the window: no pools there.
     dense_sinks = dense_tail = True
+    slab_rows = True
+
+    # ------------------------------------------------------------ building, pricing
+
+    @classmethod
+    def spec_knobs(cls, spec: CacheSpec) -> dict:
+        info = spec.info
+        return dict(
+            group_size=spec.group_size, bits=info.key_bits, value_bits=info.value_bits,
+            rotate=spec.rotates(), dense_recent=spec.dense_recent,
+        )  # fmt: skip
+
+    @classmethod
+    def slot_bytes(cls, shape, spec: CacheSpec) -> float:
+        info, group = spec.info, spec.group_size
+        return kv_width(shape, info.key_bits, group) + kv_width(shape, info.value_bits, group)
+
+    @classmethod
+    def extra_bytes(cls, shape, spec: CacheSpec, window: int | None) -> float:
+        """The key centre and, outside sliding windows, the dense sink pool and tail."""
+        return packed_extras(shape, spec, windowed=window is not None)
+
+    @classmethod
+    def check_head_dim(cls, spec: CacheSpec, head_dim: int) -> None:
+        check_group(head_dim, spec.group_size)
+        if spec.rotates():
+            hadamard_block(head_dim)
+
+    # ------------------------------------------------------------------ in a slab
+
+    def slab_key(self) -> Hashable | None:
+        if self.sink_keys is not None and self.seen < self.sink:  # its sink pool still fills
+            return None
+        if self.tail_keys is not None and self.tail_filled() < self.tail:  # so does its tail
+            return None
+        return super().slab_key()
+
+    def slab_layout(self) -> tuple:
+        return (self.kv_format, self.slab_buffers(), self.tail)
+
+    def slab_buffers(self) -> tuple[str, ...]:
+        """Its slots, the key centre, and the dense pools it has."""
+        own = ("key_center", "sink_keys", "sink_values", "tail_keys", "tail_values")
+        return super().slab_buffers() + tuple(n for n in own if getattr(self, n) is not None)
 
     @property
     def kv_format(self) -> KVFormat:
@@ -161,9 +211,9 @@ class QuantizedH2OKVCache(H2OKVCache):
     def _defers(self, n: int) -> bool:
         """Whether a new token's packed copy waits: one decode token, a full tail past the
         sinks that serves it, room for its slot."""
-        if n != 1 or self.tail_keys is None or self._tail_slots() < self.tail:
+        if n != 1 or self.tail_keys is None or self.tail_filled() < self.tail:
             return False
-        return self._len < self.positions.shape[-1]
+        return self.used < self.positions.shape[-1]
 
     def _append_unpacked(self):
         """Take a decode token's slot (its position is set, its score 0) and leave its
@@ -171,7 +221,7 @@ class QuantizedH2OKVCache(H2OKVCache):
         the tail's tokens once every `tail` steps instead of one per step saves ~10 small
         ops per layer and step (a third of what the tail costs)."""
         self._check_scored()
-        self._len += 1
+        self.used += 1
         self.offset += 1
         self.unpacked += 1
         if self.unpacked == self.tail:  # the oldest of them leaves the tail next step
@@ -183,8 +233,8 @@ class QuantizedH2OKVCache(H2OKVCache):
         n, self.unpacked = self.unpacked, 0
         if not n:
             return
-        encoded = self._encode(self.tail_keys[:, :, -n:], self.tail_values[:, :, -n:])
-        self._write_slots(*encoded, self._len - n, self._len)
+        encoded = self.encode(self.tail_keys[:, :, -n:], self.tail_values[:, :, -n:])
+        self._write_slots(*encoded, self.used - n, self.used)
 
     def _start(self, keys: mx.array, values: mx.array) -> None:
         """The centre (the mean key of the first tokens, sinks included: measured better
@@ -203,16 +253,16 @@ class QuantizedH2OKVCache(H2OKVCache):
         """Sink tokens served from the dense pool; they shadow packed slots [0, pool)."""
         return 0 if self.sink_keys is None else min(self.sink, self.seen)
 
-    def _tail_slots(self) -> int:
+    def tail_filled(self) -> int:
         """Newest tokens served from the dense tail; they shadow the last packed slots.
         Slots stay in position order and the recent window (at least `tail` long) is
         never evicted, so the newest tokens are always the last slots."""
-        return 0 if self.tail_keys is None else min(self.tail_len, self._len - self._pool())
+        return 0 if self.tail_keys is None else min(self.tail_len, self.used - self._pool())
 
     def kv_segments(self, keys, values) -> list[tuple[object, object, KVFormat]]:
         """[dense sinks | packed slots between | dense tail], in slot order, empty parts
         left out."""
-        if not (self._pool() or self._tail_slots()):
+        if not (self._pool() or self.tail_filled()):
             return [(keys, values, self.kv_format)]
         formats = (DENSE, self.kv_format, DENSE)
         parts = zip(keys, values, formats, strict=True)
@@ -224,7 +274,7 @@ class QuantizedH2OKVCache(H2OKVCache):
         extra = (self.key_center, *pools)
         return super().nbytes + sum(a.nbytes for a in extra if a is not None)
 
-    def _encode(self, keys: mx.array, values: mx.array):
+    def encode(self, keys: mx.array, values: mx.array):
         gs = self.group_size
         if self.rotate:
             keys, values = rotate(keys), rotate(values)
@@ -232,12 +282,12 @@ class QuantizedH2OKVCache(H2OKVCache):
 
     def _fetch(self):
         """Packed slots; with dense pools (sinks, tail) in use, (sinks, packed, tail) each."""
-        pool, tail = self._pool(), self._tail_slots()
+        pool, tail = self._pool(), self.tail_filled()
         if not (pool or tail):
             return super()._fetch()
         # One slice per packed buffer and full pools whole: on the CPU every op of a decode
         # step's graph costs ~3-5 us, and these were a third of a packed layer's.
-        end = self._len - tail
+        end = self.used - tail
         packed = [a[:, :, pool:end] for a in self.keys], [a[:, :, pool:end] for a in self.values]
         sinks = tails = (None, None)
         if pool:
@@ -256,7 +306,7 @@ class QuantizedH2OKVCache(H2OKVCache):
 
     def _rerope_keys(self, delta: mx.array) -> None:
         """Unpack the held keys, rotate them by `delta` positions, pack them again."""
-        n, gs = self._len, self.group_size
+        n, gs = self.used, self.group_size
         dense = mx.dequantize(*(a[:, :, :n] for a in self.keys), group_size=gs, bits=self.bits)
         if self.rotate:  # the Hadamard rotation is its own inverse
             dense = rotate(dense)
@@ -265,7 +315,7 @@ class QuantizedH2OKVCache(H2OKVCache):
             dense = rotate(dense)
         for buf, packed in zip(self.keys, quantize(dense, gs, self.bits), strict=True):
             buf[:, :, :n] = packed
-        pool, tail = self._pool(), self._tail_slots()
+        pool, tail = self._pool(), self.tail_filled()
         if pool:
             turned = self._turn(self.sink_keys[:, :, :pool], delta[..., :pool])
             self.sink_keys[:, :, :pool] = turned

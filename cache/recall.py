@@ -30,10 +30,17 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from cache.attention import DENSE
+from cache.budget import H2O_BOOKKEEPING, kv_width
 from cache.h2o import H2OKVCache
-from cache.quantized import quantize
+from cache.quantized import check_group, quantize
 from cache.scores.snap import sliding_max
-from config.cache_spec import DEFAULT_GROUP_SIZE, RECALL_BITS, default_recall
+from config.cache_spec import (
+    DEFAULT_GROUP_SIZE,
+    RECALL_ARCHIVE,
+    RECALL_BITS,
+    CacheSpec,
+    default_recall,
+)
 
 RECALL_WINDOW = 32  # queries of a chunk that look into the archive (SnapKV's window)
 # Position neighbours a recalled token brings along: a short phrase. The recall harness
@@ -76,6 +83,21 @@ class RecallH2OKVCache(H2OKVCache):
         self._window, self._recall_due, self._scale = None, False, 1.0
         self.recalled = 0  # tokens brought back so far (per head, summed over heads / H)
 
+    @classmethod
+    def spec_knobs(cls, spec: CacheSpec) -> dict:
+        return {"archive": RECALL_ARCHIVE * spec.max_kv, "group_size": spec.group_size}
+
+    @classmethod
+    def extra_bytes(cls, shape, spec: CacheSpec, window: int | None) -> float:
+        """The archive at its fullest: RECALL_ARCHIVE x max_kv tokens per KV head, 8-bit K
+        and V with a scale and a bias per group, a position and a score each."""
+        per_token = 2 * kv_width(shape, ARCHIVE_BITS, spec.group_size) + H2O_BOOKKEEPING
+        return RECALL_ARCHIVE * spec.max_kv * shape.kv_heads * per_token
+
+    @classmethod
+    def check_head_dim(cls, spec: CacheSpec, head_dim: int) -> None:
+        check_group(head_dim, spec.group_size)
+
     # ----------------------------------------------------------------- the recall hook
 
     def archive_part(self, n_queries: int) -> tuple | None:
@@ -112,7 +134,7 @@ class RecallH2OKVCache(H2OKVCache):
         if self.archived_positions is None or self.recall == 0:
             return
         B, H, A = self.archived_positions.shape
-        n = self._len
+        n = self.used
         arc_k = self._unpack(self.archived[0])
         rows = queries.reshape(B, H, -1, queries.shape[-1]).astype(mx.float32)  # GQA groups
         held_logits = (rows @ self.keys[:, :, :n].astype(mx.float32).swapaxes(-1, -2)) * scale
@@ -134,7 +156,7 @@ class RecallH2OKVCache(H2OKVCache):
         )
         pooled = _at_positions(sliding_max(by_pos, RECALL_KERNEL), self.archived_positions)
         # Worth a slot only above the cache's weakest middle token (which it may displace).
-        middle = self._in_middle(held_pos)
+        middle = self.in_middle(held_pos, self.seen)
         held_worth = _at_positions(by_pos, held_pos)
         floor = mx.where(middle, held_worth, mx.inf).min(axis=-1, keepdims=True)
         k = min(self.recall, A)
@@ -166,27 +188,27 @@ class RecallH2OKVCache(H2OKVCache):
 
     def _insert(self, keys: mx.array, values: mx.array, positions: mx.array) -> None:
         """Append recalled tokens as held slots (score 0: what they earn from here on)."""
-        end = self._len + keys.shape[2]
+        end = self.used + keys.shape[2]
         if end > self.positions.shape[-1]:
             self._grow(keys, values, end)
-        self.keys[:, :, self._len : end] = keys
-        self.values[:, :, self._len : end] = values
-        self.positions[..., self._len : end] = positions
-        self.scores[..., self._len : end] = 0.0
-        self._len = end
-        self._reset_free_slots()
+        self.keys[:, :, self.used : end] = keys
+        self.values[:, :, self.used : end] = values
+        self.positions[..., self.used : end] = positions
+        self.scores[..., self.used : end] = 0.0
+        self.used = end
+        self.reset_free_slots()
 
     # ------------------------------------------------------------ eviction into the archive
 
-    def _eviction_ranks(self, pos: mx.array) -> mx.array:
-        ranks = super()._eviction_ranks(pos)
+    def eviction_ranks(self, pos: mx.array) -> mx.array:
+        ranks = super().eviction_ranks(pos)
         if self.pinned is None:
             return ranks
         pinned = (pos[..., :, None] == self.pinned[..., None, :]).any(axis=-1)
         return mx.where(pinned, mx.inf, ranks)
 
     def _evict(self) -> None:
-        n = self._len
+        n = self.used
         kept, gone = self._eviction_split()
         if self.archive:
             ranks = self.score_rule.rank(self.scores[..., :n], self.positions[..., :n], self.seen)
@@ -239,25 +261,34 @@ class RecallH2OKVCache(H2OKVCache):
 
     @property
     def state(self):
+        """H2O's, the archive's, then what recall keeps between calls: the positions the
+        last prompt brought back (pinned until the next one) and a prompt's newest
+        queries while its recall waits for its last token (restored mid-prompt, the
+        next step recalls as it would have)."""
         *held, meta = super().state
+        pending = (self.pinned, self._window)
         if self.archived_positions is None:
-            return (*held, *([None] * 8), meta)
+            return (*held, *([None] * 8), *pending, meta)
         (kw, ks, kb), (vw, vs, vb) = self.archived
         arc = (kw, ks, kb, vw, vs, vb, self.archived_positions, self.archived_scores)
-        return (*held, *arc, meta)
+        return (*held, *arc, *pending, meta)
 
     @state.setter
     def state(self, v) -> None:
-        *held, kw, ks, kb, vw, vs, vb, positions, scores, meta = v
+        # H2O's four arrays, the archive's eight, what recall keeps (absent from files
+        # written before it was saved), the meta.
+        held, arc, pending, meta = v[:4], v[4:12], v[12:-1], v[-1]
         H2OKVCache.state.fset(self, (*held, meta))
+        kw, ks, kb, vw, vs, vb, positions, scores = arc
         self.archived = None if positions is None else ((kw, ks, kb), (vw, vs, vb))
         self.archived_positions, self.archived_scores = positions, scores
+        self.pinned, self._window = (*pending, None, None)[:2]
 
     @property
     def meta_state(self) -> tuple[str]:
         meta = json.loads(super().meta_state[0])
         meta.update(archive=self.archive, recall=self.recall, group_size=self.group_size)
-        meta.update(recalled=self.recalled)
+        meta.update(recalled=self.recalled, recall_due=self._recall_due, scale=self._scale)
         return (json.dumps(meta),)
 
     @meta_state.setter
@@ -266,7 +297,8 @@ class RecallH2OKVCache(H2OKVCache):
         meta = json.loads(v[0])
         self.archive, self.recall = meta["archive"], meta["recall"]
         self.group_size, self.recalled = meta["group_size"], meta.get("recalled", 0)
-        self.pinned, self._window, self._recall_due = None, None, False
+        self._window = None  # the state setter restores it
+        self._recall_due, self._scale = meta.get("recall_due", False), meta.get("scale", 1.0)
 
 
 def _sum_by_position(parts: list[tuple[mx.array, mx.array]], length: int) -> mx.array:

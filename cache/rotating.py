@@ -5,7 +5,7 @@ of the most recent ones. A multi-token chunk after the ring has wrapped gets
 keys laid out as [sinks, the last max_size - 1 - k tokens, the chunk], but its
 mask is a plain sliding window over that layout: query i of the chunk loses
 the first i keys, i.e. the sinks first, so chunked prefill (the server's) and
-chunked evaluation through it were wrong (DESIGN.md). Its window is also the
+chunked evaluation through it were wrong (tests/test_rotating.py). Its window is also the
 model's `window_size` when one is passed, not the cache's own size, so a cache
 smaller than a model's window let later queries of a chunk see more than
 max_size tokens. And it keeps max_size - 1 + N tokens after a chunk of N until
@@ -23,9 +23,34 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
+from cache.contents import LayerContents, window_contents
+from cache.contract import LayerCache
 
-class SinkRotatingKVCache(RotatingKVCache):
+
+class SinkRotatingKVCache(RotatingKVCache, LayerCache):
     """RotatingKVCache whose chunk masks keep the sinks visible and that stores <= max_size."""
+
+    @classmethod
+    def from_spec(cls, spec, window: int | None = None) -> SinkRotatingKVCache:
+        """max_kv tokens; sinks only in global layers: in a sliding-window layer, tokens
+        older than its window (sinks included) triple Gemma 3's perplexity
+        (cache/windowed.py)."""
+        return cls(max_size=spec.max_kv, keep=0 if window else spec.segments().sink)
+
+    @classmethod
+    def layer_bytes(cls, shape, spec, window: int | None = None) -> float:
+        return spec.max_kv * shape.kv_heads * shape.dense_token_bytes
+
+    def contents(self) -> LayerContents:
+        return window_contents(self)
+
+    def compact(self) -> None:
+        """Before the ring wraps, slots 0.._idx hold the tokens in order: cut the rest."""
+        if self.keys is not None and self.offset == self._idx < self.keys.shape[2]:
+            self.keys, self.values = (
+                self.keys[..., : self._idx, :],
+                self.values[..., : self._idx, :],
+            )
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         out = super().update_and_fetch(keys, values)

@@ -26,8 +26,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from cache.attention import ATTENTION, DENSE
+from cache.attention import ATTENTION
 from cache.batch import BatchedCache
+from cache.contract import ScoredCache, is_scored
 
 _ATTR = "scaled_dot_product_attention"
 
@@ -44,7 +45,7 @@ def _route(original: Callable) -> Callable:
                 return routed_sdpa(q, k, v, part, scale, part_mask, sinks, **kw)
 
             return cache.attend(queries, keys, values, mask, attend_part)
-        if not hasattr(cache, "update_scores"):
+        if not is_scored(cache):
             if sinks is not None:
                 kw["sinks"] = sinks
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
@@ -54,9 +55,8 @@ def _route(original: Callable) -> Callable:
                 f"this layer's attention passes {', '.join(extra)}, which the score-exporting "
                 "kernels do not take: H2O cannot score it; use policy full or rotating"
             )
-        if hasattr(cache, "attention_mask"):  # a cache whose slots need their own mask
-            mask = cache.attention_mask(queries.shape[1], queries.shape[2])
-        bias = cache.logit_bias() if hasattr(cache, "logit_bias") else None
+        mask = cache.attention_mask(queries.shape[1], queries.shape[2], mask)
+        bias = cache.logit_bias()
         return ATTENTION.attend_scored(queries, keys, values, cache, scale, mask, bias)
 
     routed_sdpa.h2o_original = original
@@ -102,7 +102,7 @@ def verify_routing(model: nn.Module, caches: list) -> None:
     places (the graph is built, never evaluated, so it costs milliseconds); the
     result is remembered per model and set of layers.
     """
-    scored = frozenset(i for i, c in enumerate(caches) if hasattr(c, "update_scores"))
+    scored = frozenset(i for i, c in enumerate(caches) if is_scored(c))
     verified = getattr(model, "_h2o_routed_layers", frozenset())
     if not scored or scored <= verified:
         return
@@ -120,7 +120,7 @@ def verify_routing(model: nn.Module, caches: list) -> None:
     object.__setattr__(model, "_h2o_routed_layers", verified | scored)
 
 
-class _Probe:
+class _Probe(ScoredCache):
     """Stands in for a scored cache while tracing: records that scores arrived."""
 
     offset = 0
@@ -132,9 +132,6 @@ class _Probe:
     def update_and_fetch(self, keys, values):
         return keys, values
 
-    def kv_segments(self, keys, values):
-        return [(keys, values, DENSE)]
-
     def update_scores(self, scores, probs=None) -> None:
         self.scored = True
 
@@ -143,6 +140,3 @@ class _Probe:
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         return None if N == 1 else "causal"
-
-    def is_trimmable(self) -> bool:
-        return False

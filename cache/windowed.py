@@ -11,8 +11,8 @@ policy built on this against rotating and full.
 
 So these caches (dense, packed, mixed: the policy's H2O class with this mixin)
 - mask every key older than the window, per layer and head, from the stored
-  tokens' positions (`attention_mask`, which cache/router.py passes in place
-  of the model's mask when a cache has one; mlx-lm's one sliding mask shared across layers cannot
+  tokens' positions (`attention_mask`, which cache/router.py asks every scored cache
+  for in place of the model's mask; mlx-lm's one sliding mask shared across layers cannot
   follow per-layer eviction, so the mask the model passes is ignored);
 - evict expired tokens (sinks included) before any other.
 """
@@ -37,12 +37,12 @@ class SlidingWindowMixin:
         super().__init__(max_size, **kwargs)
         self.window = window
 
-    def attention_mask(self, n_q_heads: int, n_queries: int) -> mx.array:
+    def attention_mask(self, n_q_heads: int, n_queries: int, mask=None) -> mx.array:
         """[B, n_q_heads or 1, N, C] bool: key slot visible to each of the N newest queries.
 
         Replaces the model's shared sliding mask, which cannot follow this layer's evictions.
         """
-        pos = self.positions[..., : self._len][:, :, None, :]  # [B, H_kv, 1, C]
+        pos = self.positions[..., : self.used][:, :, None, :]  # [B, H_kv, 1, C]
         query = mx.arange(self.seen - n_queries, self.seen)[:, None]
         visible = (pos <= query) & (pos > query - self.window)
         n_kv = visible.shape[1]
@@ -52,9 +52,9 @@ class SlidingWindowMixin:
         """The model's shared mask; unused here (attention_mask builds this layer's own)."""
         return super().make_mask(N, return_array=return_array)
 
-    def _eviction_ranks(self, pos: mx.array) -> mx.array:
+    def eviction_ranks(self, pos: mx.array) -> mx.array:
         expired = pos <= self.seen - self.window  # outside the next query's window
-        return mx.where(expired, -mx.inf, super()._eviction_ranks(pos))
+        return mx.where(expired, -mx.inf, super().eviction_ranks(pos))
 
     @property
     def meta_state(self) -> tuple[str]:
@@ -87,3 +87,13 @@ WINDOWED = {
     QuantizedH2OKVCache: WindowedQuantizedH2OKVCache,
     MixedH2OKVCache: WindowedMixedH2OKVCache,
 }
+
+
+def windowed(cls: type) -> type:
+    """The sliding-window twin of an H2O cache class."""
+    if cls not in WINDOWED:
+        raise ValueError(
+            f"{cls.__name__} has no twin inside a sliding window: its policy record names "
+            "the policy whose cache serves such layers (config/policies.py, in_window)"
+        )
+    return WINDOWED[cls]

@@ -1,11 +1,10 @@
-"""The cache vocabulary: every policy, preset and score rule, and the CacheSpec naming one cache.
+"""The cache vocabulary: presets, score rules, their knobs, and the CacheSpec naming one cache.
 
 Standard library only, so that everything can derive from it without importing MLX:
 the settings and request models (pydantic Literals), the CLI choices, the `kv_cache`
 request extension, the budget math (cache/budget.py) and the cache factory
-(cache/factory.py). A new policy or score rule is one entry here plus its
-implementation file (cache/factory.py builds policies, cache/scores/ holds one file
-per score rule).
+(cache/factory.py). Policies are records in config/policies.py; a new score rule is
+one entry here plus its file in cache/scores/.
 """
 
 from __future__ import annotations
@@ -13,113 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
-
-@dataclass(frozen=True)
-class PolicyInfo:
-    """What a policy's cache is, as far as everything outside cache/ needs to know."""
-
-    help: str
-    cache: str  # which cache/factory.py builder makes its per-layer caches
-    bounded: bool  # holds at most max_kv tokens per layer
-    scored: bool  # evicts by attention score: needs the attention router
-    key_bits: int | None = None  # packed K/V widths; None: dense, in the model's dtype
-    value_bits: int | None = None
-    # Re-indexes RoPE positions near the context (cache/h2o.py): a conversation may
-    # outgrow the model's context, one prompt at a time.
-    reindexes: bool = False
-
-    @property
-    def quantized(self) -> bool:
-        return self.key_bits is not None
-
-    @property
-    def layer_budgeted(self) -> bool:
-        """Each layer may get its own max_kv (CacheSpec.layer_shares): an H2O cache of any
-        size. Not h2o-kvarn, whose packed tiles fix the sizes it can hold."""
-        return self.scored and self.bounded and self.cache != "h2o-kvarn"
-
-
-POLICIES: dict[str, PolicyInfo] = {
-    "full": PolicyInfo("mlx-lm KVCache: keeps every token", "full", bounded=False, scored=False),
-    "rotating": PolicyInfo(
-        "sliding window of max_kv tokens with `sink` kept tokens",
-        "rotating",
-        bounded=True,
-        scored=False,
-    ),
-    "h2o": PolicyInfo(
-        "H2O: sinks + heavy hitters + recent window",
-        "h2o",
-        bounded=True,
-        scored=True,
-        reindexes=True,
-    ),
-    "h2o-q8": PolicyInfo(
-        "H2O over 8-bit K/V",
-        "quantized",
-        bounded=True,
-        scored=True,
-        key_bits=8,
-        value_bits=8,
-        reindexes=True,
-    ),
-    "h2o-q4": PolicyInfo(
-        "H2O over 4-bit K/V",
-        "quantized",
-        bounded=True,
-        scored=True,
-        key_bits=4,
-        value_bits=4,
-        reindexes=True,
-    ),
-    # Widths of its default layout (MIXED_SCHEMES below: k8v4); `mixed` picks another.
-    "h2o-mixed": PolicyInfo(
-        "H2O, keys 8-bit and values 4-bit",
-        "mixed",
-        bounded=True,
-        scored=True,
-        key_bits=8,
-        value_bits=4,
-    ),
-    "h2o-merge": PolicyInfo(
-        "H2O that merges each evicted token into its most similar kept one",
-        "merging",
-        bounded=True,
-        scored=True,
-        reindexes=True,
-    ),
-    "h2o-recall": PolicyInfo(
-        "H2O that archives evicted tokens (8-bit) and brings back what a new prompt asks for",
-        "recall",
-        bounded=True,
-        scored=True,
-    ),
-    "h2o-ada": PolicyInfo(
-        "H2O with one pool per layer: heads share the middle slots (AdaKV)",
-        "adaptive",
-        bounded=True,
-        scored=True,
-    ),
-    # KVarN (cache/kvarn.py, cache/h2o_kvarn.py): widths of the default preset (k4v2);
-    # `kvarn` picks another from KVARN_PRESETS.
-    "kvarn": PolicyInfo(
-        "KVarN: every token kept, Hadamard-rotated, Sinkhorn-balanced 128-token tiles",
-        "kvarn",
-        bounded=False,
-        scored=True,  # no eviction, but its packed tiles are read through the router
-        key_bits=4,
-        value_bits=2,
-    ),
-    "h2o-kvarn": PolicyInfo(
-        "H2O eviction over KVarN storage (64-token tiles)",
-        "h2o-kvarn",
-        bounded=True,
-        scored=True,
-        key_bits=4,
-        value_bits=2,
-    ),
-}
-AUTO = "auto"  # serve only: pick from the budget (cache/budget.py)
+from config.policies import AUTO, DEFAULT_POLICY, POLICIES, Policy
 
 PRESETS: dict[str, str] = {
     "heavy": "heavy = max/2, recent = max/2 - sink",
@@ -159,7 +52,6 @@ H2O_KVARN_VALUE_GROUP = 32
 # an eviction's cost (docs/kvarn_ablation.md).
 H2O_KVARN_REPACK_SINKHORN_ITERS = 0
 
-DEFAULT_POLICY = "h2o"
 DEFAULT_PRESET = "heavy"
 DEFAULT_SCORE = "mean"  # README: measured against attn, tova, snap, h2o-ada
 DEFAULT_MIXED = "k8v4"
@@ -310,8 +202,8 @@ class CacheSpec:
     evict_batch: int | None = None  # None: default_evict_batch
     mixed: str = DEFAULT_MIXED  # h2o-mixed layout
     group_size: int = DEFAULT_GROUP_SIZE  # quantized policies
-    # h2o-q8/h2o-q4/h2o-mixed k8v4: Hadamard-rotate K/V before packing. None: rotate
-    # 4-bit keys, i.e. h2o-q4 (cache.factory.rotates_by_default, applied in make_cache).
+    # h2o-q8/h2o-q4/h2o-mixed k8v4: Hadamard-rotate K/V before packing. None: the
+    # policy's default (its record's `rotates`: h2o-q4's 4-bit keys).
     rotate: bool | None = None
     # h2o-q8/h2o-q4/h2o-mixed k8v4: newest tokens also kept dense. None: 16 for 4-bit keys
     # (dense_recent_tokens above), none for 8-bit.
@@ -356,8 +248,12 @@ class CacheSpec:
                 self.for_layer(size)  # each layer's size splits into segments
 
     @property
-    def info(self) -> PolicyInfo:
+    def info(self) -> Policy:
         return POLICIES[self.policy]
+
+    def rotates(self) -> bool:
+        """Whether packed K/V are Hadamard-rotated: as asked, else the policy's default."""
+        return self.info.rotates if self.rotate is None else self.rotate
 
     def segments(self) -> Segments:
         return split_segments(self.max_kv, self.preset, self.sink, self.heavy, self.recent)

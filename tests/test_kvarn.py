@@ -166,7 +166,7 @@ def test_quantization_error_shrinks_with_the_widths():
 
 
 @pytest.mark.parametrize("preset", list(KVARN_PRESETS))
-@pytest.mark.parametrize("tokens", [1, 100, 128, 129, 300, 1000])
+@pytest.mark.parametrize("tokens", [2, 100, 128, 129, 300, 1000])
 def test_kvarn_bytes_match_the_budget_formula(tokens, preset):
     rng = np.random.default_rng(4)
     c = KVarNCache(*KVARN_PRESETS[preset], head_dim=D)
@@ -176,7 +176,7 @@ def test_kvarn_bytes_match_the_budget_formula(tokens, preset):
         c.update_and_fetch(*random_kv(rng, n))
         done += n
     shape = ModelShape(layers=1, kv_heads=N_KV, head_dim=D, element_bytes=4, context=8192)
-    assert c.nbytes == cache_bytes(shape, "kvarn", tokens, preset)
+    assert c.nbytes == cache_bytes(shape, "kvarn", tokens, kvarn=preset)
 
 
 @pytest.mark.parametrize("max_kv, tile", [(128, 32), (256, 64)])

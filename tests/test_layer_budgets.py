@@ -21,8 +21,8 @@ from cache.layer_profiles import (
     shares_from_sensitivity,
 )
 from config.cache_spec import MIN_LAYER_KV, POLICIES, CacheSpec, apportion
-from server.layer_budgets import load_layer_profile
-from server.models import kv_shape
+from models.shape import kv_shape
+from server.engine.layer_budgets import load_layer_profile
 
 
 def test_apportion_is_exact_proportional_and_floored():

@@ -25,15 +25,14 @@ def feed(c, seed: int, steps=STEPS):
         v = mx.array(rng.standard_normal((1, N_KV, n, DIM), np.float32))
         q = mx.array(rng.standard_normal((1, N_KV * GROUP, n, DIM), np.float32))
         keys, values = c.update_and_fetch(k, v)
-        bias = c.logit_bias() if hasattr(c, "logit_bias") else None
-        mx.eval(ATTENTION.attend_scored(q, keys, values, c, 0.3, c.make_mask(n), bias))
+        mx.eval(ATTENTION.attend_scored(q, keys, values, c, 0.3, c.make_mask(n), c.logit_bias()))
         ks.append(k)
         vs.append(v)
     return mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
 
 
 def held(c, buf):
-    return buf[:, :, : c._len]
+    return buf[:, :, : c.used]
 
 
 @pytest.mark.parametrize("rule", ["attn", "mean"])
@@ -73,7 +72,7 @@ def test_leavers_are_the_lowest_score_times_distance_to_a_higher_ranked_key():
     """Brute-force oracle: a middle token's worth is its rank times 1 - the cosine to the
     nearest middle key ranked at least as high; the lowest leave, sinks and recent stay."""
     c = overfull(6)
-    n = c._len
+    n = c.used
     rng = np.random.default_rng(7)
     c.scores[..., :n] = mx.array(rng.uniform(0.1, 1.0, (1, N_KV, n)).astype(np.float32))
     rank = np.array(c.scores[0, :, :n])
@@ -103,7 +102,7 @@ def test_a_token_a_higher_ranked_slot_repeats_is_merged_into_it_first():
     leaves first, even when ranked above every other middle token, and folds into its
     twin; plain H2O would keep both and drop distinct tokens instead."""
     c = overfull(8)
-    n = c._len
+    n = c.used
     twin, kept = 5, 4  # middle slots (positions 2..11); `kept` ranks highest
     c.keys[:, :, twin] = 2.0 * c.keys[:, :, kept]
     scores = np.full((1, N_KV, n), 0.5, np.float32)
@@ -177,7 +176,7 @@ def test_a_merge_weighs_each_slot_by_its_rank(rule):
     weighted mean direction at the weighted mean length; its count the sum. A leaver goes
     to the kept middle slot nearest in direction."""
     c = overfull(9, score=rule)
-    n = c._len
+    n = c.used
     rng = np.random.default_rng(10)
     c.scores[..., :n] = mx.array(rng.uniform(0.1, 1.0, (1, N_KV, n)).astype(np.float32))
     c.counts[..., :n] = mx.array(rng.integers(1, 4, (1, N_KV, n)).astype(np.float32))

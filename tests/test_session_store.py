@@ -12,8 +12,8 @@ from tiny import tiny
 
 from cache import make_cache
 from config.cache_spec import CacheSpec
-from server.jobs import PromptTooLong, SessionBusy
-from server.sessions import SessionStore, common_prefix
+from server.engine.jobs import PromptTooLong, SessionBusy
+from server.sessions.store import SessionStore, common_prefix
 
 FULL = CacheSpec("full", 512)
 H2O = CacheSpec("h2o", 16)

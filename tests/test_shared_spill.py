@@ -18,10 +18,10 @@ from tiny import tiny
 
 from cache import make_cache
 from config.cache_spec import CacheSpec
-from server.claims import PARTIAL, Claims
-from server.jobs import SessionClaimed
-from server.sessions import SessionStore
-from server.spill import model_identity
+from server.engine.jobs import SessionClaimed
+from server.sessions.claims import PARTIAL, Claims
+from server.sessions.spill import model_identity
+from server.sessions.store import SessionStore
 
 H2O = CacheSpec("h2o", 64)
 PROMPT = list(range(1, 41))
@@ -134,7 +134,8 @@ def test_a_killed_holder_releases_its_sessions(tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys, time; from pathlib import Path; from server.claims import Claims\n"
+            "import sys, time; from pathlib import Path\n"
+            "from server.sessions.claims import Claims\n"
             "c = Claims(Path(sys.argv[1])).claim('chat'); print(c is not None, flush=True)\n"
             "time.sleep(60)",
             str(folder),

@@ -14,9 +14,9 @@ from tiny import tiny
 
 from cache import make_cache
 from config.cache_spec import CacheSpec
-from server.claims import PARTIAL
-from server.sessions import SessionStore
-from server.spill import model_identity
+from server.sessions.claims import PARTIAL
+from server.sessions.spill import model_identity
+from server.sessions.store import SessionStore
 
 FULL = CacheSpec("full", 512)
 H2O = CacheSpec("h2o", 64)

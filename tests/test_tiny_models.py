@@ -192,7 +192,7 @@ def test_eviction_bounded(model, score):
             assert c.offset == n_prompt + step
             assert c.evicted > 0
             # Sinks and the newest token are always kept.
-            pos = c.positions[..., : c._len]
+            pos = c.positions[..., : c.used]
             assert bool((pos == c.offset - 1).any(axis=-1).all())
             assert bool(mx.all((pos < c.sink).sum(axis=-1) == c.sink))
 
@@ -383,7 +383,7 @@ def test_budget_formula_is_what_every_layer_allocates(policy, max_kv):
     sliding layers keep their dense window; h2o-kvarn's sliding layers hold a dense
     max_kv window (no KVarN inside a window)."""
     from cache.budget import H2O_BOOKKEEPING, ModelShape, max_kv_within, session_bytes
-    from cache.factory import layer_windows
+    from models.shape import layer_windows
 
     model = _gemma(64 if "kvarn" in policy else 32)  # KVarN packs values in groups of 32+
     try:

@@ -8,9 +8,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from config.settings import ServerSettings
-from server.app import create_app
+from server.api.app import create_app
+from server.api.ui import STATIC, ui_enabled
 from server.cli import build_parser
-from server.ui import STATIC, ui_enabled
 
 
 @pytest.mark.parametrize(

@@ -5,17 +5,19 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from cache import configure, make_cache
 from cache.budget import Budget, ModelShape, fit_spec, parse_bytes, session_bytes
+from cache.factory import window_fallback
 from config.cache_spec import CacheSpec
 from config.settings import ServerSettings
-from server.layer_budgets import load_layer_profile
-from server.models import DEFAULT_MODEL, kv_shape, load_model, served_model_id
-from server.protocol import CacheOptions
-from server.sessions import SessionStore
-from server.spill import model_identity
+from models.loading import DEFAULT_MODEL, load_model, served_model_id
+from models.shape import kv_shape, layer_windows
+from server.api.protocol import CacheOptions
+from server.engine.layer_budgets import load_layer_profile
+from server.sessions.spill import model_identity
+from server.sessions.store import SessionStore
 
 log = logging.getLogger("h2o_server.engine")
 
@@ -32,6 +34,19 @@ def auto_kv_budget() -> int:
     return min(int(total * AUTO_BUDGET_FRACTION), AUTO_BUDGET_CAP)
 
 
+def startup_notices(shape: ModelShape, spec: CacheSpec, windows: list[int | None]) -> list[str]:
+    """What start-up chose for the user without being told: logged, and in /health."""
+    notices = []
+    if not shape.context_stated:
+        notices.append(
+            f"the model states no context length (max_position_embeddings): assuming "
+            f"{shape.context} tokens; set --context to its real one"
+        )
+    if fallback := window_fallback(spec.info, windows, spec.max_kv):
+        notices.append(fallback)
+    return notices
+
+
 @dataclass
 class Engine:
     model: object
@@ -43,6 +58,8 @@ class Engine:
     spec: CacheSpec  # the cache of a conversation that asks for nothing else
     store: SessionStore
     shares_for: Callable[[str], tuple | None] | None  # a policy's layer shares (profile)
+    # What start-up chose without being told (logged, and shown by /health).
+    notices: list[str] = field(default_factory=list)
 
     @classmethod
     def load(cls, settings: ServerSettings) -> Engine:
@@ -54,7 +71,7 @@ class Engine:
         model, tokenizer = load_model(settings.model)
         shape = kv_shape(model)
         if settings.context:
-            shape = replace(shape, context=settings.context)
+            shape = replace(shape, context=settings.context, context_stated=True)
         if settings.prefill_step > shape.context // 4:  # cache/h2o.py re-indexes 1/4 before
             log.warning(
                 "--prefill-step %d is over a quarter of the context (%d): a prompt chunk may "
@@ -78,6 +95,9 @@ class Engine:
             kvarn=settings.kvarn,
         )
         make_cache(model, spec)  # fails now, not on the first request, if the policy cannot run
+        notices = startup_notices(shape, spec, layer_windows(model))
+        for notice in notices:
+            log.warning("%s", notice)
         spill_budget = (
             2 * total if settings.spill_budget == "auto" else parse_bytes(settings.spill_budget)
         )
@@ -97,16 +117,15 @@ class Engine:
             settings.max_sessions,
             spec.policy,
             spec.max_kv,
-            session_bytes(
-                shape, spec.policy, spec.max_kv, spec.group_size, spec.kvarn, spec.dense_recent
-            )
-            / 2**20,
+            session_bytes(shape, spec) / 2**20,
             len(shape.windows),
             shape.layers,
             layer_budgets,
             f": max_kv {min(sizes)}-{max(sizes)} per layer" if sizes else "",
         )
-        return cls(model, tokenizer, model_id, shape, budget, settings, spec, store, shares_for)
+        return cls(
+            model, tokenizer, model_id, shape, budget, settings, spec, store, shares_for, notices
+        )
 
     @property
     def vocab_size(self) -> int:

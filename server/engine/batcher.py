@@ -41,8 +41,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from cache import install_router
 from cache.batch import KVSlab, batch_caches
 from cache.h2o_slab import H2OSlab, near_wall, slab_key
-from server.generation import Generation
-from server.jobs import Delta
+from server.engine.generation import Generation
+from server.engine.jobs import Delta
 
 log = logging.getLogger("h2o_server.batcher")
 
@@ -171,7 +171,9 @@ class Batcher:
         return [g for g in rows if not any(g in s for s in self.h2o_slabs.values())]
 
     def _h2o_slab_key(self, g: Generation) -> tuple | None:
-        key = slab_key(g.session.caches) if self.batched else None
+        if not (self.batched and g.session.spec.info.slab):
+            return None
+        key = slab_key(g.session.caches)
         return None if key is None or near_wall(g.session.caches) else key
 
     def _slabbable(self, g: Generation) -> bool:

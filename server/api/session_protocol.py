@@ -1,6 +1,6 @@
 """Types of the session endpoints and the chat page: figures, cache contents, page options.
 
-Apart from server/protocol.py (the OpenAI types) so each module stays small.
+Apart from server/api/protocol.py (the OpenAI types) so each module stays small.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from server.protocol import Usage
+from config.policies import VIEW_KINDS
+from server.api.protocol import Usage
 
 
 class SessionFigures(BaseModel):
@@ -33,7 +34,7 @@ class SessionFigures(BaseModel):
 
 
 class CacheSegments(BaseModel):
-    kind: Literal["h2o", "full", "kvarn", "rotating"]
+    kind: Literal[VIEW_KINDS]  # type: ignore[valid-type]
     sink: int  # positions < sink are sink tokens
     recent: int  # positions >= logical_tokens - recent: every layer's recent window holds them
 
@@ -62,7 +63,7 @@ class TurnFigures(BaseModel):
 
 
 class SessionCache(SessionFigures):
-    """`GET /v1/sessions/{id}/cache` (server/cache_view.py documents every field)."""
+    """`GET /v1/sessions/{id}/cache` (server/api/cache_view.py documents every field)."""
 
     object: Literal["session.cache"] = "session.cache"
     layers: int

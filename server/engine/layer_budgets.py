@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 
 from cache.layer_profiles import LayerProfile, find_profile
-from server.spill import model_identity
+from server.sessions.spill import model_identity
 
 log = logging.getLogger("h2o_server.layer_budgets")
 

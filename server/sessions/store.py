@@ -15,20 +15,20 @@ prompt instead (an evicted token cannot be restored).
 
 At most `max_sessions` caches live in memory (each is sized so that they all
 fit the budget). Past that, the least recently used idle session is spilled
-to `spill_dir` (server/spill.py) and restored on its next turn, or, with no
+to `spill_dir` (server/sessions/spill.py) and restored on its next turn, or, with no
 spill folder, dropped; either way it is counted and logged, and the client's
 next turn (which carries the whole history) rebuilds it. Spilled sessions
 outlive the process: the folder is indexed on start.
 
 Several replicas may share one spill folder. A replica owns the sessions it
-holds in memory (a claim, server/claims.py) and finds the ones others spilled
+holds in memory (a claim, server/sessions/claims.py) and finds the ones others spilled
 by looking at the folder on every request; a session another replica holds is
 waited for (it hands it over once idle) and, past `claim_wait`, served with a
 throwaway cache rebuilt from the prompt, so two replicas never own one.
 `tick()` spills sessions idle past `--spill-idle-seconds` and those another
 replica asked for.
 
-With sessions scoped to callers, each session has an `owner` (server/auth.py)
+With sessions scoped to callers, each session has an `owner` (server/api/auth.py)
 and lookups, listings and deletions see only the caller's own sessions.
 
 A request that fails leaves no session behind: its cache is in an unknown
@@ -46,12 +46,12 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from cache import adopt_rope
+from cache import adopt
 from config.cache_spec import CacheSpec
-from server.conversation import Session, common_prefix, rewind, rewindable, spilled_session
-from server.jobs import Finished, PromptTooLong, SessionBusy, SessionClaimed
-from server.protocol import Usage
-from server.spill import SpillError, SpillFolder
+from server.api.protocol import Usage
+from server.engine.jobs import Finished, PromptTooLong, SessionBusy, SessionClaimed
+from server.sessions.conversation import Session, common_prefix, rewind, rewindable, spilled_session
+from server.sessions.spill import SpillError, SpillFolder
 
 log = logging.getLogger("h2o_server.sessions")
 SPILLED_PER_RESIDENT = 16  # spilled sessions kept on disk per in-memory slot
@@ -320,7 +320,7 @@ class SessionStore:
             session.tokens, session.prompt_len = header.tokens, header.prompt_len
             session.spec, session.evictions = header.spec, header.evictions
             session.caches = self.spill.read(path, len(session.tokens))
-            adopt_rope(session.caches, self.make_caches(session.spec))
+            adopt(session.caches, self.make_caches(session.spec))
             log.info("session %s restored", session.id)
             self.counts["restored"] += 1
         except SpillError as e:
@@ -334,7 +334,7 @@ class SessionStore:
             path.unlink(missing_ok=True)
 
     def _index(self) -> None:
-        """Spilled sessions of an earlier run (server/spill.py indexes the folder)."""
+        """Spilled sessions of an earlier run (server/sessions/spill.py indexes the folder)."""
         found = self.spill.index()
         for f in found:
             self.sessions[(f.owner, f.id)] = spilled_session(f)

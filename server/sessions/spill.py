@@ -8,7 +8,7 @@ model, corrupt files and writes cut short by a crash are refused with a log
 line and removed, since a cache can always be rebuilt from the history a
 client sends. Files are written into `.partial/` and renamed into place, so a
 crash never leaves half a session under a real name. Several servers (replicas)
-may share one folder: server/claims.py decides which of them owns a session.
+may share one folder: server/sessions/claims.py decides which of them owns a session.
 
 `--spill-budget` covers every file in the folder, whoever wrote it.
 """
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from cache.factory import tokens_seen
+from cache.contract import compact, tokens_seen
 from config.cache_spec import CacheSpec
-from server.claims import Claim, Claims, private_partial
+from server.sessions.claims import Claim, Claims, private_partial
 
 log = logging.getLogger("h2o_server.spill")
 
@@ -70,17 +70,6 @@ def model_identity(model) -> str:
     return digest.hexdigest()[:32]
 
 
-def compact(caches: list) -> None:
-    """Cut mlx-lm caches down to the tokens they hold (their buffers grow in blocks of 256)."""
-    for c in caches:
-        if type(c) is KVCache and c.keys is not None and c.offset < c.keys.shape[2]:
-            c.keys, c.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
-        elif type(c) is RotatingKVCache and c.keys is not None:
-            unwrapped = c.offset == c._idx  # slots 0.._idx hold the tokens, in order
-            if unwrapped and c._idx < c.keys.shape[2]:
-                c.keys, c.values = c.keys[..., : c._idx, :], c.values[..., : c._idx, :]
-
-
 class SpillFolder:
     def __init__(self, path: str | Path, identity: str, budget: int, max_files: int):
         self.path, self.identity = Path(path), identity
@@ -99,7 +88,7 @@ class SpillFolder:
             self._alive = None
 
     def claim(self, owner: str, session_id: str, ask: bool = True) -> Claim | None:
-        """Own a session (server/claims.py); None while another server does, which, if
+        """Own a session (server/sessions/claims.py); None while another server does, which, if
         `ask`, is asked to hand it over."""
         name = self.file_for(owner, session_id).stem
         claim = self.claims.claim(name)
@@ -119,7 +108,12 @@ class SpillFolder:
         for path in on_disk - known - self._unusable:
             try:
                 found.append(self._describe(path))
-            except Exception:  # corrupt, of another model, not ours, or just taken
+            except (SpillError, _NotOurs) as e:
+                if not path.exists():  # taken (restored and removed) since the listing
+                    continue
+                why = e if isinstance(e, SpillError) else "not a session file of this server"
+                # Left on disk: whoever wrote it may still read it (another model, say).
+                log.warning("spill file %s skipped until the next start: %s", path.name, why)
                 self._unusable.add(path)
         return known - on_disk, found
 
@@ -128,7 +122,8 @@ class SpillFolder:
 
     def write(self, path: Path, caches: list, header: dict) -> int:
         """Write a session atomically (into .partial/, then renamed); returns its bytes."""
-        compact(caches)
+        for c in caches:  # buffers that grow in blocks hold spare room
+            compact(c)
         meta = {"format": FORMAT, "model": self.identity, **header}
         partial = self.partial / path.name
         save_prompt_cache(str(partial), caches, {k: json.dumps(v) for k, v in meta.items()})

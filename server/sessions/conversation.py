@@ -1,6 +1,6 @@
 """One conversation as the session store holds it: caches, tokens, owner, claim, stats.
 
-Plain data and pure helpers; the store (server/sessions.py) decides what happens to it.
+Plain data and pure helpers; the store (server/sessions/store.py) decides what happens to it.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cache import cache_usage
-from cache.budget import KVARN_POLICIES
+from cache.contract import trimmable_tokens
 from config.cache_spec import CacheSpec
-from server.claims import Claim
-from server.spill import SpilledSession
+from server.sessions.claims import Claim
+from server.sessions.spill import SpilledSession
 
 
 @dataclass
@@ -27,7 +27,7 @@ class Session:
     last_used: float = field(default_factory=time.time)
     busy: bool = False
     spill_path: Path | None = None
-    owner: str = ""  # who may see it (server/auth.py); "" = everyone
+    owner: str = ""  # who may see it (server/api/auth.py); "" = everyone
     evictions: int = 0  # as of the last spill (a spilled session's caches cannot tell)
     claim: Claim | None = None  # held while the caches are in memory (shared spill folder)
     borrowed: bool = False  # a throwaway for one turn: another replica owns the session
@@ -52,7 +52,7 @@ class Session:
             "layer_max_kv": self.spec.layer_sizes() or None,
             "preset": self.spec.preset,
             "score": self.spec.score,
-            "kvarn": self.spec.kvarn if self.spec.policy in KVARN_POLICIES else None,
+            "kvarn": self.spec.kvarn if "kvarn" in self.spec.info.knobs else None,
             "logical_tokens": seen,
             "stored_tokens": stored,
             "bytes": nbytes,
@@ -71,17 +71,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def can_trim(cache, n: int) -> bool:
-    """Whether a layer can drop its n newest tokens (H2O: none of them evicted)."""
-    limit = getattr(cache, "trimmable_tokens", None)
-    if limit is not None:
-        return limit() >= n
-    return cache.is_trimmable() and cache.offset >= n
-
-
 def rewindable(caches: list, n: int) -> bool:
-    """Whether every layer can drop its n newest tokens."""
-    return n == 0 or all(can_trim(c, n) for c in caches)
+    """Whether every layer can drop its n newest tokens (H2O: none of them evicted)."""
+    return n == 0 or all(trimmable_tokens(c) >= n for c in caches)
 
 
 def rewind(caches: list, n: int) -> None:

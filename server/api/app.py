@@ -1,10 +1,10 @@
 """FastAPI app factory: the worker, CORS, the API key, error handlers and the routes.
 
 Handlers validate, tokenize (the tokenizer is not MLX) and submit a Job
-(server/routes.py); the worker thread does everything that touches MLX. Every
-error leaves in OpenAI's shape (server/errors.py).
+(server/api/routes.py); the worker thread does everything that touches MLX. Every
+error leaves in OpenAI's shape (server/api/errors.py).
 
-`create_app` is an entry point (also `uvicorn --factory server.app:create_app`,
+`create_app` is an entry point (also `uvicorn --factory server.api.app:create_app`,
 configured by H2O_* variables): it loads OpenBLAS before anything imports MLX,
 so this module imports nothing that does.
 """
@@ -20,19 +20,19 @@ from starlette.concurrency import run_in_threadpool
 
 from config.blas import preload_openblas
 from config.settings import ServerSettings
-from server.auth import APIKeyMiddleware, parse_keys
-from server.errors import install_error_handlers
-from server.routes import page_router, router
-from server.ui import STATIC, ui_enabled
+from server.api.auth import APIKeyMiddleware, parse_keys
+from server.api.errors import install_error_handlers
+from server.api.routes import page_router, router
+from server.api.ui import STATIC, ui_enabled
 
 
 def create_app(settings: ServerSettings | None = None, load_engine=None) -> FastAPI:
     """The server app; `load_engine(settings)` builds what the worker serves (tests inject one)."""
     preload_openblas()
-    from server.worker import Worker  # imports MLX: after the preload
+    from server.engine.worker import Worker  # imports MLX: after the preload
 
     if load_engine is None:
-        from server.engine import Engine
+        from server.engine.engine import Engine
 
         load_engine = Engine.load
     settings = settings or ServerSettings()

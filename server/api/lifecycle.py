@@ -1,6 +1,6 @@
 """`h2o-server serve`: the app under uvicorn, with a bounded, graceful shutdown.
 
-On the first SIGTERM or SIGINT the worker starts draining (server/worker.py):
+On the first SIGTERM or SIGINT the worker starts draining (server/engine/worker.py):
 no new requests, in-flight ones get `--shutdown-timeout` seconds, then they are
 cancelled (open streams end with an error event) and every session is spilled
 to --spill-dir. uvicorn meanwhile stops accepting connections and waits for the
@@ -16,7 +16,7 @@ from types import FrameType
 import uvicorn
 
 from config.settings import ServerSettings
-from server.app import create_app
+from server.api.app import create_app
 
 UVICORN_MARGIN = 30.0  # uvicorn's own deadline, past ours: a safety net only
 

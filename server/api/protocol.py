@@ -20,7 +20,7 @@ from pydantic import (
 )
 
 from config.cache_spec import KVarNPresetName, PolicyName, PresetName, ScoreRuleName
-from server.jobs import SamplingParams
+from server.engine.jobs import SamplingParams
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 # OpenAI documents seed as a signed 64-bit integer; unsigned 64-bit seeds are taken too.

@@ -1,42 +1,46 @@
 """The OpenAI-compatible routes: validate, tokenize, submit a Job, answer from its events.
 
 Handlers never touch MLX: the worker thread does (`worker.call` for anything
-that reads caches). The app factory (server/app.py) mounts `router`.
+that reads caches). The app factory (server/api/app.py) mounts `router`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from jinja2 import TemplateError
 from starlette.concurrency import run_in_threadpool
 
-from server.auth import session_owner
-from server.cache_view import cache_report, read_contents
-from server.errors import APIError
-from server.jobs import Job, QueueFull, SessionBusy, ShuttingDown
-from server.protocol import (
+from server.api.auth import session_owner
+from server.api.cache_view import cache_report, read_contents
+from server.api.errors import APIError
+from server.api.protocol import (
     SESSION_ID_PATTERN,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingRequest,
 )
-from server.responses import ReplyBuilder
-from server.session_protocol import PageOptions, SessionCache
-from server.streaming import respond
-from server.ui import PAGE_HEADERS, STATIC, page_options
+from server.api.responses import ReplyBuilder
+from server.api.session_protocol import PageOptions, SessionCache
+from server.api.streaming import respond
+from server.api.ui import PAGE_HEADERS, STATIC, page_options
+from server.engine.jobs import Job, QueueFull, SessionBusy, ShuttingDown
 
 if TYPE_CHECKING:  # both import MLX
-    from server.engine import Engine
-    from server.worker import Worker
+    from server.engine.engine import Engine
+    from server.engine.worker import Worker
 
 DEFAULT_REPLY_TOKENS = 4096  # max_tokens when a request leaves it out (bounded caches)
 
+log = logging.getLogger("h2o_server.routes")
+
 router = APIRouter()
-page_router = APIRouter(include_in_schema=False)  # the chat page (server/ui.py), when on
+page_router = APIRouter(include_in_schema=False)  # the chat page (server/api/ui.py), when on
 
 
 def _worker(request: Request) -> Worker:
@@ -49,7 +53,8 @@ async def health(request: Request):
     worker = _worker(request)
     if worker.draining:
         return JSONResponse({"status": "shutting_down"}, status_code=503)
-    return {"status": "ok", "model": worker.engine.model_id}
+    # What the server chose for the user at start-up without being told (also logged).
+    return {"status": "ok", "model": worker.engine.model_id, "notices": worker.engine.notices}
 
 
 @router.get("/v1/models")
@@ -87,7 +92,7 @@ async def list_sessions(request: Request, user: str | None = None):
 
 @router.get("/v1/sessions/{session_id}/cache", response_model=SessionCache)
 async def session_cache(session_id: str, request: Request, user: str | None = None):
-    """What the session's cache holds, per layer and KV head (server/cache_view.py)."""
+    """What the session's cache holds, per layer and KV head (server/api/cache_view.py)."""
     _check_session_id(session_id)
     worker = _worker(request)
     store, owner = worker.engine.store, _owner(request, user)
@@ -163,7 +168,7 @@ def _check_model(engine: Engine, name: str) -> None:
 
 
 def _owner(request: Request, user: str | None) -> str:
-    """Who the caller is, as the session store files sessions (server/auth.py)."""
+    """Who the caller is, as the session store files sessions (server/api/auth.py)."""
     scoped = _worker(request).settings.session_scope == "caller"
     return session_owner(scoped, getattr(request.state, "api_key", None), user)
 
@@ -187,8 +192,11 @@ async def _chat_prompt(engine: Engine, body: ChatCompletionRequest) -> list[int]
         return await run_in_threadpool(
             engine.tokenizer.apply_chat_template, messages, add_generation_prompt=True
         )
-    except Exception as e:  # the template rejects the conversation (roles, order)
+    except TemplateError as e:  # the template rejects the conversation (roles, order)
         raise APIError(400, f"the chat template rejected the messages: {e}") from None
+    except Exception as e:  # the tokenizer itself failed: the server's fault, not the client's
+        log.exception("the chat template could not be applied")
+        raise APIError(500, f"the chat template failed: {type(e).__name__}: {e}") from None
 
 
 async def _text_prompt(engine: Engine, body: CompletionRequest) -> list[int]:

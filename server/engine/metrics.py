@@ -17,7 +17,7 @@ COUNTERS = {
     "decoded_tokens_total": "tokens decoded, for finished and cancelled requests alike",
     "prefill_tokens_total": "prompt tokens run through the model",
 }
-# Counted by the session store (server/sessions.py, SessionStore.counts).
+# Counted by the session store (server/sessions/store.py, SessionStore.counts).
 SESSION_COUNTERS = {
     "spilled": "sessions written to disk (memory, idle time, handover, shutdown)",
     "restored": "spilled sessions loaded back",

@@ -1,6 +1,6 @@
 """One request's generation: its prompt still to prefill, its sampling, its reply so far.
 
-The worker's Batcher (server/batcher.py) drives it: `prefill` runs prompt
+The worker's Batcher (server/engine/batcher.py) drives it: `prefill` runs prompt
 chunks through the session's caches; each decode round the Batcher feeds
 `next_input` in one batched forward pass with the other decoding requests,
 `sample` draws the next token (lazily: it is read a round later, while the
@@ -15,7 +15,6 @@ from __future__ import annotations
 import secrets
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import (
     apply_min_p,
     apply_top_p,
@@ -23,8 +22,9 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
-from server.jobs import Delta, Finished, SamplingParams, TokenLogprob
-from server.sessions import Session
+from cache.batch import plain
+from server.engine.jobs import Delta, Finished, SamplingParams, TokenLogprob
+from server.sessions.store import Session
 
 PENALTY_CONTEXT = 64  # tokens the presence/frequency penalties look back on
 
@@ -152,9 +152,9 @@ class Generation:
 
     @property
     def plain_caches(self) -> bool:
-        """Whether every layer is mlx-lm's KVCache (server/batcher.py decodes such
+        """Whether every layer is mlx-lm's KVCache (server/engine/batcher.py decodes such
         sessions in one KVSlab)."""
-        return all(type(c) is KVCache for c in self.session.caches)
+        return all(plain(c) for c in self.session.caches)
 
     def prefilled(self, n: int) -> int:
         """The next `n` prompt tokens are in the caches now; return n."""

@@ -80,7 +80,8 @@ class SessionBusy(Exception):
 
 
 class SessionClaimed(Exception):
-    """Another replica holds the session (server/claims.py); the job waits for the handover."""
+    """Another replica holds the session (server/sessions/claims.py); the job waits for the
+    handover."""
 
 
 class PromptTooLong(Exception):
@@ -98,7 +99,7 @@ class Job:
     spec: CacheSpec
     session_key: str | None
     loop: asyncio.AbstractEventLoop
-    owner: str = ""  # whose sessions it may use (server/auth.py)
+    owner: str = ""  # whose sessions it may use (server/api/auth.py)
     prompt_field: str = "messages"  # the request field holding the prompt (for errors)
     claim_deadline: float | None = None  # waiting for another replica's session until then
     id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex[:12]}")  # for the logs

@@ -2,13 +2,12 @@
 
 One builder per request; `kind` is "chat" (chat.completion[.chunk]) or "text"
 (text_completion, the legacy /v1/completions shape). Bodies are the pydantic
-models of server/protocol.py, dumped to plain dicts for the wire.
+models of server/api/protocol.py, dumped to plain dicts for the wire.
 """
 
 from __future__ import annotations
 
-from server.jobs import Delta, Finished, TokenLogprob
-from server.protocol import (
+from server.api.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -25,6 +24,7 @@ from server.protocol import (
     new_id,
     now,
 )
+from server.engine.jobs import Delta, Finished, TokenLogprob
 
 
 class ReplyBuilder:

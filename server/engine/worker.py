@@ -1,7 +1,7 @@
 """The worker: the one thread that touches MLX.
 
 Handlers submit Jobs; the worker admits them (finds or builds their session),
-then runs rounds (server/batcher.py): every decoding generation advances one
+then runs rounds (server/engine/batcher.py): every decoding generation advances one
 token in one batched forward pass and prompts are prefilled under a per-round
 token budget, so all streams progress together. Events go back to the
 handler's asyncio queue. Anything else that needs MLX (deleting a session,
@@ -13,7 +13,7 @@ rest are cancelled (their streams end with an error event); every session is
 then spilled to --spill-dir, if set.
 
 Between rounds (at most every TICK seconds) the store spills sessions idle past
---spill-idle-seconds and those another replica asked for (server/claims.py).
+--spill-idle-seconds and those another replica asked for (server/sessions/claims.py).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from collections.abc import Callable
 from typing import Any
 
 from config.settings import ServerSettings
-from server.batcher import Batcher
-from server.generation import Generation
-from server.jobs import (
+from server.engine.batcher import Batcher
+from server.engine.generation import Generation
+from server.engine.jobs import (
     Failed,
     Job,
     PromptTooLong,
@@ -40,7 +40,7 @@ from server.jobs import (
     ShuttingDown,
     Started,
 )
-from server.metrics import Metrics
+from server.engine.metrics import Metrics
 
 log = logging.getLogger("h2o_server.worker")
 TICK = 0.25  # seconds between looks for idle and wanted sessions

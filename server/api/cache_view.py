@@ -31,8 +31,8 @@ An 8k-token conversation over 30 layers x 3 KV heads is about 330 KB: 130 KB of
 bitmaps and ~25 bytes per token. A spilled session reports its tokens with `held` and
 `score` null and no heads (its caches are on disk until its next turn). A session
 answering a request is read between two of the worker's rounds, when its caches and
-tokens agree (server/generation.py), so the report is a consistent snapshot of it.
-The types are server/protocol.py's `SessionCache`.
+tokens agree (server/engine/generation.py), so the report is a consistent snapshot of it.
+The types are server/api/protocol.py's `SessionCache`.
 """
 
 from __future__ import annotations
@@ -43,11 +43,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from server.session_protocol import SessionCache
+from config.policies import FULL, VIEW_KINDS
+from server.api.session_protocol import SessionCache
 
 if TYPE_CHECKING:  # both import MLX; read_contents imports it on the worker thread
     from cache.contents import LayerContents
-    from server.sessions import SessionStore
+    from server.sessions.store import SessionStore
 
 
 @dataclass
@@ -60,7 +61,7 @@ class SessionContents:
 
 def read_contents(store: SessionStore, session_id: str, owner: str = "") -> SessionContents | None:
     """A copy of what the session's caches hold (worker thread only); None if unknown."""
-    from cache.contents import layer_contents
+    from cache.contract import layer_contents
 
     session = store.sessions.get((owner, session_id))
     if session is None:
@@ -96,17 +97,16 @@ def _bitmap(positions: np.ndarray, length: int) -> str:
     return base64.b64encode(np.packbits(bits, bitorder="little").tobytes()).decode()
 
 
-# The segments shown are the policy's layers': the model's own bounded layers
-# (sliding windows) rank last.
-SEGMENT_KINDS = ("h2o", "kvarn", "full", "rotating")
+# The segments shown are the policy's layers': VIEW_KINDS ranks the model's own bounded
+# layers (sliding windows) last.
 
 
 def _segments(layers: list[LayerContents]) -> dict:
     """The policy's segments: sinks every layer of its kind keeps, and the recent window
     they all hold (layers with their own max_kv have windows of their own sizes)."""
-    kind = next((k for k in SEGMENT_KINDS if any(c.kind == k for c in layers)), None)
+    kind = next((k for k in VIEW_KINDS if any(c.kind == k for c in layers)), None)
     if kind is None:
-        return {"kind": "full", "sink": 0, "recent": 0}
+        return {"kind": FULL.name, "sink": 0, "recent": 0}
     own = [c for c in layers if c.kind == kind]
     return {
         "kind": kind,

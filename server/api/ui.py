@@ -1,4 +1,4 @@
-"""The chat page at `/`: static files from server/static, no build step, nothing external.
+"""The chat page at `/`: static files from server/api/static, no build step, nothing external.
 
 The page is a client of the public API like any other (`/v1/chat/completions`
 with SSE, `/v1/sessions`, `/v1/sessions/{id}/cache`), so it needs the API key
@@ -11,9 +11,10 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 
-from config.cache_spec import POLICIES, PRESETS, SCORE_RULES
+from config.cache_spec import PRESETS, SCORE_RULES
+from config.policies import POLICIES
 from config.settings import ServerSettings
-from server.session_protocol import PageOptions
+from server.api.session_protocol import PageOptions
 
 STATIC = Path(__file__).parent / "static"
 # The page loads only its own files and talks only to this server.

@@ -22,8 +22,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from server.gguf_file import GGUFError, GGUFFile, load_tensors, read_gguf
-from server.gguf_tokenizer import gguf_tokenizer
+from models.gguf_file import GGUFError, GGUFFile, load_tensors, read_gguf
+from models.gguf_tokenizer import gguf_tokenizer
 
 _COMMON_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",

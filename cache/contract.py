@@ -1,0 +1,202 @@
+"""The cache contract: what the engine may call on a layer's KV cache.
+
+Every cache a policy builds (config/policies.py) is a `LayerCache`: mlx-lm's protocol
+(`_BaseCache`: `update_and_fetch`, `state`, `meta_state`, `offset`, `size`, `nbytes`,
+`is_trimmable`/`trim`, `make_mask`, `from_state`) plus what this project asks of a
+cache, each with a default:
+
+- building and pricing (`from_spec`, `layer_bytes`, `check_head_dim`), so the factory
+  and the budget never branch on a policy;
+- tokens seen and stored, how many of the newest it can drop (`trimmable_tokens`);
+- what it holds, for the cache view (`contents`);
+- what a file cannot hold, taken from a freshly built twin after loading (`adopt`);
+- whether it can join an H2O slab, and with whom (`slab_key`).
+
+A `ScoredCache` is one whose attention goes through the router (cache/router.py): it
+hands its K/V to attention as parts (`kv_segments`) and takes each call's scores
+(`update_scores`, or `add_scores` block by block then `evict_if_full`); the hooks
+`attention_mask`, `logit_bias`, `archive_part` and `observe` default to doing nothing.
+
+The functions at the end take any layer cache, also mlx-lm's own (a model may provide
+recurrent state; spills written by older versions hold mlx-lm's KVCache): they are the
+one place that knows how such a cache answers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import mlx.core as mx
+import mlx_lm.models.cache as mlx_lm_cache
+from mlx_lm.models.cache import RotatingKVCache
+
+from cache.attention import DENSE, KVFormat
+from cache.contents import LayerContents, every_token, window_contents
+
+if TYPE_CHECKING:
+    from cache.budget import ModelShape
+    from config.cache_spec import CacheSpec
+    from config.policies import Policy
+
+
+class LayerCache(mlx_lm_cache._BaseCache):
+    """A layer's KV cache as the engine uses it (see the module doc)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # mlx-lm's load_prompt_cache finds a saved cache's class by name in its own module:
+        # every class of ours is put there, so none can be forgotten (a spill of it would
+        # not load back).
+        setattr(mlx_lm_cache, cls.__name__, cls)
+
+    # ------------------------------------------------------------- building, pricing
+
+    # max_kv comes in steps of this many tokens (a cache that allocates in blocks).
+    token_step: ClassVar[int] = 1
+
+    @classmethod
+    def from_spec(cls, spec: CacheSpec, window: int | None = None) -> LayerCache:
+        """One layer's cache for `spec`; inside a sliding `window` (tokens) when given."""
+        raise NotImplementedError(f"{cls.__name__} is not built from a CacheSpec")
+
+    @classmethod
+    def layer_bytes(cls, shape: ModelShape, spec: CacheSpec, window: int | None = None) -> float:
+        """Bytes of one layer's cache at `spec.max_kv` tokens, as allocated (what `nbytes`
+        reports once it holds that many); `window`: built inside that sliding window."""
+        raise NotImplementedError(f"{cls.__name__} cannot be priced")
+
+    @classmethod
+    def check_head_dim(cls, spec: CacheSpec, head_dim: int) -> None:
+        """Raise now, not on the first token, when this cache cannot store `head_dim`."""
+
+    # ------------------------------------------------------------------ what it holds
+
+    @property
+    def tokens_seen(self) -> int:
+        """Tokens this layer has taken in (its offset, unless RoPE positions were re-indexed)."""
+        return self.offset
+
+    def tokens_stored(self) -> int:
+        """Tokens it holds per head (fewer than seen once it evicts)."""
+        return self.size()
+
+    def trimmable_tokens(self) -> int:
+        """How many of the newest tokens `trim` can drop (rewinding a conversation)."""
+        return self.offset if self.is_trimmable() else 0
+
+    def contents(self) -> LayerContents | None:
+        """Token positions per KV head (and scores), for the cache view."""
+        return None
+
+    def adopt(self, fresh: LayerCache) -> None:
+        """After loading from a file: take what `fresh` (built by make_cache for the same
+        spec) carries that a file cannot hold."""
+
+    def set_context(self, rope, wall: int) -> None:
+        """The layer's RoPE module and the model's context, for a cache that re-indexes
+        positions before the context runs out (config/policies.py `reindexes`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not re-index positions")
+
+    def slab_key(self) -> Hashable | None:
+        """What the members of one H2O slab share, or None when this cache cannot join
+        one now (cache/h2o_slab.py)."""
+        return None
+
+    def compact(self) -> None:
+        """Give up spare room before the cache is written to a file (buffers that grow in
+        blocks hold more than their tokens)."""
+
+
+class ScoredCache(LayerCache):
+    """A cache whose attention goes through the router and hands it the scores."""
+
+    scores: mx.array | None = None  # accumulated importance per slot, when it keeps any
+    kv_format: ClassVar[KVFormat] = DENSE
+
+    def kv_segments(self, keys, values) -> list[tuple[Any, Any, KVFormat]]:
+        """What update_and_fetch returned, as (keys, values, format) parts for attention."""
+        return [(keys, values, self.kv_format)]
+
+    def update_scores(self, logits: mx.array, probs: mx.array | None = None) -> None:
+        """One attention call's logits [B, n_q_heads, L_q, keys] (and the softmax, when the
+        kernel had it): accumulate, then evict if over budget."""
+        self.add_scores(logits, probs)
+        self.evict_if_full()
+
+    def add_scores(self, logits: mx.array, probs: mx.array | None = None) -> None:
+        """Accumulate the logits of a block of queries without evicting yet."""
+
+    def evict_if_full(self) -> None:
+        """Evict down to the budget, if over it."""
+
+    def attention_mask(self, n_q_heads: int, n_new: int, mask=None):
+        """The mask its attention uses: the model's, unless its slots need their own."""
+        return mask
+
+    def logit_bias(self) -> mx.array | None:
+        """An additive logit per stored key [B, n_kv_heads, keys], or None."""
+        return None
+
+    def archive_part(self, n_queries: int) -> tuple | None:
+        """One more attention part of keys it no longer holds (cache/recall.py), or None."""
+        return None
+
+    def observe(self, queries: mx.array, scale: float) -> None:
+        """Every attention call's queries, before it attends (cache/recall.py)."""
+
+
+# ---------------------------------------------------------------- any layer cache
+
+
+def cache_class(policy: Policy) -> type[LayerCache]:
+    """The class a policy's record names (config/policies.py)."""
+    module, name = policy.cache.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def is_scored(cache: object) -> bool:
+    return isinstance(cache, ScoredCache)
+
+
+def tokens_seen(cache: Any) -> int:
+    return cache.tokens_seen if isinstance(cache, LayerCache) else cache.offset
+
+
+def trimmable_tokens(cache: Any) -> int:
+    if isinstance(cache, LayerCache):
+        return cache.trimmable_tokens()
+    return cache.offset if cache.is_trimmable() else 0
+
+
+def compact(cache: Any) -> None:
+    """LayerCache.compact for any layer cache (mlx-lm's KVCache read back from an older
+    spill grows in blocks of 256 tokens too)."""
+    if isinstance(cache, LayerCache):
+        cache.compact()
+    elif type(cache) is mlx_lm_cache.KVCache:
+        trim_spare(cache)
+
+
+def trim_spare(cache: mlx_lm_cache.KVCache) -> None:
+    """A KVCache's buffers cut to the tokens it holds."""
+    if cache.keys is not None and cache.offset < cache.keys.shape[2]:
+        cache.keys = cache.keys[..., : cache.offset, :]
+        cache.values = cache.values[..., : cache.offset, :]
+
+
+def holds_tokens(cache: Any) -> bool:
+    """Whether it is a KV cache (recurrent state holds no token positions)."""
+    return isinstance(cache, LayerCache | mlx_lm_cache.KVCache | RotatingKVCache)
+
+
+def layer_contents(cache: Any) -> LayerContents | None:
+    """What a layer's cache holds, or None for state that holds no token positions."""
+    if isinstance(cache, LayerCache):
+        return cache.contents()
+    if isinstance(cache, RotatingKVCache):
+        return window_contents(cache)
+    if isinstance(cache, mlx_lm_cache.KVCache):
+        return every_token(cache.offset, 0 if cache.keys is None else cache.keys.shape[1])
+    return None
