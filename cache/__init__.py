@@ -18,7 +18,7 @@ from cache.quantized import QuantizedH2OKVCache
 from cache.recall import RecallH2OKVCache
 from cache.rotating import SinkRotatingKVCache
 from cache.router import UnroutedAttention, install_router, uninstall_router, verify_routing
-from cache.windowed import WINDOWED, WindowedH2OKVCache
+from cache.windowed import WindowedH2OKVCache
 from config.policies import POLICIES
 
 # Every record's class loaded now: importing it registers it with mlx-lm's loader
@@ -44,7 +44,6 @@ __all__ = [
     "ScoresMissing",
     "SinkRotatingKVCache",
     "UnroutedAttention",
-    "WINDOWED",
     "WindowedH2OKVCache",
     "cache_class",
     "cache_usage",

@@ -151,7 +151,7 @@ def layer_bytes(shape: ModelShape, spec: CacheSpec, window: int | None = None) -
         return cache_class(info).layer_bytes(shape, spec)
     if not info.bounded or window <= spec.max_kv:
         return window * shape.kv_heads * shape.dense_token_bytes
-    return cache_class(info.window_policy()).layer_bytes(shape, spec, window)
+    return cache_class(info, window=True).layer_bytes(shape, spec, window)
 
 
 def session_bytes(

@@ -150,9 +150,11 @@ class ScoredCache(LayerCache):
 # ---------------------------------------------------------------- any layer cache
 
 
-def cache_class(policy: Policy) -> type[LayerCache]:
-    """The class a policy's record names (config/policies.py)."""
-    module, name = policy.cache.split(":")
+def cache_class(policy: Policy, window: bool = False) -> type[LayerCache]:
+    """The class a policy's record names (config/policies.py) for a global layer, or with
+    `window` for a sliding-window layer (its own window cache, or `in_window`'s)."""
+    path = policy.window_policy().window_cache if window else policy.cache
+    module, name = path.split(":")
     return getattr(importlib.import_module(module), name)
 
 

@@ -84,7 +84,8 @@ def make_cache(
         # The budget prices a sliding layer at max_kv (cache/budget.py layer_bytes).
         raise ValueError("layer shares apply to global-attention layers: give sliding ones None")
     layer_specs = [spec.for_layer(k) for k in spec.layer_sizes()] or [spec] * len(base)
-    own, in_window = cache_class(info), cache_class(info.window_policy())
+    own = cache_class(info)
+    in_window = cache_class(info, window=True) if info.bounded else None
     args = getattr(model, "args", None)
     wall = context or getattr(args, "max_position_embeddings", None)
     layers = getattr(model, "layers", [None] * len(base))

@@ -81,12 +81,10 @@ class H2OKVCache(HeavyHitters, ScoredCache):
 
     @classmethod
     def from_spec(cls, spec: CacheSpec, window: int | None = None) -> H2OKVCache:
-        knobs = {**segment_knobs(spec), **cls.spec_knobs(spec)}
-        if window is None:
-            return cls(spec.max_kv, **knobs)
-        from cache.windowed import windowed  # the twins subclass this module's classes
-
-        return windowed(cls)(spec.max_kv, window=window, **knobs)
+        """A layer of max_kv tokens (the windowed twins, cache/windowed.py, take `window`)."""
+        if window is not None:
+            raise ValueError(f"{cls.__name__} is no sliding-window cache (cache/windowed.py)")
+        return cls(spec.max_kv, **segment_knobs(spec), **cls.spec_knobs(spec))
 
     @classmethod
     def spec_knobs(cls, spec: CacheSpec) -> dict:

@@ -52,9 +52,7 @@ class MixedH2OKVCache(H2OKVCache):
     def from_spec(cls, spec: CacheSpec, window: int | None = None) -> H2OKVCache:
         """The layout `spec.mixed` names: k8v4 is a QuantizedH2OKVCache with split widths."""
         layout, _ = MIXED_LAYOUTS[spec.mixed]
-        if layout is not cls:
-            return layout.from_spec(spec, window)
-        return super().from_spec(spec, window)
+        return super().from_spec(spec, window) if layout is cls else layout.from_spec(spec, window)
 
     @classmethod
     def spec_knobs(cls, spec: CacheSpec) -> dict:

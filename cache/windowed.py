@@ -9,7 +9,8 @@ H2O keeping old heavy hitters) breaks the model (perplexity x3);
 docs/sliding_layers.md (bench/sliding_layers.py). docs/RESULTS.md has the h2o
 policy built on this against rotating and full.
 
-So these caches (dense, packed, mixed: the policy's H2O class with this mixin)
+So these caches (dense, packed, mixed: the policy's H2O class with this mixin, named by
+its record's `window_cache`, config/policies.py)
 - mask every key older than the window, per layer and head, from the stored
   tokens' positions (`attention_mask`, which cache/router.py asks every scored cache
   for in place of the model's mask; mlx-lm's one sliding mask shared across layers cannot
@@ -24,8 +25,10 @@ import json
 import mlx.core as mx
 
 from cache.h2o import H2OKVCache
-from cache.mixed import MixedH2OKVCache
+from cache.heavy_hitters import segment_knobs
+from cache.mixed import MIXED_LAYOUTS, MixedH2OKVCache
 from cache.quantized import QuantizedH2OKVCache
+from config.cache_spec import CacheSpec
 
 
 class SlidingWindowMixin:
@@ -36,6 +39,13 @@ class SlidingWindowMixin:
             raise ValueError(f"window must be at least 1, got {window}")
         super().__init__(max_size, **kwargs)
         self.window = window
+
+    @classmethod
+    def from_spec(cls, spec: CacheSpec, window: int | None = None):
+        """max_kv tokens of the policy's H2O inside the layer's `window`."""
+        if window is None:
+            raise ValueError(f"{cls.__name__} is built for a sliding-window layer")
+        return cls(spec.max_kv, window=window, **segment_knobs(spec), **cls.spec_knobs(spec))
 
     def attention_mask(self, n_q_heads: int, n_queries: int, mask=None) -> mx.array:
         """[B, n_q_heads or 1, N, C] bool: key slot visible to each of the N newest queries.
@@ -81,19 +91,10 @@ class WindowedQuantizedH2OKVCache(SlidingWindowMixin, QuantizedH2OKVCache):
 class WindowedMixedH2OKVCache(SlidingWindowMixin, MixedH2OKVCache):
     """The paper's mixed-precision H2O inside a sliding window."""
 
+    @classmethod
+    def from_spec(cls, spec: CacheSpec, window: int | None = None):
+        """The layout `spec.mixed` names: k8v4 is the packed cache's twin."""
+        if MIXED_LAYOUTS[spec.mixed][0] is QuantizedH2OKVCache:
+            return WindowedQuantizedH2OKVCache.from_spec(spec, window)
+        return super().from_spec(spec, window)
 
-WINDOWED = {
-    H2OKVCache: WindowedH2OKVCache,
-    QuantizedH2OKVCache: WindowedQuantizedH2OKVCache,
-    MixedH2OKVCache: WindowedMixedH2OKVCache,
-}
-
-
-def windowed(cls: type) -> type:
-    """The sliding-window twin of an H2O cache class."""
-    if cls not in WINDOWED:
-        raise ValueError(
-            f"{cls.__name__} has no twin inside a sliding window: its policy record names "
-            "the policy whose cache serves such layers (config/policies.py, in_window)"
-        )
-    return WINDOWED[cls]

@@ -19,10 +19,13 @@ class Policy:
     name: str
     help: str
     # "module:Class" of a global-attention layer's cache; the class's `from_spec` builds it
-    # (inside a sliding window, when given one) and its `layer_bytes` prices it.
+    # and its `layer_bytes` prices it.
     cache: str
     bounded: bool  # holds at most max_kv tokens per layer
     scored: bool  # its attention goes through the router, which hands it the scores
+    # "module:Class" of its cache inside a sliding window larger than max_kv (built with
+    # the window); None: it has none, and `in_window` names the policy whose serves.
+    window_cache: str | None = None
     key_bits: int | None = None  # packed K/V widths; None: dense, in the model's dtype
     value_bits: int | None = None
     # Re-indexes RoPE positions near the context (cache/h2o.py): a conversation may
@@ -35,8 +38,8 @@ class Policy:
     layer_budgeted: bool = False
     # Packed K/V Hadamard-rotated unless the spec says otherwise (CacheSpec.rotate).
     rotates: bool = False
-    # The policy whose cache a sliding-window layer gets when this one has no twin inside
-    # a window; the server warns at start-up when a model has such layers. None: its own.
+    # The policy whose window cache a sliding-window layer gets when this one has none;
+    # the server warns at start-up when a model has such layers. None: its own.
     in_window: Policy | None = None
     # CacheSpec fields it reads besides the H2O segments (shown with a session's figures).
     knobs: tuple[str, ...] = ()
@@ -45,41 +48,51 @@ class Policy:
     def quantized(self) -> bool:
         return self.key_bits is not None
 
+    def __post_init__(self) -> None:
+        if self.bounded and (self.window_cache is None) == (self.in_window is None):
+            raise ValueError(f"{self.name}: name a window cache or the policy serving one")
+
     def window_policy(self) -> Policy:
-        """The policy whose cache serves this one's sliding-window layers."""
+        """The policy whose window cache serves this one's sliding-window layers."""
         return self.in_window or self
 
 
+# Unbounded policies never get a window cache: a sliding-window layer keeps its window.
 FULL = Policy(
     "full", "mlx-lm KVCache: keeps every token", "cache.full:FullKVCache",
     bounded=False, scored=False,
 )  # fmt: skip
+# Inside a sliding window: max_kv tokens, no sinks (cache/rotating.py).
 ROTATING = Policy(
     "rotating", "sliding window of max_kv tokens with `sink` kept tokens",
     "cache.rotating:SinkRotatingKVCache", bounded=True, scored=False,
+    window_cache="cache.rotating:SinkRotatingKVCache",
 )  # fmt: skip
 H2O = Policy(
     "h2o", "H2O: sinks + heavy hitters + recent window", "cache.h2o:H2OKVCache",
-    bounded=True, scored=True, reindexes=True, slab=True, layer_budgeted=True,
+    bounded=True, scored=True, window_cache="cache.windowed:WindowedH2OKVCache",
+    reindexes=True, slab=True, layer_budgeted=True,
 )  # fmt: skip
 _PACKED_KNOBS = ("group_size", "rotate", "dense_recent")
+_PACKED_IN_WINDOW = "cache.windowed:WindowedQuantizedH2OKVCache"
 H2O_Q8 = Policy(
     "h2o-q8", "H2O over 8-bit K/V", "cache.quantized:QuantizedH2OKVCache",
-    bounded=True, scored=True, key_bits=8, value_bits=8, reindexes=True, slab=True,
-    layer_budgeted=True, knobs=_PACKED_KNOBS,
+    bounded=True, scored=True, window_cache=_PACKED_IN_WINDOW, key_bits=8, value_bits=8,
+    reindexes=True, slab=True, layer_budgeted=True, knobs=_PACKED_KNOBS,
 )  # fmt: skip
 # 4-bit keys rotate: at the same bytes rotated h2o-q4 is +3.6% perplexity vs dense H2O,
 # unrotated +7.2% (docs/quantized.md).
 H2O_Q4 = Policy(
     "h2o-q4", "H2O over 4-bit K/V", "cache.quantized:QuantizedH2OKVCache",
-    bounded=True, scored=True, key_bits=4, value_bits=4, reindexes=True, slab=True,
-    layer_budgeted=True, rotates=True, knobs=_PACKED_KNOBS,
+    bounded=True, scored=True, window_cache=_PACKED_IN_WINDOW, key_bits=4, value_bits=4,
+    reindexes=True, slab=True, layer_budgeted=True, rotates=True, knobs=_PACKED_KNOBS,
 )  # fmt: skip
 # Widths of its default layout (MIXED_SCHEMES in config/cache_spec.py: k8v4, which
 # batches in a slab; the segmented layouts do not).
 H2O_MIXED = Policy(
     "h2o-mixed", "H2O, keys 8-bit and values 4-bit", "cache.mixed:MixedH2OKVCache",
-    bounded=True, scored=True, key_bits=8, value_bits=4, slab=True, layer_budgeted=True,
+    bounded=True, scored=True, window_cache="cache.windowed:WindowedMixedH2OKVCache",
+    key_bits=8, value_bits=4, slab=True, layer_budgeted=True,
     knobs=("mixed", *_PACKED_KNOBS),
 )  # fmt: skip
 # The next three have no twin inside a sliding window (a window drops what leaves it, so
@@ -109,7 +122,7 @@ KVARN = Policy(
     knobs=("kvarn",),
 )  # fmt: skip
 # Its packed tiles fix the sizes a layer can hold (no per-layer max_kv), and no KVarN
-# twin exists inside a sliding window yet: such layers get a dense max_kv window.
+# cache exists inside a sliding window yet: such layers get a dense max_kv window.
 H2O_KVARN = Policy(
     "h2o-kvarn", "H2O eviction over KVarN storage (64-token tiles)",
     "cache.h2o_kvarn:H2OKVarNCache", bounded=True, scored=True, key_bits=4, value_bits=2,

@@ -17,6 +17,17 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 preload_openblas()  # pytest imports no MLX before conftest; test modules come after
 
 
+def pytest_collection_modifyitems(config, items):
+    """Files marked `slow(seconds=...)` first, the longest first: `make test`'s workers
+    take whole files, and a long one started last leaves the other worker idle at the end."""
+
+    def cost(item) -> float:
+        mark = item.get_closest_marker("slow")
+        return -mark.kwargs["seconds"] if mark else 0
+
+    items.sort(key=cost)  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def default_model():
     """The embedded SmolLM2-135M-Instruct (float32 on CPU), loaded once per run."""

@@ -24,6 +24,8 @@ from server.engine.generation import Generation
 from server.engine.jobs import Delta, SamplingParams
 from server.sessions.store import Session
 
+pytestmark = pytest.mark.slow(seconds=165)
+
 STEPS = 24
 SPECS = {
     "full": CacheSpec("full", 4096),

@@ -12,6 +12,8 @@ import cache.attention
 from cache import H2OKVCache, make_cache
 from kernels.reference import expand_mask
 
+pytestmark = pytest.mark.slow(seconds=90)
+
 
 def essay_ids(tokenizer, text: str, n: int) -> list[int]:
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -85,8 +87,9 @@ def test_rope_positions_survive_eviction(default_model, essay_text, monkeypatch)
     assert all(c.evicted >= 10 and c.offset == 400 and c.size() <= 128 for c in caches)
     assert h2o_ppl <= 1.15 * full_ppl
 
+    # The bug fails it: 200 tokens (72 steps past the first eviction) show it.
     monkeypatch.setattr("cache.h2o.H2OKVCache", OffsetResetBug)  # the h2o record's class
-    buggy_ppl = decode_perplexity(model, ids, make_cache(model, "h2o", max_kv=128))
+    buggy_ppl = decode_perplexity(model, ids[:200], make_cache(model, "h2o", max_kv=128))
     assert buggy_ppl > 1.15 * full_ppl
 
 

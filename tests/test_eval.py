@@ -14,6 +14,8 @@ import pytest
 
 from server.cli import main
 
+pytestmark = pytest.mark.slow(seconds=60)
+
 SEQ = 64
 PPL_KEYS = {
     "policy", "max_kv", "evict_batch", "seq_len", "score", "preset", "layers", "samples", "ppl",

@@ -19,6 +19,8 @@ from cache import H2OKVCache, make_cache
 from models.gguf_file import read_gguf
 from models.gguf_model import architecture_of, mlx_name
 
+pytestmark = pytest.mark.slow(seconds=85)
+
 PROMPT = "The printing press changed Europe because"
 GREEDY_STEPS = 16
 

@@ -21,6 +21,8 @@ from cache.mixed import MIXED_LAYOUTS
 from kernels.hadamard import rotate
 from kernels.reference import sdpa_with_scores
 
+pytestmark = pytest.mark.slow(seconds=120)
+
 B, N_Q, N_KV, D = 1, 6, 2, 64
 SEGMENTS = {"sink": 2, "heavy": 12, "recent": 14}  # max_size 28
 MAX_SIZE = 28

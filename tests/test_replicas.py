@@ -19,7 +19,7 @@ import pytest
 from nginx_harness import MISSING, NGINX, Nginx
 from server_harness import MODEL, launch
 
-pytestmark = pytest.mark.skipif(NGINX is None, reason=MISSING)
+pytestmark = [pytest.mark.skipif(NGINX is None, reason=MISSING), pytest.mark.slow(seconds=210)]
 
 CONVERSATIONS, TURNS, KILL_AFTER = 8, 4, 2
 TOPICS = ["rivers", "bread", "owls", "glass", "comets", "tea", "maps", "bees", "salt", "bells"]

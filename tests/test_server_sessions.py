@@ -7,7 +7,10 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from server_harness import MODEL
+
+pytestmark = pytest.mark.slow(seconds=55)
 
 FACTS = {
     "a": "My name is Alice and my favourite colour is green.",

@@ -8,7 +8,10 @@ import signal
 import threading
 import time
 
+import pytest
 from server_harness import MODEL, launch, sse_events
+
+pytestmark = pytest.mark.slow(seconds=50)
 
 NAMES = ("Alice", "Bruno", "Chiara", "Dmitri")
 GRACE = 1.0  # --shutdown-timeout
