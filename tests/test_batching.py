@@ -26,7 +26,7 @@ from server.sessions.store import Session
 
 pytestmark = pytest.mark.slow(seconds=165)
 
-STEPS = 24
+STEPS = 18
 SPECS = {
     "full": CacheSpec("full", 4096),
     "rotating": CacheSpec("rotating", 96),

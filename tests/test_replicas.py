@@ -1,6 +1,6 @@
 """Two real replicas behind the real nginx (deploy/nginx.conf) on loopback, one shared spill folder.
 
-8 conversations x 4 turns through nginx, one at a time (batch size 1, so greedy
+6 conversations x 4 turns through nginx, one at a time (batch size 1, so greedy
 replies compare exactly with an uninterrupted run on one server). After turn 2 the
 replica holding the most conversations is stopped: with SIGTERM it drains and
 spills them, and the other restores them; with SIGKILL they are rebuilt from the
@@ -21,7 +21,7 @@ from server_harness import MODEL, launch
 
 pytestmark = [pytest.mark.skipif(NGINX is None, reason=MISSING), pytest.mark.slow(seconds=210)]
 
-CONVERSATIONS, TURNS, KILL_AFTER = 8, 4, 2
+CONVERSATIONS, TURNS, KILL_AFTER = 6, 4, 2
 TOPICS = ["rivers", "bread", "owls", "glass", "comets", "tea", "maps", "bees", "salt", "bells"]
 FLAGS = ["--model", "default", "--policy", "h2o", "--max-sessions", "20", "--shutdown-timeout", "5"]
 
