@@ -110,40 +110,40 @@ def select_backend(
 ) -> str:
     """The backend for this call (k: keys, or the packed key words when quantized; pools:
     the dense keys of a front and tail read with packed K/V in one call)."""
-    what = _call_kind(q, "dense" if bits is None else f"{bits}-bit")
+    storage = "dense" if bits is None else f"{bits}-bit"
     if value_bits not in (None, bits):  # the GPU kernels take one width for K and V
-        return _fall_back(preference, f"{what}, values {value_bits}-bit")
+        return _fall_back(preference, q, f"{storage} keys, {value_bits}-bit values")
     pick = {"group_size": group_size, "bits": bits, "pools": pools}
-    return _first(preference, lambda b: b.supports(q, k, mask, **pick), what)
+    return _first(preference, lambda b: b.supports(q, k, mask, **pick), q, storage)
 
 
 def select_kvarn_backend(
     preference: str, q: mx.array, keys: list, mask: Mask, fmt: TileFormat
 ) -> str:
     """The backend for attention over one KVarN part (keys: [front, tiles, tail])."""
-    what = _call_kind(q, f"KVarN k{fmt.key_bits}v{fmt.value_bits}")
-    return _first(preference, lambda b: b.supports_kvarn(q, keys, mask, fmt), what)
+    storage = f"KVarN k{fmt.key_bits}v{fmt.value_bits}"
+    return _first(preference, lambda b: b.supports_kvarn(q, keys, mask, fmt), q, storage)
 
 
-def _first(preference: str, supports: Callable[[Backend], bool], what: str) -> str:
+def _first(preference: str, supports: Callable[[Backend], bool], q: mx.array, storage: str):
     """The preferred backend (under auto: the first GPU one) present and supporting the
     call, else the reference."""
     candidates = [n for n in _BACKENDS if n != "reference"] if preference == AUTO else [preference]
     for name in candidates:
         if _is_available(name) and supports(_BACKENDS[name]):
             return name
-    return _fall_back(preference, what)
+    return _fall_back(preference, q, storage)
 
 
-def _call_kind(q: mx.array, storage: str) -> str:
-    queries = "decode" if q.shape[2] == 1 else "prompt"
-    return f"{queries} attention over {storage} K/V, head dim {q.shape[-1]}, {q.dtype}"
-
-
-def _fall_back(preference: str, what: str) -> str:
+def _fall_back(preference: str, q: mx.array, storage: str) -> str:
     """The reference; a backend the user named that does not take this call says so, once
-    per kind of call (under auto the reference is the plan, not a fallback)."""
-    if preference not in (AUTO, "reference") and (preference, what) not in _told:
+    per kind of call (under auto the reference is the plan, not a fallback; described
+    only then: decode asks per layer and step)."""
+    if preference in (AUTO, "reference"):
+        return "reference"
+    queries = "decode" if q.shape[2] == 1 else "prompt"
+    what = f"{queries} attention over {storage} K/V, head dim {q.shape[-1]}, {q.dtype}"
+    if (preference, what) not in _told:
         _told.add((preference, what))
         log.warning(
             "kernel backend %s does not take %s: such calls run on the reference (MLX ops)",

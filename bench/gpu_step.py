@@ -1,0 +1,247 @@
+"""Counters a CPU can check for the GPU: MLX ops per decode step, host time to build it.
+
+On a GPU a decode step is launch- and host-bound (docs/gpu.md): what it costs there is
+the number of kernels it launches and the host time to build its graph, not the
+arithmetic. Both can be counted on this CPU at every change:
+
+- ops: MLX primitives the step evaluates (every `mx.eval`/`mx.async_eval` during the
+  step, per-layer score evaluations included, and the step's own evaluation of its
+  logits and every cache buffer it wrote), counted from the graph (`mx.export_to_dot`)
+  before it runs; on a GPU each is a launch;
+- build ms: host time from the call of the model until it returns (the graph built,
+  plus whatever the code waited for inside), the median over the steps;
+
+for stock mlx-lm (its KVCache, no router), the sliding window, and each bounded policy,
+one session alone and `--rows` sessions decoding together (one H2OSlab where the
+policy's record says it batches there, else a part per session, as the server does),
+each as a ratio to stock's step at the same rows. A prompt section counts the ops a
+scored prompt block adds per layer over stock's attention.
+
+    python -m bench.gpu_step --synthetic llama-1b --out docs/gpu_step.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+STOCK = "stock mlx-lm (KVCache)"
+
+
+def primitives(*arrays) -> int:
+    """Primitives in the unevaluated graph behind `arrays` (evaluated ones are sources)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    leaves = [a for _, a in tree_flatten(list(arrays)) if isinstance(a, mx.array)]
+    if not leaves:
+        return 0
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *leaves)
+    return dot.getvalue().count("shape=rectangle")
+
+
+@contextmanager
+def counting_evals(counter: list[int]):
+    """Every mx.eval / mx.async_eval counts the primitives it runs, then runs them (at
+    once: an async evaluation's graph is detached only once it is done)."""
+    import mlx.core as mx
+
+    real_eval, real_async = mx.eval, mx.async_eval
+
+    def counted(*args):
+        counter[0] += primitives(*args)
+        real_eval(*args)
+
+    mx.eval, mx.async_eval = counted, counted
+    try:
+        yield
+    finally:
+        mx.eval, mx.async_eval = real_eval, real_async
+
+
+def buffers(obj, seen: set | None = None) -> list:
+    """Every MLX array a cache object holds (its attributes, lists and slab layers)."""
+    import mlx.core as mx
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, mx.array):
+        return [obj]
+    if isinstance(obj, list | tuple):
+        return [a for x in obj for a in buffers(x, seen)]
+    found = []
+    for value in getattr(obj, "__dict__", {}).values():
+        if isinstance(value, mx.array | list | tuple) or hasattr(value, "layers"):
+            found += buffers(value, seen)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--synthetic", default=None, help="a llama shape (bench.decode_speed)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--context", type=int, default=300, help="prompt tokens per session")
+    p.add_argument("--max-kv", type=int, default=128)
+    p.add_argument("--steps", type=int, default=24, help="decode steps counted and timed")
+    p.add_argument("--rows", type=int, default=16, help="sessions decoding together")
+    p.add_argument("--prompt", type=int, default=4096, help="prompt tokens of the prompt part")
+    p.add_argument("--policies", nargs="+", default=None, help="bounded policies (all)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from bench.decode_speed import SHAPES, synthetic_model
+    from bench.report import command, machine, publish
+    from cache import install_router, make_cache, uninstall_router
+    from cache.batch import batch_caches
+    from cache.h2o_slab import H2OSlab, slab_key
+    from config.cache_spec import CacheSpec
+    from config.policies import POLICIES
+
+    if args.synthetic:
+        model = synthetic_model(args.synthetic, getattr(mx, args.dtype))
+        vocab = SHAPES[args.synthetic][-1]
+        about = f"Synthetic `{args.synthetic}` (random weights, {args.dtype})"
+    else:
+        from models.loading import load_model
+
+        model, _ = load_model("default")
+        vocab = model.args.vocab_size
+        about = "Default model (SmolLM2-135M-Instruct, float32)"
+    policies = args.policies or [n for n, p in POLICIES.items() if p.bounded and p.scored]
+    ids = mx.random.randint(0, vocab, (args.rows, args.context), key=mx.random.key(0))
+
+    def sessions(policy: str | None, rows: int):
+        """(each step's cache argument, the next tokens) after every row's prompt."""
+        if policy is None:  # stock: one KVCache over the rows, mlx-lm as it ships
+            uninstall_router(model)
+            caches = make_prompt_cache(model)
+            logits = model(ids[:rows], cache=caches)
+            return (lambda: caches), [caches], mx.argmax(logits[:, -1], axis=-1)[:, None]
+        install_router(model)
+        spec = CacheSpec(policy, args.max_kv)
+        made = [make_cache(model, spec) for _ in range(rows)]
+        lasts = [model(ids[r : r + 1], cache=c)[:, -1] for r, c in enumerate(made)]
+        tokens = mx.argmax(mx.concatenate(lasts), axis=-1)[:, None]
+        if rows == 1:
+            return (lambda: made[0]), made, tokens
+        if spec.info.slab:
+            slab = H2OSlab(slab_key(made[0]))
+            slab.join(list(enumerate(made)))
+            return (lambda: batch_caches([], slab)), [slab], tokens
+        return (lambda: batch_caches(made)), made, tokens
+
+    def measure(policy: str | None, rows: int) -> tuple[float, float]:
+        """(ops per step, mean over the steps; host ms to build a step, median)."""
+        caches, held, token = sessions(policy, rows)
+        mx.eval(token, buffers(held))
+        ops, builds = [0], []
+        for _ in range(args.steps):  # counted: every evaluation during the step
+            with counting_evals(ops):
+                logits = model(token, cache=caches())
+                token = mx.argmax(logits[:, -1], axis=-1)[:, None]
+                mx.eval(token, buffers(held))
+        for _ in range(args.steps):  # timed: the step as it runs, pipelined
+            start = time.perf_counter()
+            logits = model(token, cache=caches())
+            builds.append(time.perf_counter() - start)
+            following = mx.argmax(logits[:, -1], axis=-1)[:, None]
+            mx.async_eval(following)
+            mx.eval(token)
+            token = following
+        mx.eval(token, buffers(held))
+        return ops[0] / args.steps, statistics.median(builds) * 1e3
+
+    cases = [(STOCK, None), ("rotating", "rotating"), *((p, p) for p in policies)]
+    got = {}
+    for rows in (1, args.rows):
+        for label, policy in cases:
+            got[label, rows] = measure(policy, rows)
+            ops, ms = got[label, rows]
+            print(f"{label} x{rows}: {ops:.0f} ops, {ms:.2f} ms", file=sys.stderr)
+
+    lines = [
+        "| cache | rows | ops per step | x stock | build ms per step | x stock | how it batches |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for rows in (1, args.rows):
+        base_ops, base_ms = got[STOCK, rows]
+        for label, policy in cases:
+            ops, ms = got[label, rows]
+            how = "one KVCache" if policy is None else "alone"
+            if rows > 1 and policy is not None:
+                how = "one H2OSlab" if POLICIES[policy].slab else "a part per session"
+                how = "a part per session" if policy == "rotating" else how
+            lines.append(
+                f"| {label} | {rows} | {ops:.0f} | {ops / base_ops:.2f}x | {ms:.2f} | "
+                f"{ms / base_ms:.2f}x | {how} |"
+            )
+    lines += ["", *prompt_section(args, model, vocab, policies)]
+    publish(
+        "A decode step's ops and host time, stock mlx-lm against every bounded policy",
+        f"{about}; {args.context}-token prompts, max_kv {args.max_kv}, {args.steps} decode "
+        f"steps counted and {args.steps} timed per case (after the prompt, so bounded caches "
+        f"evict). Ops: MLX primitives evaluated per step (launches on a GPU), the mean over "
+        f"the steps (evictions amortized). Build: host ms until the model call returns, the "
+        f"median. Machine: {machine()}.",
+        command("bench.gpu_step", argv),
+        lines,
+        args.out,
+    )
+    install_router(model)
+    return 0
+
+
+def prompt_section(args, model, vocab: int, policies: list[str]) -> list[str]:
+    """Ops of one `args.prompt`-token prompt, scored caches against stock's, per layer and
+    128-query block (the block a scored layer attends at once)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from cache import install_router, make_cache, uninstall_router
+    from cache.attention import ATTENTION
+
+    ids = mx.random.randint(0, vocab, (1, args.prompt), key=mx.random.key(1))
+
+    def prompt_ops(policy: str | None) -> int:
+        if policy is None:
+            uninstall_router(model)
+            caches = make_prompt_cache(model)
+        else:
+            install_router(model)
+            caches = make_cache(model, policy, max_kv=args.prompt + 1)  # nothing evicted
+        ops = [0]
+        with counting_evals(ops):
+            logits = model(ids, cache=caches)
+            mx.eval(logits, buffers(caches))
+        return ops[0]
+
+    stock = prompt_ops(None)
+    layers, blocks = len(model.layers), -(-args.prompt // ATTENTION.block)
+    lines = [
+        f"A {args.prompt}-token prompt in one chunk, nothing evicted: ops against stock's "
+        f"{stock}, per layer and {ATTENTION.block}-query block ({layers} layers x {blocks} "
+        "blocks).",
+        "",
+        "| cache | ops | extra ops per layer and block |",
+        "|---|---|---|",
+    ]
+    for policy in [p for p in policies if p in ("h2o", "h2o-q8")]:
+        ops = prompt_ops(policy)
+        lines.append(f"| {policy} | {ops} | {(ops - stock) / (layers * blocks):.1f} |")
+    install_router(model)
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
