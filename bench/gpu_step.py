@@ -9,7 +9,10 @@ arithmetic. Both can be counted on this CPU at every change:
   logits and every cache buffer it wrote), counted from the graph (`mx.export_to_dot`)
   before it runs; on a GPU each is a launch;
 - build ms: host time from the call of the model until it returns (the graph built,
-  plus whatever the code waited for inside), the median over the steps;
+  plus whatever the code waited for inside), with the previous step done (nothing else
+  computing), the median over the steps; each step's scores are evaluated with its
+  tokens as the server's batcher does (one row also shows dense H2O with its scores
+  started layer by layer, as before);
 
 for stock mlx-lm (its KVCache, no router), the sliding window, and each bounded policy,
 one session alone and `--rows` sessions decoding together (one H2OSlab where the
@@ -84,6 +87,17 @@ def buffers(obj, seen: set | None = None) -> list:
     return found
 
 
+def buffers_holders(held: list) -> list:
+    """The layer caches (or slab layers) a session list or slab holds."""
+    out = []
+    for x in held:
+        if hasattr(x, "layers"):  # an H2OSlab
+            out += x.layers
+        elif isinstance(x, list):
+            out += x
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--synthetic", default=None, help="a llama shape (bench.decode_speed)")
@@ -91,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=300, help="prompt tokens per session")
     p.add_argument("--max-kv", type=int, default=128)
     p.add_argument("--steps", type=int, default=24, help="decode steps counted and timed")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every case")
     p.add_argument("--rows", type=int, default=16, help="sessions decoding together")
     p.add_argument("--prompt", type=int, default=4096, help="prompt tokens of the prompt part")
     p.add_argument("--policies", nargs="+", default=None, help="bounded policies (all)")
@@ -104,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.report import command, machine, publish
     from cache import install_router, make_cache, uninstall_router
     from cache.batch import batch_caches
+    from cache.contract import step_scores
     from cache.h2o_slab import H2OSlab, slab_key
     from config.cache_spec import CacheSpec
     from config.policies import POLICIES
@@ -121,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     policies = args.policies or [n for n, p in POLICIES.items() if p.bounded and p.scored]
     ids = mx.random.randint(0, vocab, (args.rows, args.context), key=mx.random.key(0))
 
-    def sessions(policy: str | None, rows: int):
-        """(each step's cache argument, the next tokens) after every row's prompt."""
+    def sessions(policy: str | None, rows: int, with_step: bool):
+        """(each step's cache argument, what it holds, the next tokens) after every row's
+        prompt; `with_step`: scores evaluated with the step, as the server's batcher does."""
         if policy is None:  # stock: one KVCache over the rows, mlx-lm as it ships
             uninstall_router(model)
             caches = make_prompt_cache(model)
@@ -130,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             return (lambda: caches), [caches], mx.argmax(logits[:, -1], axis=-1)[:, None]
         install_router(model)
         spec = CacheSpec(policy, args.max_kv)
-        made = [make_cache(model, spec) for _ in range(rows)]
+        made = [make_cache(model, spec, scores_with_step=with_step) for _ in range(rows)]
         lasts = [model(ids[r : r + 1], cache=c)[:, -1] for r, c in enumerate(made)]
         tokens = mx.argmax(mx.concatenate(lasts), axis=-1)[:, None]
         if rows == 1:
@@ -141,50 +158,60 @@ def main(argv: list[str] | None = None) -> int:
             return (lambda: batch_caches([], slab)), [slab], tokens
         return (lambda: batch_caches(made)), made, tokens
 
-    def measure(policy: str | None, rows: int) -> tuple[float, float]:
+    def measure(policy: str | None, rows: int, with_step: bool, count: bool) -> tuple[float, float]:
         """(ops per step, mean over the steps; host ms to build a step, median)."""
-        caches, held, token = sessions(policy, rows)
+        caches, held, token = sessions(policy, rows, with_step)
+        scored = [c for c in buffers_holders(held)]
         mx.eval(token, buffers(held))
         ops, builds = [0], []
-        for _ in range(args.steps):  # counted: every evaluation during the step
+        for _ in range(args.steps if count else 0):  # counted: every evaluation in a step
             with counting_evals(ops):
                 logits = model(token, cache=caches())
                 token = mx.argmax(logits[:, -1], axis=-1)[:, None]
                 mx.eval(token, buffers(held))
-        for _ in range(args.steps):  # timed: the step as it runs, pipelined
+        for _ in range(args.steps):  # timed: building the step, nothing else running
             start = time.perf_counter()
             logits = model(token, cache=caches())
             builds.append(time.perf_counter() - start)
-            following = mx.argmax(logits[:, -1], axis=-1)[:, None]
-            mx.async_eval(following)
-            mx.eval(token)
-            token = following
-        mx.eval(token, buffers(held))
+            token = mx.argmax(logits[:, -1], axis=-1)[:, None]
+            mx.eval(token, step_scores(scored))  # what the server's batcher launches
+            mx.eval(buffers(held))
         return ops[0] / args.steps, statistics.median(builds) * 1e3
 
+    per_layer = "h2o, scores started layer by layer"  # before the batcher evaluated them
     cases = [(STOCK, None), ("rotating", "rotating"), *((p, p) for p in policies)]
-    got = {}
-    for rows in (1, args.rows):
-        for label, policy in cases:
-            got[label, rows] = measure(policy, rows)
-            ops, ms = got[label, rows]
-            print(f"{label} x{rows}: {ops:.0f} ops, {ms:.2f} ms", file=sys.stderr)
+    if "h2o" in policies:
+        cases.append((per_layer, "h2o"))
+    ops, builds = {}, {}  # ops counted once; build ms per round, cases interleaved
+    for r in range(args.rounds):
+        for rows in (1, args.rows):
+            for label, policy in cases if r % 2 == 0 else cases[::-1]:
+                n, ms = measure(policy, rows, label != per_layer, count=r == 0)
+                ops.setdefault((label, rows), n)
+                builds.setdefault((label, rows), []).append(ms)
+                print(f"round {r}: {label} x{rows}: {ms:.2f} ms", file=sys.stderr)
+
+    def build_ratio(label: str, rows: int) -> float:
+        """Median over rounds of the build time over stock's in the same round."""
+        mine, stock = builds[label, rows], builds[STOCK, rows]
+        return statistics.median(a / b for a, b in zip(mine, stock, strict=True))
+
+    got = {key: (ops[key], statistics.median(builds[key])) for key in ops}
 
     lines = [
         "| cache | rows | ops per step | x stock | build ms per step | x stock | how it batches |",
         "|---|---|---|---|---|---|---|",
     ]
     for rows in (1, args.rows):
-        base_ops, base_ms = got[STOCK, rows]
         for label, policy in cases:
-            ops, ms = got[label, rows]
+            n, ms = got[label, rows]
             how = "one KVCache" if policy is None else "alone"
             if rows > 1 and policy is not None:
                 how = "one H2OSlab" if POLICIES[policy].slab else "a part per session"
                 how = "a part per session" if policy == "rotating" else how
             lines.append(
-                f"| {label} | {rows} | {ops:.0f} | {ops / base_ops:.2f}x | {ms:.2f} | "
-                f"{ms / base_ms:.2f}x | {how} |"
+                f"| {label} | {rows} | {n:.0f} | {n / ops[STOCK, rows]:.2f}x | {ms:.2f} | "
+                f"{build_ratio(label, rows):.2f}x | {how} |"
             )
     lines += ["", *prompt_section(args, model, vocab, policies)]
     publish(
@@ -193,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         f"steps counted and {args.steps} timed per case (after the prompt, so bounded caches "
         f"evict). Ops: MLX primitives evaluated per step (launches on a GPU), the mean over "
         f"the steps (evictions amortized). Build: host ms until the model call returns, the "
-        f"median. Machine: {machine()}.",
+        f"median over {args.rounds} interleaved rounds; its ratio is taken within each round, "
+        f"then the median. Machine: {machine()}.",
         command("bench.gpu_step", argv),
         lines,
         args.out,

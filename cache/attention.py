@@ -368,15 +368,18 @@ def _joint_decode(queries: mx.array, parts: list, scale: float, mask=None):
 
 
 def start_scores(cache) -> None:
-    """Start computing a cache's new scores now, while the next layers' graph is built.
+    """Start computing a cache's new scores now, while the next layers' graph is built,
+    unless the step's owner evaluates them with the step (`scores_with_step`).
 
     No output depends on them, so left lazy each step's scores hold that step's
     probabilities until an eviction reads them: a chain of evict_batch steps (140 MB over
     64 steps at max_kv 2048 on the default model, where the cache is 94 MB). Started per
     layer and step, memory stays flat, and this CPU decodes 1.06-1.08x faster at max_kv
-    256 (0.98x at 2048, within noise; docs/score_chain.md).
+    256 (0.98x at 2048, within noise; docs/score_chain.md), but the host waits at every
+    layer: building a step of dense H2O took 19x stock mlx-lm's time (docs/gpu_step.md).
+    Evaluated with the step, memory stays flat too, and the host builds the step whole.
     """
-    if cache.scores is not None:
+    if cache.scores is not None and not cache.scores_with_step:
         mx.async_eval(cache.scores)
 
 

@@ -93,6 +93,8 @@ class LayerCache(mlx_lm_cache._BaseCache):
     def adopt(self, fresh: LayerCache) -> None:
         """After loading from a file: take what `fresh` (built by make_cache for the same
         spec) carries that a file cannot hold."""
+        if isinstance(self, ScoredCache) and isinstance(fresh, ScoredCache):
+            self.scores_with_step = fresh.scores_with_step
 
     def set_context(self, rope, wall: int) -> None:
         """The layer's RoPE module and the model's context, for a cache that re-indexes
@@ -114,6 +116,10 @@ class ScoredCache(LayerCache):
 
     scores: mx.array | None = None  # accumulated importance per slot, when it keeps any
     kv_format: ClassVar[KVFormat] = DENSE
+    # Whoever runs the decode step evaluates `scores` with it (the server's batcher:
+    # `step_scores`), so attention does not start them layer by layer, which blocks the
+    # host once per layer (cache/attention.py start_scores). False: attention starts them.
+    scores_with_step: bool = False
 
     def kv_segments(self, keys, values) -> list[tuple[Any, Any, KVFormat]]:
         """What update_and_fetch returned, as (keys, values, format) parts for attention."""
@@ -160,6 +166,12 @@ def cache_class(policy: Policy, window: bool = False) -> type[LayerCache]:
 
 def is_scored(cache: object) -> bool:
     return isinstance(cache, ScoredCache)
+
+
+def step_scores(caches: list) -> list[mx.array]:
+    """The score arrays a decode step over these layer caches updated: what its owner
+    evaluates with the step's tokens when the caches wait for it (`scores_with_step`)."""
+    return [c.scores for c in caches if is_scored(c) and c.scores is not None]
 
 
 def tokens_seen(cache: Any) -> int:

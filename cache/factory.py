@@ -11,7 +11,7 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from cache.contract import LayerCache, cache_class, holds_tokens, tokens_seen
+from cache.contract import LayerCache, cache_class, holds_tokens, is_scored, tokens_seen
 from cache.rotating import SinkRotatingKVCache
 from cache.router import install_router, verify_routing
 from config.cache_spec import DEFAULT_POLICY, CacheSpec
@@ -50,6 +50,7 @@ def make_cache(
     policy: str | CacheSpec = DEFAULT_POLICY,
     *,
     context: int | None = None,
+    scores_with_step: bool = False,
     **fields,
 ) -> list[Any]:
     """One cache per layer for a CacheSpec, or for a policy name and CacheSpec fields.
@@ -65,7 +66,8 @@ def make_cache(
     verified: a model whose attention would bypass it raises here, since its H2O
     caches would never evict. Caches of policies that re-index RoPE positions get each
     global layer's RoPE and the context (default: the model's), so a conversation may
-    outgrow the context (cache/h2o.py).
+    outgrow the context (cache/h2o.py). `scores_with_step`: the caller evaluates the
+    scored caches' scores with each decode step (`step_scores`), as the server does.
     """
     spec = (
         policy.replace(**fields) if isinstance(policy, CacheSpec) else CacheSpec(policy, **fields)
@@ -106,6 +108,9 @@ def make_cache(
     if info.scored:
         install_router(model)
         verify_routing(model, caches)
+        for c in caches:
+            if is_scored(c):
+                c.scores_with_step = scores_with_step
     return caches
 
 

@@ -121,6 +121,7 @@ class H2OKVCache(HeavyHitters, ScoredCache):
 
     def adopt(self, fresh: LayerCache) -> None:
         """RoPE and the context wall: make_cache attaches them, a file cannot hold them."""
+        super().adopt(fresh)
         self.wall, self.rope = fresh.wall, fresh.rope
 
     def set_context(self, rope, wall: int) -> None:

@@ -278,6 +278,8 @@ class H2OSlab:
         if not self.layers:
             names = [caches[0].slab_buffers() for caches in per_layer]
             self.layers = [H2OSlabLayer(self, n, layer) for n, layer in enumerate(names)]
+            for layer, caches in zip(self.layers, per_layer, strict=True):
+                layer.scores_with_step = caches[0].scores_with_step
         for layer, caches in zip(self.layers, per_layer, strict=True):
             width = caches[0].max_size + 1
             for name in layer.names:

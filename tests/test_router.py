@@ -122,3 +122,39 @@ def test_decoding_holds_no_growing_chain_of_scores(policy):
     uninstall_router(model)
     # A lazy chain holds 4 heads x ~1.3k keys x 4 bytes per layer and step: ~1.7 MB here.
     assert used[-1] - used[4] < 128 * 1024, (used[4], used[-1])
+
+
+@pytest.mark.parametrize("policy", ["h2o", "h2o-q4"])
+def test_a_step_that_evaluates_its_scores_builds_without_waiting(policy, monkeypatch):
+    """Caches whose scores the step's owner evaluates (scores_with_step, the server's
+    batcher) are not started layer by layer (each start blocks the host); evaluated with
+    the step, memory stays as flat as when attention starts them."""
+    import cache.attention
+    from cache.contract import step_scores
+
+    model = tiny("llama", head_dim=64)
+    caches = make_cache(model, policy=policy, max_kv=2048, scores_with_step=True)
+    prompt = mx.random.randint(0, 64, (1, 1300), key=mx.random.key(3))
+    for start in range(0, 1300, 500):
+        mx.eval(model(prompt[:, start : start + 500], cache=caches))
+    started = []
+    monkeypatch.setattr(cache.attention.mx, "async_eval", lambda *a: started.append(a))
+    token, used = mx.array([[1]]), []
+    for _ in range(40):
+        logits = model(token, cache=caches)
+        mx.eval(logits, step_scores(caches))  # as the batcher does, with its tokens
+        used.append(mx.get_active_memory())
+    monkeypatch.undo()
+    uninstall_router(model)
+    assert started == []  # nothing started inside the forward pass
+    assert used[-1] - used[4] < 128 * 1024, (used[4], used[-1])
+    # and without evaluating them, the chain grows: what the step's owner prevents
+    lazy = make_cache(model, policy=policy, max_kv=2048, scores_with_step=True)
+    for start in range(0, 1300, 500):
+        mx.eval(model(prompt[:, start : start + 500], cache=lazy))
+    grown = []
+    for _ in range(40):
+        mx.eval(model(token, cache=lazy))
+        grown.append(mx.get_active_memory())
+    uninstall_router(model)
+    assert grown[-1] - grown[4] > 512 * 1024, (grown[4], grown[-1])

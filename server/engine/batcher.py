@@ -40,6 +40,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from cache import install_router
 from cache.batch import KVSlab, batch_caches
+from cache.contract import step_scores
 from cache.h2o_slab import H2OSlab, near_wall, slab_key
 from server.engine.generation import Generation
 from server.engine.jobs import Delta
@@ -203,7 +204,10 @@ class Batcher:
                 done.outcomes.append((g, e))
                 draws.append(None)
         kept = [(g, d) for g, d in zip(rows, draws, strict=True) if d is not None]
-        mx.async_eval([x for _, d in kept for x in d])
+        # The step's scores with its tokens (the caches wait for it: scores_with_step).
+        scored = [c for g in alone for c in g.session.caches]
+        scored += [layer for slab in self.h2o_slabs.values() for layer in slab.layers]
+        mx.async_eval([x for _, d in kept for x in d], step_scores(scored))
         return [g for g, _ in kept], [d for _, d in kept]
 
     def _forward(self, inputs: mx.array, sessions: list[list]) -> mx.array:

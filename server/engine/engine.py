@@ -102,7 +102,9 @@ class Engine:
             2 * total if settings.spill_budget == "auto" else parse_bytes(settings.spill_budget)
         )
         store = SessionStore(
-            lambda s: make_cache(model, s, context=shape.context),
+            # The batcher evaluates every step's scores with its tokens (one evaluation per
+            # step, not one per layer: server/engine/batcher.py).
+            lambda s: make_cache(model, s, context=shape.context, scores_with_step=True),
             settings.max_sessions,
             settings.spill_dir,
             model_identity=model_identity(model) if settings.spill_dir else "",
