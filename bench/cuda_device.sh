@@ -55,6 +55,10 @@ run)
     MLX_USE_CUDA_GRAPHS=0 timeout 180 python3 $decode --out "$OUT/decode_no_graphs.md" >/dev/null 2>&1
     # The H2O slab's step against stock's, 16 rows evicting on different steps.
     timeout 120 python3 -m bench.slab_steps --rows 16 >"$OUT/slab_steps.txt" 2>&1
+    # Ops and host time per decode step, stock against every bounded policy (the counters
+    # docs/gpu_step.md has from the CPU).
+    timeout 150 python3 -m bench.gpu_step --synthetic llama-1b --dtype bfloat16 --steps 16 \
+        --rounds 2 --policies h2o h2o-q8 h2o-q4 h2o-kvarn --out "$OUT/gpu_step.md" >/dev/null 2>&1
     # A prompt's scored attention, matmul vs fused output (TF32 at MLX's default, as served;
     # PREFILL=1: measured on the H200 and left out by default to fit a call).
     [ "${PREFILL:-0}" = 1 ] && MLX_ENABLE_TF32=1 timeout 120 python3 -m bench.prefill_paths --synthetic llama-1b \

@@ -1,8 +1,9 @@
 """H2OKVCache: a per-layer KV cache bounded by heavy-hitter eviction.
 
-It speaks mlx-lm's cache protocol (`update_and_fetch`, `state`, `meta_state`,
-`offset`, `nbytes`, `make_mask`, `is_trimmable`/`trim`) plus `update_scores`,
-which the attention router calls with each attention call's logits.
+It speaks the cache contract (cache/contract.py: mlx-lm's protocol plus building,
+pricing, contents and slab hooks) as a ScoredCache: the attention router hands
+`update_scores` each attention call's logits. Which tokens leave is the H2O rule
+every evicting cache shares (cache/heavy_hitters.py); this class stores them.
 
 Layout: slots [0, size) of preallocated buffers hold one token each, per KV
 head (heads keep different tokens). `positions` records each slot's token
@@ -117,7 +118,7 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         return self.seen
 
     def contents(self) -> LayerContents:
-        return scored_contents(self, self.used // self._slots_per_token)
+        return scored_contents(self, self.size())
 
     def adopt(self, fresh: LayerCache) -> None:
         """RoPE and the context wall: make_cache attaches them, a file cannot hold them."""
