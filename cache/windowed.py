@@ -97,4 +97,3 @@ class WindowedMixedH2OKVCache(SlidingWindowMixin, MixedH2OKVCache):
         if MIXED_LAYOUTS[spec.mixed][0] is QuantizedH2OKVCache:
             return WindowedQuantizedH2OKVCache.from_spec(spec, window)
         return super().from_spec(spec, window)
-

@@ -130,6 +130,23 @@ class ServerSettings(BaseSettings):
         description="caller: a session belongs to the API key and `user` that made it; "
         "others cannot list, reuse or delete it",
     )
+    prefix_share: float = Field(
+        0.125,
+        ge=0,
+        lt=1,
+        description="share of --kv-budget kept for system prompts that new conversations "
+        "fork instead of prefilling again (the rest is the sessions'; 0: no prefix store)",
+    )
+    prefix_min_tokens: int = Field(
+        256,
+        ge=1,
+        description="shortest system prompt, in tokens, kept for other conversations to fork",
+    )
+    share_prefixes: bool = Field(
+        False,
+        description="under --session-scope caller, let every caller fork every stored system "
+        "prompt (default: only the caller that sent it; a system prompt can be a secret)",
+    )
     allowed_origins: list[str] = Field(default_factory=list, description="CORS origins")
     ui: bool | None = Field(
         None, description="serve the chat page at / (default: on when --host is loopback)"

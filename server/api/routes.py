@@ -27,6 +27,7 @@ from server.api.protocol import (
 )
 from server.api.responses import ReplyBuilder
 from server.api.session_protocol import PageOptions, SessionCache
+from server.api.shared_prefix import system_prefix_len
 from server.api.streaming import respond
 from server.api.ui import PAGE_HEADERS, STATIC, page_options
 from server.engine.jobs import Job, QueueFull, SessionBusy, ShuttingDown
@@ -77,7 +78,8 @@ async def metrics(request: Request):
         sessions,
         worker.queue_depth,
         worker.active,
-        worker.engine.budget.total,
+        worker.engine.kv_budget,
+        store.published_prefixes,
     )
 
 
@@ -140,8 +142,10 @@ async def chat_completions(
     body: ChatCompletionRequest, request: Request, x_session_id: str | None = Header(None)
 ):
     worker = _worker(request)
-    prompt = await _chat_prompt(worker.engine, body)
-    return await _generate(worker, body, prompt, request, x_session_id, "chat")
+    prompt, prefix_len = await _chat_prompt(worker.engine, body)
+    return await _generate(
+        worker, body, prompt, request, x_session_id, "chat", prefix_len=prefix_len
+    )
 
 
 @router.post("/v1/completions")
@@ -182,16 +186,25 @@ def _check_session_id(session_id: str) -> None:
         )
 
 
-async def _chat_prompt(engine: Engine, body: ChatCompletionRequest) -> list[int]:
+async def _chat_prompt(engine: Engine, body: ChatCompletionRequest) -> tuple[list[int], int]:
+    """The prompt's tokens, and how many of them its system prompt makes up when other
+    conversations may share them (server/api/shared_prefix.py)."""
     _check_model(engine, body.model)
     messages = [
         {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         for m in body.messages
     ]
+    template = engine.tokenizer.apply_chat_template
     try:
-        return await run_in_threadpool(
-            engine.tokenizer.apply_chat_template, messages, add_generation_prompt=True
+        prompt = await run_in_threadpool(template, messages, add_generation_prompt=True)
+        prefix_len = await run_in_threadpool(
+            system_prefix_len,
+            lambda lead: template(lead, add_generation_prompt=False),
+            messages,
+            prompt,
+            engine.settings.prefix_min_tokens,
         )
+        return prompt, prefix_len
     except TemplateError as e:  # the template rejects the conversation (roles, order)
         raise APIError(400, f"the chat template rejected the messages: {e}") from None
     except Exception as e:  # the tokenizer itself failed: the server's fault, not the client's
@@ -221,16 +234,23 @@ async def _generate(
     session_header: str | None,
     kind: str,
     echo: str = "",
+    prefix_len: int = 0,
 ):
     owner = _owner(request, body.user)
-    job = _make_job(worker, body, prompt, body.prompt_cache_key or session_header, owner)
+    key = body.prompt_cache_key or session_header
+    job = _make_job(worker, body, prompt, key, owner, prefix_len)
     engine = worker.engine
     builder = ReplyBuilder(kind, engine.model_id, engine.tokenizer, body.include_usage(), echo)
     return await respond(job, request, body.stream, builder, worker.settings.shutdown_timeout)
 
 
 def _make_job(
-    worker: Worker, body: SamplingRequest, prompt: list[int], key: str | None, owner: str
+    worker: Worker,
+    body: SamplingRequest,
+    prompt: list[int],
+    key: str | None,
+    owner: str,
+    prefix_len: int = 0,
 ) -> Job:
     engine = worker.engine
     if key is not None:
@@ -274,9 +294,8 @@ def _make_job(
             )
         max_tokens = max_tokens or room
     params = body.sampling_params(max_tokens or DEFAULT_REPLY_TOKENS)
-    job = Job(
-        prompt, params, spec, key, asyncio.get_running_loop(), owner=owner, prompt_field=field
-    )
+    loop = asyncio.get_running_loop()
+    job = Job(prompt, params, spec, key, loop, owner, field, prefix_len=prefix_len)
     try:
         worker.submit(job)
     except QueueFull:

@@ -31,6 +31,8 @@ class SessionFigures(BaseModel):
     spilled: bool
     busy: bool
     last_used: int
+    # tokens its cache started from, a stored system prompt's (server/sessions/prefixes.py)
+    prefix_tokens: int = 0
 
 
 class CacheSegments(BaseModel):

@@ -16,6 +16,7 @@ from models.loading import DEFAULT_MODEL, load_model, served_model_id
 from models.shape import kv_shape, layer_windows
 from server.api.protocol import CacheOptions
 from server.engine.layer_budgets import load_layer_profile
+from server.sessions.prefixes import PrefixStore
 from server.sessions.spill import model_identity
 from server.sessions.store import SessionStore
 
@@ -53,7 +54,7 @@ class Engine:
     tokenizer: object
     model_id: str
     shape: ModelShape
-    budget: Budget
+    budget: Budget  # the sessions' share of --kv-budget
     settings: ServerSettings
     spec: CacheSpec  # the cache of a conversation that asks for nothing else
     store: SessionStore
@@ -66,7 +67,8 @@ class Engine:
         total = (
             auto_kv_budget() if settings.kv_budget == "auto" else parse_bytes(settings.kv_budget)
         )
-        budget = Budget(total, settings.max_sessions)
+        prefix_bytes = int(total * settings.prefix_share)
+        budget = Budget(total - prefix_bytes, settings.max_sessions)
         configure(backend=settings.kernel)  # raises on a backend this machine lacks
         model, tokenizer = load_model(settings.model)
         shape = kv_shape(model)
@@ -109,13 +111,16 @@ class Engine:
             settings.spill_dir,
             model_identity=model_identity(model) if settings.spill_dir else "",
             spill_budget=spill_budget,
+            prefixes=PrefixStore(prefix_bytes, settings.share_prefixes) if prefix_bytes else None,
         )
         sizes = spec.layer_sizes()
         log.info(
-            "model %s; KV budget %.1f MiB over %d sessions: policy %s, max_kv %d "
-            "(%.1f MiB per session, %d of %d layers sliding-window); layer budgets %s%s",
+            "model %s; KV budget %.1f MiB: %.1f MiB for shared prefixes, the rest over %d "
+            "sessions: policy %s, max_kv %d (%.1f MiB per session, %d of %d layers "
+            "sliding-window); layer budgets %s%s",
             model_id,
             total / 2**20,
+            prefix_bytes / 2**20,
             settings.max_sessions,
             spec.policy,
             spec.max_kv,
@@ -128,6 +133,12 @@ class Engine:
         return cls(
             model, tokenizer, model_id, shape, budget, settings, spec, store, shares_for, notices
         )
+
+    @property
+    def kv_budget(self) -> int:
+        """All of --kv-budget: the sessions' and the prefix store's."""
+        capacity = self.store.prefixes.capacity if self.store.prefixes else 0
+        return self.budget.total + capacity
 
     @property
     def vocab_size(self) -> int:

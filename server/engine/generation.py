@@ -13,6 +13,7 @@ leaves a consistent conversation behind.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 
 import mlx.core as mx
 from mlx_lm.sample_utils import (
@@ -98,8 +99,13 @@ class Generation:
         prompt: list[int],
         reused: int,
         params: SamplingParams,
+        prefix_len: int = 0,
+        keep_prefix: Callable[[Session], None] | None = None,
     ):
         self.tokenizer, self.session = tokenizer, session
+        # A shareable prefix ends here (the system prompt): prefill chunks break at it, and
+        # `keep_prefix` gets the session once its caches hold exactly that prefix.
+        self.prefix_len, self.keep_prefix = prefix_len, keep_prefix
         self.prompt, self.reused, self.params = prompt, reused, params
         self.pending = prompt[reused:]  # prompt tokens not yet fed; the last starts decoding
         self.generated: list[int] = []
@@ -138,9 +144,13 @@ class Generation:
 
         Chunks are fixed per request, whatever else the worker is doing, because
         H2O evicts after each chunk: a request prefilled alone or beside others
-        keeps the same cache.
+        keeps the same cache. A chunk never crosses the end of a shareable prefix: a
+        conversation forked there (server/sessions/prefixes.py) then takes the same chunks
+        as one that prefilled the prefix itself.
         """
-        return min(step, len(self.pending) - 1)
+        n = min(step, len(self.pending) - 1)
+        held = len(self.session.tokens)
+        return min(n, self.prefix_len - held) if held < self.prefix_len else n
 
     def prefill(self, model, step: int) -> int:
         """Feed the next chunk of the prompt (never its last token); return its size."""
@@ -160,6 +170,8 @@ class Generation:
         """The next `n` prompt tokens are in the caches now; return n."""
         self.session.tokens.extend(self.pending[:n])
         self.pending = self.pending[n:]
+        if self.keep_prefix and n and len(self.session.tokens) == self.prefix_len:
+            self.keep_prefix(self.session)
         self._start_decoding()
         return n
 

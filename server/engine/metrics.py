@@ -26,6 +26,8 @@ SESSION_COUNTERS = {
     "refused": "spill files refused on restore (corrupt or of another model)",
     "handed_over": "sessions spilled because another replica asked for them",
     "borrowed": "turns served with a throwaway cache: another replica kept the session",
+    "prefix_hits": "conversations started from a stored system prompt (prefix store)",
+    "prefix_tokens": "prompt tokens served from the prefix store instead of prefilled",
 }
 
 
@@ -45,7 +47,7 @@ class Metrics:
 
     def render(
         self, session_counts: dict[str, int], sessions: list[dict], queue_depth: int, active: int,
-        budget: int,
+        budget: int, prefixes: list[dict],
     ) -> str:  # fmt: skip
         """Prometheus text: every counter, then gauges from the session store's snapshot."""
         with self._lock:
@@ -65,7 +67,12 @@ class Metrics:
             "sessions": (len(resident), "sessions in memory"),
             "sessions_spilled": (len(sessions) - len(resident), "sessions on disk"),
             "cache_bytes": (sum(s["bytes"] for s in resident), "bytes held by KV caches"),
-            "cache_budget_bytes": (budget, "KV memory budget"),
+            "cache_budget_bytes": (budget, "KV memory budget (sessions and prefix store)"),
+            "prefix_store_bytes": (
+                sum(p["bytes"] for p in prefixes),
+                "bytes held by stored system prompts",
+            ),
+            "prefix_store_entries": (len(prefixes), "system prompts stored for new conversations"),
             "evicted_tokens": (
                 sum(s["evictions"] for s in sessions),
                 "tokens evicted, live sessions",

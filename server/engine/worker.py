@@ -220,7 +220,16 @@ class Worker:
                     self._may_borrow(job),
                     max_new=self.engine.new_token_limit() if job.spec.info.reindexes else None,
                 )
-                gen = Generation(self.engine.tokenizer, session, job.prompt, reused, job.params)
+                store = self.engine.store
+                gen = Generation(
+                    self.engine.tokenizer,
+                    session,
+                    job.prompt,
+                    reused,
+                    job.params,
+                    job.prefix_len,
+                    store.keep_prefix,
+                )
             except (SessionBusy, SessionClaimed):
                 still_waiting.append(job)  # one turn at a time; or another replica hands it over
                 continue

@@ -31,6 +31,7 @@ class Session:
     evictions: int = 0  # as of the last spill (a spilled session's caches cannot tell)
     claim: Claim | None = None  # held while the caches are in memory (shared spill folder)
     borrowed: bool = False  # a throwaway for one turn: another replica owns the session
+    prefix_tokens: int = 0  # tokens its cache started from, forked from the prefix store
     stats: dict = field(default_factory=dict)
     turns: list[dict] = field(default_factory=list)  # per answered request: usage and figures
 
@@ -60,6 +61,7 @@ class Session:
             "spilled": self.caches is None,
             "busy": self.busy,
             "last_used": int(self.last_used),
+            "prefix_tokens": self.prefix_tokens,
         }
 
 

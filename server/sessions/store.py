@@ -28,6 +28,11 @@ throwaway cache rebuilt from the prompt, so two replicas never own one.
 `tick()` spills sessions idle past `--spill-idle-seconds` and those another
 replica asked for.
 
+A new conversation (or one whose cache cannot serve its prompt) may start from a
+prefix another conversation stored: the prefix store (server/sessions/prefixes.py)
+keeps copies of caches at the end of long system prompts; `keep_prefix` is called
+by the generation whose prefill reaches that point.
+
 With sessions scoped to callers, each session has an `owner` (server/api/auth.py)
 and lookups, listings and deletions see only the caller's own sessions.
 
@@ -51,6 +56,7 @@ from config.cache_spec import CacheSpec
 from server.api.protocol import Usage
 from server.engine.jobs import Finished, PromptTooLong, SessionBusy, SessionClaimed
 from server.sessions.conversation import Session, common_prefix, rewind, rewindable, spilled_session
+from server.sessions.prefixes import Prefix, PrefixStore
 from server.sessions.spill import SpillError, SpillFolder
 
 log = logging.getLogger("h2o_server.sessions")
@@ -68,10 +74,12 @@ class SessionStore:
         *,
         model_identity: str = "",
         spill_budget: int = 2**62,
+        prefixes: PrefixStore | None = None,
     ):
         self.make_caches = make_caches
+        self.prefixes = prefixes
         self.max_sessions = max_sessions
-        self.counts: Counter[str] = Counter()  # spilled, dropped, restored, rebuilt, refused
+        self.counts: Counter[str] = Counter()  # spilled, dropped, ... (server/engine/metrics.py)
         self.sessions: dict[tuple[str, str], Session] = {}  # (owner, id) -> session
         self.published: list[tuple[str, dict]] = []  # (owner, stats), for handlers
         self.published_counts: dict[str, int] = {}
@@ -124,9 +132,14 @@ class SessionStore:
             if session.caches is None and session.spill_path is not None:
                 self._restore(session)
             match, crosses = self._reuse(session, spec, prompt)
-            if max_new is not None and len(prompt) - match > max_new:
-                raise PromptTooLong(len(prompt) - match)
-            if match:
+            prefix = self._prefix_for(owner, spec, prompt, match)
+            kept = len(prefix.tokens) if prefix else match
+            if max_new is not None and len(prompt) - kept > max_new:
+                raise PromptTooLong(len(prompt) - kept)
+            if prefix is not None:
+                self._fork(session, spec, prefix)
+                match = kept
+            elif match:
                 rewind(session.caches, len(session.tokens) - match)
             else:
                 if crosses:
@@ -159,6 +172,29 @@ class SessionStore:
         if rewindable(session.caches, len(session.tokens) - match):
             return match, False
         return 0, True
+
+    def _prefix_for(
+        self, owner: str, spec: CacheSpec, prompt: list[int], match: int
+    ) -> Prefix | None:
+        """A stored prefix of the prompt longer than what the session's own cache keeps."""
+        if self.prefixes is None:
+            return None
+        prefix = self.prefixes.find(owner, spec, prompt)
+        return prefix if prefix is not None and len(prefix.tokens) > match else None
+
+    def _fork(self, session: Session, spec: CacheSpec, prefix: Prefix) -> None:
+        session.spec, session.tokens = spec, list(prefix.tokens)
+        session.prefix_tokens = len(prefix.tokens)
+        session.caches = self.prefixes.fork(prefix, self.make_caches(spec))
+        self.counts["prefix_hits"] += 1
+        self.counts["prefix_tokens"] += len(prefix.tokens)
+        log.info("session %s starts from a stored %d-token prefix", session.id, len(prefix.tokens))
+
+    def keep_prefix(self, session: Session) -> None:
+        """The session's caches hold exactly a shareable prefix now: store a copy."""
+        if self.prefixes is not None and not session.borrowed:
+            self.prefixes.keep(session.owner, session.spec, session.tokens, session.caches)
+            self._publish()
 
     def _find(self, owner: str, key: str | None, prompt: list[int]) -> Session | None:
         if key:
@@ -253,6 +289,7 @@ class SessionStore:
                 s.refresh_stats()
         self.published = [(s.owner, dict(s.stats)) for s in self.sessions.values()]
         self.published_counts = dict(self.counts)
+        self.published_prefixes = self.prefixes.snapshot() if self.prefixes else []
 
     # ------------------------------------------------------------------ memory
 
