@@ -57,6 +57,9 @@ bench: setup
 	$(PY) -m bench.server_load --skip-long --streams 1 4 --rounds 2 --max-tokens 256 --out docs/server_load_replies.md
 	$(PY) -m bench.server_load --skip-long --rounds 3 --policy h2o --max-kv 256 --out docs/server_load_h2o.md
 	$(PY) -m bench.server_ttft --turns 6 --out docs/server_ttft.md
+	$(PY) -m bench.shared_prefix --rounds 2 --out docs/shared_prefix.md
+	$(PY) -m bench.structured --rounds 3 --out docs/structured.md
+	$(PY) -m bench.gpu_step --synthetic llama-1b --context 144 --max-kv 128 --steps 8 --rounds 2 --rows 16 --prompt 4096 --policies h2o h2o-q8 h2o-q4 h2o-kvarn --out docs/gpu_step.md
 	$(PY) -m bench.kernel_speed --out docs/kernel_speed.md
 	$(PY) -m bench.quantized --out docs/quantized.md
 	$(PY) -m bench.decode_parts --rounds 10 --out docs/decode_parts.md

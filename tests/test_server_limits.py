@@ -70,10 +70,10 @@ def test_a_prompt_longer_than_the_context_is_refused_naming_both_numbers(api):
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("response_format", {"type": "json_object"}),
-        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-        ("tool_choice", "required"),
+        ("functions", [{"name": "f", "parameters": {}}]),
+        ("function_call", "auto"),
+        ("response_format", {"type": "xml"}),
+        ("tool_choice", "required"),  # without tools
         ("n", 3),
     ],
 )

@@ -6,6 +6,7 @@ they do carry is validated, so bad values become 400s in OpenAI's error shape.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -14,6 +15,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -110,10 +112,64 @@ class SamplingRequest(Request):
         )
 
 
+FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
+class FunctionCall(Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Request):
+    """An earlier reply's call, sent back in the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def arguments(self) -> Any:
+        """The arguments as JSON values (a template renders them), or the text if not JSON."""
+        try:
+            return json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            return self.function.arguments
+
+
+class FunctionDefinition(Request):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+    strict: bool | None = None
+
+
+class Tool(Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Request):
+    name: str
+
+
+class NamedToolChoice(Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id: the id of the call it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        return self
 
     def text(self) -> str:
         """Content as plain text (the text parts of a multi-part message)."""
@@ -141,21 +197,29 @@ def _unsupported(field: str, why: str, harmless: tuple = (None,)):
     return field_validator(field)(classmethod(check))
 
 
-NO_TOOLS = "this server has no tool calling (send the conversation without tools)"
+LEGACY_FUNCTIONS = "use tools and tool_choice (functions and function_call are deprecated)"
+
+
+class JsonSchemaFormat(Request):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
 
 
 class ResponseFormat(Request):
-    type: str
+    """`text`, `json_object` (any JSON object) or `json_schema` (server/api/structured.py)."""
 
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, v: str) -> str:
-        if v != "text":
-            raise ValueError(
-                f"response_format {v!r} is not supported: this server has no constrained "
-                "decoding; only {'type': 'text'} is accepted"
-            )
-        return v
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format json_schema needs its json_schema object")
+        return self
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -164,15 +228,14 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # Refused rather than ignored: a client that sends them expects them honoured.
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    _no_tools = _unsupported("tools", NO_TOOLS, (None, []))
-    _no_tool_choice = _unsupported("tool_choice", NO_TOOLS, (None, "none"))
-    _no_functions = _unsupported("functions", NO_TOOLS, (None, []))
-    _no_function_call = _unsupported("function_call", NO_TOOLS, (None, "none"))
+    _no_functions = _unsupported("functions", LEGACY_FUNCTIONS, (None, []))
+    _no_function_call = _unsupported("function_call", LEGACY_FUNCTIONS, (None, "none"))
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
@@ -181,6 +244,24 @@ class ChatCompletionRequest(SamplingRequest):
         for m in self.messages:
             m.text()  # rejects non-text parts early
         return self
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, v: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in v or []]
+        if len(set(names)) < len(names):
+            raise ValueError("two functions have the same name")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _known_tool(cls, v, info: ValidationInfo):
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if v not in (None, "none") and not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(v, NamedToolChoice) and v.function.name not in names:
+            raise ValueError(f"names {v.function.name!r}, which is not in tools")
+        return v
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -265,7 +346,7 @@ class TextLogprobs(BaseModel):
     text_offset: list[int]
 
 
-FinishReason = Literal["stop", "length"] | None
+FinishReason = Literal["stop", "length", "tool_calls"] | None
 
 
 class Envelope(BaseModel):
@@ -277,8 +358,9 @@ class Envelope(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+    tool_calls: list[dict] | None = None  # [{id, type: function, function: {name, arguments}}]
 
 
 class ChatChoice(BaseModel):
@@ -299,6 +381,7 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict] | None = None  # [{index, id, type, function: {name, arguments}}]
 
     @model_serializer(mode="wrap")
     def _without_nones(self, handler):

@@ -24,13 +24,28 @@ from server.api.protocol import (
     new_id,
     now,
 )
+from server.api.structured import ToolPlan, may_become_call, parse_calls
 from server.engine.jobs import Delta, Finished, TokenLogprob
 
 
 class ReplyBuilder:
-    def __init__(self, kind: str, model: str, tokenizer, include_usage: bool, echo: str = ""):
+    """`tools`: how the reply may call tools (server/api/structured.py); a stream holds back
+    text that is, or may become, a tool call, and sends the calls once they are whole."""
+
+    def __init__(
+        self,
+        kind: str,
+        model: str,
+        tokenizer,
+        include_usage: bool,
+        echo: str = "",
+        tools: ToolPlan | None = None,
+    ):
         self.kind, self.model, self.tokenizer = kind, model, tokenizer
         self.include_usage = include_usage
+        self.tools = tools
+        self.sent = 0  # characters of text streamed so far
+        self.held: list[TokenLogprob] = []  # logprobs of text held back
         self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
         self.created = now()
         self.echo = echo  # /v1/completions with echo: the prompt leads the text
@@ -45,14 +60,22 @@ class ReplyBuilder:
         self.logprobs += delta.logprobs
         self.finish_reason = delta.finish_reason or self.finish_reason
 
+    def calls(self) -> tuple[list[dict], str | None] | None:
+        """The finished reply's tool calls and remaining content, if it made any."""
+        if self.tools is None or self.finish_reason == "length":
+            return None
+        return parse_calls(self.text, self.tools)
+
     def response(self, finished: Finished) -> dict:
         usage = _usage(finished)
         if self.kind == "chat":
             message = ChatMessageOut(content=self.text)
+            finish = self.finish_reason
+            if calls := self.calls():
+                message = ChatMessageOut(content=calls[1], tool_calls=calls[0])
+                finish = "tool_calls"
             logprobs = self._chat_logprobs(self.logprobs)
-            choice = ChatChoice(
-                message=message, logprobs=logprobs, finish_reason=self.finish_reason
-            )
+            choice = ChatChoice(message=message, logprobs=logprobs, finish_reason=finish)
             body = ChatCompletion(**self._envelope(), choices=[choice], usage=usage)
         else:
             text = self.echo + self.text
@@ -68,13 +91,42 @@ class ReplyBuilder:
             return self._chunk(ChatDelta(role="assistant", content=""), None, [])
         return self._chunk(self.echo, None, [])
 
-    def chunk(self, delta: Delta) -> dict:
+    def chunk(self, delta: Delta) -> dict | None:
+        """The stream chunk of this delta, or None while its text is held back."""
         self.add(delta)
-        content = ChatDelta(content=delta.text) if self.kind == "chat" else delta.text
-        return self._chunk(content, None, delta.logprobs)
+        if self.kind != "chat":
+            return self._chunk(delta.text, None, delta.logprobs)
+        self.held += delta.logprobs
+        if self.tools is not None and (self.tools.forced or may_become_call(self.text)):
+            return None
+        return self._release()
+
+    def _release(self) -> dict:
+        text, logprobs = self.text[self.sent :], self.held
+        self.sent, self.held = len(self.text), []
+        return self._chunk(ChatDelta(content=text), None, logprobs)
 
     def final_chunks(self, finished: Finished) -> list[dict]:
-        last = self._chunk(ChatDelta() if self.kind == "chat" else "", self.finish_reason, [])
+        chunks, finish = [], self.finish_reason
+        if self.kind == "chat" and self.sent < len(self.text):  # what was held back
+            if calls := self.calls():
+                chunks, finish = self._call_chunks(*calls), "tool_calls"
+            else:
+                chunks = [self._release()]
+        last = self._chunk(ChatDelta() if self.kind == "chat" else "", finish, [])
+        return [*chunks, *self._usage_chunks(finished, last)]
+
+    def _call_chunks(self, calls: list[dict], content: str | None) -> list[dict]:
+        """A whole call per index: its id and name, then its arguments (as OpenAI streams)."""
+        chunks = [self._chunk(ChatDelta(content=content), None, [])] if content else []
+        for i, call in enumerate(calls):
+            head = {**call, "index": i, "function": {**call["function"], "arguments": ""}}
+            arguments = {"index": i, "function": {"arguments": call["function"]["arguments"]}}
+            chunks += [self._chunk(ChatDelta(tool_calls=[d]), None, []) for d in (head, arguments)]
+        self.sent = len(self.text)
+        return chunks
+
+    def _usage_chunks(self, finished: Finished, last: dict) -> list[dict]:
         if not self.include_usage:
             return [last]
         chunk_type = ChatCompletionChunk if self.kind == "chat" else Completion

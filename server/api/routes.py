@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from functools import partial
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Header, Request
@@ -29,6 +30,7 @@ from server.api.responses import ReplyBuilder
 from server.api.session_protocol import PageOptions, SessionCache
 from server.api.shared_prefix import system_prefix_len
 from server.api.streaming import respond
+from server.api.structured import ToolPlan, reply_grammar, template_messages
 from server.api.ui import PAGE_HEADERS, STATIC, page_options
 from server.engine.jobs import Job, QueueFull, SessionBusy, ShuttingDown
 
@@ -142,10 +144,10 @@ async def chat_completions(
     body: ChatCompletionRequest, request: Request, x_session_id: str | None = Header(None)
 ):
     worker = _worker(request)
+    grammar, tools = reply_grammar(body)  # a 400 for a schema the engine cannot use
     prompt, prefix_len = await _chat_prompt(worker.engine, body)
-    return await _generate(
-        worker, body, prompt, request, x_session_id, "chat", prefix_len=prefix_len
-    )
+    shape = {"prefix_len": prefix_len, "grammar": grammar, "tools": tools}
+    return await _generate(worker, body, prompt, request, x_session_id, "chat", **shape)
 
 
 @router.post("/v1/completions")
@@ -190,11 +192,9 @@ async def _chat_prompt(engine: Engine, body: ChatCompletionRequest) -> tuple[lis
     """The prompt's tokens, and how many of them its system prompt makes up when other
     conversations may share them (server/api/shared_prefix.py)."""
     _check_model(engine, body.model)
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in body.messages
-    ]
-    template = engine.tokenizer.apply_chat_template
+    tokenizer = engine.tokenizer
+    messages, tools = template_messages(body, "tools" in (tokenizer.chat_template or ""))
+    template = partial(tokenizer.apply_chat_template, tools=tools)
     try:
         prompt = await run_in_threadpool(template, messages, add_generation_prompt=True)
         prefix_len = await run_in_threadpool(
@@ -235,12 +235,16 @@ async def _generate(
     kind: str,
     echo: str = "",
     prefix_len: int = 0,
+    grammar: str | None = None,
+    tools: ToolPlan | None = None,
 ):
     owner = _owner(request, body.user)
     key = body.prompt_cache_key or session_header
-    job = _make_job(worker, body, prompt, key, owner, prefix_len)
+    job = _make_job(worker, body, prompt, key, owner, prefix_len, grammar)
     engine = worker.engine
-    builder = ReplyBuilder(kind, engine.model_id, engine.tokenizer, body.include_usage(), echo)
+    builder = ReplyBuilder(
+        kind, engine.model_id, engine.tokenizer, body.include_usage(), echo, tools
+    )
     return await respond(job, request, body.stream, builder, worker.settings.shutdown_timeout)
 
 
@@ -251,6 +255,7 @@ def _make_job(
     key: str | None,
     owner: str,
     prefix_len: int = 0,
+    grammar: str | None = None,
 ) -> Job:
     engine = worker.engine
     if key is not None:
@@ -295,7 +300,7 @@ def _make_job(
         max_tokens = max_tokens or room
     params = body.sampling_params(max_tokens or DEFAULT_REPLY_TOKENS)
     loop = asyncio.get_running_loop()
-    job = Job(prompt, params, spec, key, loop, owner, field, prefix_len=prefix_len)
+    job = Job(prompt, params, spec, key, loop, owner, field, prefix_len, grammar)
     try:
         worker.submit(job)
     except QueueFull:

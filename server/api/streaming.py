@@ -93,7 +93,8 @@ async def _sse(events: AsyncIterator, reply: ReplyBuilder) -> AsyncIterator[dict
         async for event in events:
             if isinstance(event, Delta):
                 if event.text or event.logprobs:
-                    yield {"data": json.dumps(reply.chunk(event))}
+                    if (chunk := reply.chunk(event)) is not None:  # None: held back
+                        yield {"data": json.dumps(chunk)}
                 else:
                     reply.add(event)  # e.g. the end-of-sequence token: nothing to show
             elif isinstance(event, Finished):

@@ -196,6 +196,8 @@ class Batcher:
             # half updated, perhaps; their members' sessions are lost
             self.slab, self.h2o_slabs = KVSlab(), {}
             return [], []
+        if any(g.constraint for g in rows):
+            mx.async_eval(logits)  # the pass runs while the host computes grammar masks
         draws = []
         for i, g in enumerate(rows):
             try:

@@ -15,6 +15,7 @@ from config.settings import ServerSettings
 from models.loading import DEFAULT_MODEL, load_model, served_model_id
 from models.shape import kv_shape, layer_windows
 from server.api.protocol import CacheOptions
+from server.engine.grammar import Grammars
 from server.engine.layer_budgets import load_layer_profile
 from server.sessions.prefixes import PrefixStore
 from server.sessions.spill import model_identity
@@ -61,6 +62,10 @@ class Engine:
     shares_for: Callable[[str], tuple | None] | None  # a policy's layer shares (profile)
     # What start-up chose without being told (logged, and shown by /health).
     notices: list[str] = field(default_factory=list)
+    grammars: Grammars | None = None  # constrained decoding (server/engine/grammar.py)
+
+    def __post_init__(self):
+        self.grammars = self.grammars or Grammars(self.tokenizer, self.vocab_size)
 
     @classmethod
     def load(cls, settings: ServerSettings) -> Engine:

@@ -24,6 +24,7 @@ from mlx_lm.sample_utils import (
 )
 
 from cache.batch import plain
+from server.engine.grammar import Constraint
 from server.engine.jobs import Delta, Finished, SamplingParams, TokenLogprob
 from server.sessions.store import Session
 
@@ -101,11 +102,13 @@ class Generation:
         params: SamplingParams,
         prefix_len: int = 0,
         keep_prefix: Callable[[Session], None] | None = None,
+        constraint: Constraint | None = None,
     ):
         self.tokenizer, self.session = tokenizer, session
         # A shareable prefix ends here (the system prompt): prefill chunks break at it, and
         # `keep_prefix` gets the session once its caches hold exactly that prefix.
         self.prefix_len, self.keep_prefix = prefix_len, keep_prefix
+        self.constraint = constraint  # the grammar the reply follows (server/engine/grammar.py)
         self.prompt, self.reused, self.params = prompt, reused, params
         self.pending = prompt[reused:]  # prompt tokens not yet fed; the last starts decoding
         self.generated: list[int] = []
@@ -205,6 +208,10 @@ class Generation:
         """
         if self.processors:
             logits = self._processed(logits)
+        if self.constraint is not None:
+            if self.sampled is not None:  # last round's draw, fed this round: the grammar takes it
+                self.constraint.consume(self.sampled[0].item())
+            logits = self.constraint.apply(logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return self.sampler(logprobs).reshape(1), logprobs[0]
 

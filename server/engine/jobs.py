@@ -102,6 +102,7 @@ class Job:
     owner: str = ""  # whose sessions it may use (server/api/auth.py)
     prompt_field: str = "messages"  # the request field holding the prompt (for errors)
     prefix_len: int = 0  # prompt tokens other conversations may share (its system prompt)
+    grammar: str | None = None  # llguidance grammar the reply follows (server/api/structured.py)
     claim_deadline: float | None = None  # waiting for another replica's session until then
     id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex[:12]}")  # for the logs
     events: asyncio.Queue = field(default_factory=asyncio.Queue)

@@ -229,6 +229,7 @@ class Worker:
                     job.params,
                     job.prefix_len,
                     store.keep_prefix,
+                    self.engine.grammars.constraint(job.grammar) if job.grammar else None,
                 )
             except (SessionBusy, SessionClaimed):
                 still_waiting.append(job)  # one turn at a time; or another replica hands it over

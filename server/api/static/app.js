@@ -271,6 +271,8 @@ async function deleteChat() {
 // A small, safe subset of Markdown for replies: ``` fences, `code` and **bold**.
 // Nodes are built with textContent only, so no reply can inject markup.
 function renderMarkdown(node, text) {
+  const json = prettyJson(text);
+  if (json !== null) return node.replaceChildren(el("pre", {}, el("code", { text: json })));
   // Odd parts lie inside ``` fences; empty parts add nothing (an empty reply stays :empty).
   const nodes = text.split(/```[^\n]*\n?/).map((part, i) => {
     if (i % 2 === 1) return el("pre", {}, el("code", { text: part.replace(/\n$/, "") }));
@@ -286,10 +288,25 @@ function renderMarkdown(node, text) {
   node.replaceChildren(...nodes.filter(Boolean));
 }
 
+// A reply that is one JSON value (response_format json_*) is shown indented.
+function prettyJson(text) {
+  const trimmed = text.trim();
+  if (!/^[[{][\s\S]*[\]}]$/.test(trimmed)) return null;
+  try { return JSON.stringify(JSON.parse(trimmed), null, 2); } catch { return null; }
+}
+
+// Tool calls as `name(arguments)`, one per line, arguments indented when they parse.
+function toolCallsText(calls) {
+  return calls.map((c) => `${c.name}(${prettyJson(c.arguments) ?? c.arguments})`).join("\n");
+}
+
 function messageNode(message) {
   const content = el("div", { class: "content" });
   if (message.role === "assistant") renderMarkdown(content, message.content);
   else content.textContent = message.content;
+  if (message.tool_calls && message.tool_calls.length) {
+    content.append(el("pre", { class: "tool-calls" }, el("code", { text: toolCallsText(message.tool_calls) })));
+  }
   const node = el("div", { class: `message ${message.role}` },
     el("div", { class: "role", text: message.role === "user" ? "You" : "Assistant" }), content);
   if (message.meta) node.append(el("div", { class: "meta", text: message.meta }));
@@ -391,6 +408,16 @@ async function send(event) {
         renderMarkdown(node.querySelector(".content"), reply.content);
         if (state.current === conv.id) $("messages").scrollTop = $("messages").scrollHeight;
       }
+      if (choice && choice.delta && choice.delta.tool_calls) {  // whole calls, by index
+        reply.tool_calls = reply.tool_calls || [];
+        for (const call of choice.delta.tool_calls) {
+          const into = (reply.tool_calls[call.index] ||= { name: "", arguments: "" });
+          if (call.function && call.function.name) into.name = call.function.name;
+          into.arguments += (call.function && call.function.arguments) || "";
+        }
+        const code = el("code", { text: toolCallsText(reply.tool_calls) });
+        node.querySelector(".content").replaceChildren(el("pre", { class: "tool-calls" }, code));
+      }
       if (choice && choice.finish_reason) finish = choice.finish_reason;
       if (chunk.usage) usage = chunk.usage;
     }
@@ -400,7 +427,7 @@ async function send(event) {
   }
   state.streaming = null;
   node.classList.remove("streaming");
-  if (reply.content) {
+  if (reply.content || reply.tool_calls) {
     reply.meta = replyMeta(finish, usage, started, firstToken);
     conv.messages.push(reply);
   } else {

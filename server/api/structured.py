@@ -1,0 +1,212 @@
+"""Structured outputs and tool calls: the grammar a request's reply must follow, the tools
+rendered into its prompt, and the tool calls parsed back out of the reply.
+
+The grammar engine is llguidance: it compiles a JSON schema (or Lark) once per request
+and, per step, computes the set of allowed next tokens on the host in about a
+millisecond from the tokenizer's own vocabulary, with no torch and no GPU code
+(server/engine/grammar.py applies it to MLX logits). xgrammar's mask path needs torch;
+outlines-core compiles a schema to a token-level automaton up front, which is slower
+for large vocabularies and schemas. Plain Python here: the API floor imports no MLX.
+
+Tool calls follow the Hermes/Qwen convention `<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>`: a template without a tools section gets the tools described in a
+system message (`TOOLS_INTRO`), and earlier calls in the history are rendered in that
+form. With `tool_choice` "required" or one named function, the reply is constrained to
+the call's JSON (an array of calls when `parallel_tool_calls`), its arguments valid
+against the function's schema; with "auto" a reply that starts with `<tool_call>` is a
+call.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from llguidance import LLMatcher
+
+from server.api.errors import APIError
+
+if TYPE_CHECKING:
+    from server.api.protocol import ChatCompletionRequest
+
+# Replies look like OpenAI's: ", " and ": " between items, no other whitespace.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+MAX_PARALLEL_CALLS = 4  # a forced reply's calls at most (a bounded grammar)
+TOOLS_INTRO = (
+    "You can call these functions. To call one, reply with only "
+    f'{CALL_OPEN}{{"name": <function name>, "arguments": <JSON object>}}{CALL_CLOSE} '
+    "(several calls: one after another). The functions:"
+)
+
+
+@dataclass
+class ToolPlan:
+    """How the reply may call tools: `forced` (its whole text is the calls' JSON) or not
+    (a reply that starts with CALL_OPEN carries calls)."""
+
+    forced: bool
+    names: set[str] = field(default_factory=set)
+
+
+def compile_schema(schema: Any, param: str) -> str:
+    """The llguidance grammar of a JSON schema; a 400 naming `param` and the part the engine
+    cannot use."""
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, f"{param} is not a JSON schema: {e}", param=param) from None
+    failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    if failed or messages:
+        why = "; ".join(messages)
+        raise APIError(
+            400, f"{param}: the grammar engine cannot use this schema: {why}", param=param
+        )
+    return grammar
+
+
+def reply_grammar(body: ChatCompletionRequest) -> tuple[str | None, ToolPlan | None]:
+    """(the grammar the reply follows or None, how it calls tools or None)."""
+    for i, tool in enumerate(body.tools or []):  # every function's schema, named on error
+        compile_schema(tool.function.parameters, f"tools[{i}].function.parameters")
+    choice = body.tool_choice
+    if body.tools and choice != "none":
+        names = {t.function.name for t in body.tools}
+        if choice in (None, "auto"):
+            return _format_grammar(body), ToolPlan(False, names)
+        if body.response_format is not None and body.response_format.type != "text":
+            raise APIError(
+                400,
+                "a forced tool call and a response_format cannot both shape the reply",
+                param="response_format",
+            )
+        forced = [
+            t for t in body.tools if choice == "required" or t.function.name == choice.function.name
+        ]
+        calls = [_call_schema(t.function.name, t.function.parameters) for t in forced]
+        one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        many = body.parallel_tool_calls and choice == "required" and len(forced) > 1
+        schema = (
+            {"type": "array", "items": one, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS}
+            if many
+            else one
+        )
+        return compile_schema(schema, "tools"), ToolPlan(True, names)
+    return _format_grammar(body), None
+
+
+def _format_grammar(body: ChatCompletionRequest) -> str | None:
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return compile_schema({"type": "object"}, "response_format")
+    return compile_schema(fmt.json_schema.schema_, "response_format.json_schema.schema")
+
+
+def _call_schema(name: str, parameters: dict) -> dict:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+# ---------------------------------------------------------------------- prompt
+
+
+def template_messages(
+    body: ChatCompletionRequest, template_tools: bool
+) -> tuple[list[dict], list | None]:
+    """(the messages for the chat template, the `tools` argument it takes or None).
+
+    `template_tools`: the template has a tools section; else the tools go into a system
+    message and earlier calls into their assistant turn's text.
+    """
+    messages = []
+    for m in body.messages:
+        entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
+        text = m.text()
+        if m.tool_calls and template_tools:
+            entry["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.arguments()},
+                }
+                for c in m.tool_calls
+            ]
+        elif m.tool_calls:
+            calls = [
+                json.dumps({"name": c.function.name, "arguments": c.arguments()})
+                for c in m.tool_calls
+            ]
+            text = "\n".join([text] * bool(text) + [f"{CALL_OPEN}{c}{CALL_CLOSE}" for c in calls])
+        if m.tool_call_id is not None:
+            entry["tool_call_id"] = m.tool_call_id
+        entry["content"] = text
+        messages.append(entry)
+    tools = (
+        [t.model_dump(exclude_none=True) for t in body.tools or []]
+        if body.tool_choice != "none"
+        else []
+    )
+    if not tools:
+        return messages, None
+    if template_tools:
+        return messages, tools
+    described = "\n".join(json.dumps(t["function"]) for t in tools)
+    intro = f"{TOOLS_INTRO}\n{described}"
+    if messages and messages[0]["role"] == "system":
+        messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{intro}"}
+    else:
+        messages.insert(0, {"role": "system", "content": intro})
+    return messages, None
+
+
+# ---------------------------------------------------------------------- reply
+
+
+def parse_calls(text: str, plan: ToolPlan) -> tuple[list[dict], str | None] | None:
+    """(tool calls as OpenAI's message.tool_calls, the content left) from a reply's text;
+    None when the reply calls nothing (or its calls do not parse)."""
+    if plan.forced:
+        try:
+            found = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        found, rest = (found if isinstance(found, list) else [found]), None
+    else:
+        if not text.lstrip().startswith(CALL_OPEN):
+            return None
+        pattern = re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE)
+        found = []
+        for body in re.findall(pattern, text, flags=re.S):
+            try:
+                found.append(json.loads(body))
+            except json.JSONDecodeError:
+                return None
+        rest = re.sub(pattern, "", text, flags=re.S).strip() or None
+    calls = []
+    for call in found:
+        if not isinstance(call, dict) or call.get("name") not in plan.names:
+            return None
+        arguments = call.get("arguments", {})
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(arguments)},
+            }
+        )
+    return (calls, rest) if calls else None
+
+
+def may_become_call(text: str) -> bool:
+    """Whether an "auto" reply's text so far could still be a tool call (held back)."""
+    head = text.lstrip()
+    return head.startswith(CALL_OPEN) or CALL_OPEN.startswith(head)

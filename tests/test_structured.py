@@ -1,0 +1,150 @@
+"""server/api/structured.py without a model: grammars, tools in the prompt, calls parsed back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from server.api.errors import APIError
+from server.api.protocol import ChatCompletionRequest
+from server.api.structured import (
+    CALL_CLOSE,
+    CALL_OPEN,
+    TOOLS_INTRO,
+    ToolPlan,
+    may_become_call,
+    parse_calls,
+    reply_grammar,
+    template_messages,
+)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def request(**fields) -> ChatCompletionRequest:
+    body = {"model": "default", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return ChatCompletionRequest.model_validate(body)
+
+
+def test_text_and_no_tools_need_no_grammar():
+    assert reply_grammar(request()) == (None, None)
+    assert reply_grammar(request(response_format={"type": "text"})) == (None, None)
+    assert reply_grammar(request(tools=[WEATHER], tool_choice="none")) == (None, None)
+
+
+def test_json_formats_and_forced_calls_have_grammars():
+    grammar, tools = reply_grammar(request(response_format={"type": "json_object"}))
+    assert grammar and tools is None
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    assert reply_grammar(request(response_format=fmt))[0]
+    grammar, tools = reply_grammar(request(tools=[WEATHER], tool_choice="required"))
+    assert grammar and tools == ToolPlan(True, {"get_weather"})
+    grammar, tools = reply_grammar(request(tools=[WEATHER]))  # auto: free text, parsed after
+    assert grammar is None and tools == ToolPlan(False, {"get_weather"})
+
+
+@pytest.mark.parametrize(
+    "schema,named",
+    [({"type": "bogus"}, "bogus"), ({"type": "string", "format": "nope"}, "nope")],
+)
+def test_a_schema_the_engine_cannot_use_is_a_400_naming_it(schema, named):
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    with pytest.raises(APIError) as e:
+        reply_grammar(request(response_format=fmt))
+    assert e.value.status == 400 and named in e.value.message
+    assert e.value.param == "response_format.json_schema.schema"
+
+
+def test_a_forced_call_and_a_json_format_cannot_both_shape_the_reply():
+    with pytest.raises(APIError) as e:
+        reply_grammar(
+            request(
+                tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}
+            )
+        )
+    assert e.value.param == "response_format"
+
+
+def test_tools_go_into_the_system_message_of_a_template_without_a_tools_section():
+    body = request(
+        tools=[WEATHER],
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Weather in Oslo?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "4 degrees"},
+        ],
+    )
+    messages, tools = template_messages(body, template_tools=False)
+    assert tools is None
+    assert messages[0]["content"].startswith("Be brief.\n\n" + TOOLS_INTRO)
+    assert '"name": "get_weather"' in messages[0]["content"]
+    call = json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}})
+    assert messages[2]["content"] == f"{CALL_OPEN}{call}{CALL_CLOSE}"
+    assert messages[3] == {"role": "tool", "tool_call_id": "call_1", "content": "4 degrees"}
+    messages, tools = template_messages(body, template_tools=True)
+    assert tools[0]["function"]["name"] == "get_weather" and messages[0]["content"] == "Be brief."
+    assert messages[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+
+
+def test_calls_are_parsed_from_forced_and_auto_replies():
+    plan = ToolPlan(True, {"get_weather"})
+    [call], content = parse_calls('{"name": "get_weather", "arguments": {"city": "Rome"}}', plan)
+    assert content is None and call["type"] == "function" and call["id"].startswith("call_")
+    assert json.loads(call["function"]["arguments"]) == {"city": "Rome"}
+    two = '[{"name": "get_weather", "arguments": {}}, {"name": "get_weather", "arguments": {}}]'
+    assert len(parse_calls(two, plan)[0]) == 2
+    assert parse_calls('{"name": "other", "arguments": {}}', plan) is None  # unknown function
+    assert parse_calls('{"name": "get_wea', plan) is None  # cut short
+    auto = ToolPlan(False, {"get_weather"})
+    text = f' {CALL_OPEN}{{"name": "get_weather", "arguments": {{"city": "Rome"}}}}{CALL_CLOSE}'
+    assert parse_calls(text, auto)[0][0]["function"]["name"] == "get_weather"
+    assert parse_calls("It is sunny.", auto) is None
+
+
+def test_an_auto_reply_is_held_back_only_while_it_may_become_a_call():
+    assert may_become_call("") and may_become_call(" <tool") and may_become_call(CALL_OPEN + "{")
+    assert not may_become_call("Hello") and not may_become_call("<b>")
+
+
+@pytest.mark.parametrize(
+    "fields,param",
+    [
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+    ],
+)
+def test_bad_tool_fields_fail_validation_naming_the_field(fields, param):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as e:
+        request(**fields)
+    assert e.value.errors()[0]["loc"][0] == param
