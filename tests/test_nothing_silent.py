@@ -79,10 +79,12 @@ def test_an_unusable_spill_file_of_another_server_is_logged_once(tmp_path, caplo
 
 
 class _Tokenizer:
+    chat_template = None  # no tools section
+
     def __init__(self, error: Exception):
         self.error = error
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool):
+    def apply_chat_template(self, messages, add_generation_prompt: bool, tools=None):
         raise self.error
 
 

@@ -83,6 +83,9 @@ def test_a_second_chat_forks_the_system_prompt_and_replies_as_if_it_prefilled_it
     assert metric(server, "sessions_prefix_tokens_total") >= cached(forked)
     view = server.request("GET", f"/v1/sessions/a2-{policy}/cache?user=alice").json()
     assert view["prefix_tokens"] == cached(forked)
+    store = view["prefix_store"]
+    assert store["entries"] >= 1 and 0 < store["bytes"] <= store["capacity"]
+    assert store["hits"] == metric(server, "sessions_prefix_hits_total")
     if policy == "h2o":  # the prefix itself was evicted into: the fork took those evictions
         assert view["evictions"] > 0
 

@@ -24,7 +24,9 @@ in a handler's thread pool and turns them into the JSON below.
                  # bitmap: base64 of the held positions as bits, little-endian:
                  # position p is bit p % 8 of byte p // 8 (ceil(logical_tokens / 8) bytes)
       "turns": [{"usage": {...OpenAI usage of the turn...},
-                 "logical_tokens", "stored_tokens", "bytes", "evictions"}, ...]
+                 "logical_tokens", "stored_tokens", "bytes", "evictions"}, ...],
+      "prefix_tokens": 0,            # tokens its cache started from, a stored system prompt's
+      "prefix_store": {"entries", "bytes", "capacity", "hits", "tokens"}  # the whole store
     }
 
 An 8k-token conversation over 30 layers x 3 KV heads is about 330 KB: 130 KB of
@@ -73,7 +75,8 @@ def read_contents(store: SessionStore, session_id: str, owner: str = "") -> Sess
     elif not session.stats:
         session.refresh_stats()
     turns = [dict(t) for t in session.turns]
-    return SessionContents(dict(session.stats), list(session.tokens), layers, turns)
+    stats = {**session.stats, "prefix_store": store.prefix_figures()}
+    return SessionContents(stats, list(session.tokens), layers, turns)
 
 
 def token_texts(tokenizer, ids: list[int]) -> list[str]:

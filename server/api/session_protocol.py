@@ -64,6 +64,16 @@ class TurnFigures(BaseModel):
     evictions: int
 
 
+class PrefixStoreFigures(BaseModel):
+    """The server's store of shared system prompts (server/sessions/prefixes.py)."""
+
+    entries: int
+    bytes: int
+    capacity: int  # --prefix-share of --kv-budget (0: no store)
+    hits: int  # conversations started from a stored prefix
+    tokens: int  # prompt tokens served from it instead of prefilled
+
+
 class SessionCache(SessionFigures):
     """`GET /v1/sessions/{id}/cache` (server/api/cache_view.py documents every field)."""
 
@@ -74,6 +84,7 @@ class SessionCache(SessionFigures):
     tokens: CachedTokens
     heads: list[HeadContents]
     turns: list[TurnFigures]
+    prefix_store: PrefixStoreFigures | None = None  # the endpoint always fills it
 
 
 class PageOptions(BaseModel):

@@ -190,6 +190,17 @@ class SessionStore:
         self.counts["prefix_tokens"] += len(prefix.tokens)
         log.info("session %s starts from a stored %d-token prefix", session.id, len(prefix.tokens))
 
+    def prefix_figures(self) -> dict:
+        """The prefix store's size and use, for the cache view."""
+        prefixes = self.prefixes
+        return {
+            "entries": len(prefixes.entries) if prefixes else 0,
+            "bytes": prefixes.nbytes if prefixes else 0,
+            "capacity": prefixes.capacity if prefixes else 0,
+            "hits": self.counts["prefix_hits"],
+            "tokens": self.counts["prefix_tokens"],
+        }
+
     def keep_prefix(self, session: Session) -> None:
         """The session's caches hold exactly a shareable prefix now: store a copy."""
         if self.prefixes is not None and not session.borrowed:
