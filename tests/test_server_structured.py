@@ -281,7 +281,7 @@ def test_a_streamed_tool_call_arrives_in_openai_shape(api):
         max_tokens=80,
         stream=True,
     )
-    name, arguments, finish, content = None, "", None, ""
+    name, arguments, finish, content, fragments = None, "", None, "", 0
     for chunk in stream:
         delta = chunk.choices[0].delta if chunk.choices else None
         if delta and delta.tool_calls:
@@ -289,12 +289,14 @@ def test_a_streamed_tool_call_arrives_in_openai_shape(api):
                 assert call.index == 0
                 name = call.function.name or name
                 arguments += call.function.arguments or ""
+                fragments += bool(call.function.arguments)
         if delta and delta.content:
             content += delta.content
         if chunk.choices and chunk.choices[0].finish_reason:
             finish = chunk.choices[0].finish_reason
     assert (name, finish, content) == ("get_weather", "tool_calls", "")
     assert valid_weather(arguments)
+    assert fragments > 3  # the arguments arrive as they are generated
 
 
 def test_a_tool_round_trip_reuses_the_cache(api):

@@ -148,3 +148,28 @@ def test_bad_tool_fields_fail_validation_naming_the_field(fields, param):
     with pytest.raises(ValidationError) as e:
         request(**fields)
     assert e.value.errors()[0]["loc"][0] == param
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_forced_calls_stream_as_name_then_argument_fragments(step):
+    from server.api.structured import CallStream
+
+    text = (
+        '[{"name": "get_weather", "arguments": {"city": "Ro\\"me}\\\\", "n": [1, {"a": 2}]}}, '
+        '{"name": "get_time", "arguments": {}}]'
+    )
+    stream, deltas = CallStream(), []
+    for end in range(step, len(text) + step, step):
+        deltas += stream.feed(text[:end])
+    heads = [d for d in deltas if "id" in d]
+    assert [(d["index"], d["function"]["name"]) for d in heads] == [
+        (0, "get_weather"),
+        (1, "get_time"),
+    ]
+    assert all(d["function"]["arguments"] == "" for d in heads)
+    arguments = ["", ""]
+    for d in deltas:
+        arguments[d["index"]] += d["function"]["arguments"]
+    assert [json.loads(a) for a in arguments] == [c["arguments"] for c in json.loads(text)]
+    if step == 1:  # fragments as the arguments grow, not one at the end
+        assert sum(1 for d in deltas if d["index"] == 0 and "id" not in d) > 10

@@ -24,13 +24,14 @@ from server.api.protocol import (
     new_id,
     now,
 )
-from server.api.structured import ToolPlan, may_become_call, parse_calls
+from server.api.structured import CallStream, ToolPlan, may_become_call, parse_calls
 from server.engine.jobs import Delta, Finished, TokenLogprob
 
 
 class ReplyBuilder:
-    """`tools`: how the reply may call tools (server/api/structured.py); a stream holds back
-    text that is, or may become, a tool call, and sends the calls once they are whole."""
+    """`tools`: how the reply may call tools (server/api/structured.py). A stream sends a
+    forced reply's calls as they are generated (CallStream); under "auto" it holds back
+    text that may become a call and sends the calls once they are whole."""
 
     def __init__(
         self,
@@ -44,6 +45,7 @@ class ReplyBuilder:
         self.kind, self.model, self.tokenizer = kind, model, tokenizer
         self.include_usage = include_usage
         self.tools = tools
+        self.call_stream = CallStream() if tools is not None and tools.forced else None
         self.sent = 0  # characters of text streamed so far
         self.held: list[TokenLogprob] = []  # logprobs of text held back
         self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
@@ -97,9 +99,19 @@ class ReplyBuilder:
         if self.kind != "chat":
             return self._chunk(delta.text, None, delta.logprobs)
         self.held += delta.logprobs
-        if self.tools is not None and (self.tools.forced or may_become_call(self.text)):
+        if self.call_stream is not None:
+            return self._call_deltas()
+        if self.tools is not None and may_become_call(self.text):
             return None
         return self._release()
+
+    def _call_deltas(self) -> dict | None:
+        """The forced calls' new deltas as one chunk (None while a name is incomplete)."""
+        deltas = self.call_stream.feed(self.text)
+        if not deltas:
+            return None
+        self.sent, logprobs, self.held = len(self.text), self.held, []
+        return self._chunk(ChatDelta(tool_calls=deltas), None, logprobs)
 
     def _release(self) -> dict:
         text, logprobs = self.text[self.sent :], self.held
@@ -108,7 +120,10 @@ class ReplyBuilder:
 
     def final_chunks(self, finished: Finished) -> list[dict]:
         chunks, finish = [], self.finish_reason
-        if self.kind == "chat" and self.sent < len(self.text):  # what was held back
+        if self.call_stream is not None:
+            chunks = [c for c in [self._call_deltas()] if c is not None]
+            finish = "tool_calls" if self.calls() else finish
+        elif self.kind == "chat" and self.sent < len(self.text):  # what was held back
             if calls := self.calls():
                 chunks, finish = self._call_chunks(*calls), "tool_calls"
             else:

@@ -206,6 +206,66 @@ def parse_calls(text: str, plan: ToolPlan) -> tuple[list[dict], str | None] | No
     return (calls, rest) if calls else None
 
 
+CALL_HEAD = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
+
+
+class CallStream:
+    """A forced reply's calls as they are generated, as OpenAI streams them: per call, its
+    index, id and name once the name is whole, then its arguments in fragments.
+
+    The grammar fixes the text's shape (JSON_OPTIONS, "name" before "arguments"), so a
+    call starts at CALL_HEAD and its arguments end where their braces balance.
+    """
+
+    def __init__(self):
+        self.index = -1  # the call being streamed
+        self.at = 0  # where the text is read up to
+        self.depth = None  # brace depth inside the arguments; None: between calls
+        self.in_string = self.escaped = False
+
+    def feed(self, text: str) -> list[dict]:
+        """The tool_call deltas that `text` (the whole reply so far) adds."""
+        deltas: list[dict] = []
+        while self.at < len(text):
+            if self.depth is None:
+                head = CALL_HEAD.search(text, self.at)
+                if head is None:
+                    break
+                self.index += 1
+                self.at, self.depth = head.end(), 0
+                deltas.append(
+                    {
+                        "index": self.index,
+                        "id": f"call_{uuid.uuid4().hex[:24]}",
+                        "type": "function",
+                        "function": {"name": json.loads(f'"{head.group(1)}"'), "arguments": ""},
+                    }
+                )
+                continue
+            start = self.at
+            while self.at < len(text) and self.depth is not None:
+                self._scan(text[self.at])
+                self.at += 1
+            deltas.append({"index": self.index, "function": {"arguments": text[start : self.at]}})
+        return deltas
+
+    def _scan(self, ch: str) -> None:
+        """One character of the arguments; depth None once they are whole."""
+        if self.escaped:
+            self.escaped = False
+        elif self.in_string:
+            self.escaped = ch == "\\"
+            self.in_string = ch != '"'
+        elif ch == '"':
+            self.in_string = True
+        elif ch in "{[":
+            self.depth += 1
+        elif ch in "}]":
+            self.depth -= 1
+            if self.depth == 0:
+                self.depth = None
+
+
 def may_become_call(text: str) -> bool:
     """Whether an "auto" reply's text so far could still be a tool call (held back)."""
     head = text.lstrip()
