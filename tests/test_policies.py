@@ -28,6 +28,7 @@ from config.cache_spec import RECALL_ARCHIVE, CacheSpec
 from config.policies import POLICIES, VIEW_KINDS
 from models.shape import kv_shape
 from server.api.cache_view import SessionContents, cache_report
+from server.sessions.prefixes import PrefixStore
 from server.sessions.spill import SpillFolder
 
 MAX_KV = 32
@@ -94,6 +95,22 @@ def test_a_policy_record_walks_through_the_server(policy, walk, tmp_path):
         want, got = step(model, caches, token), step(model, restored, token)
         np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4, rtol=0)
         token = int(mx.argmax(want))
+
+    # forked from the prefix store (server/sessions/prefixes.py): the next steps as the
+    # caches it copied, and the stored copy untouched by either side's steps
+    store = PrefixStore(2**40)
+    assert store.keep("", spec, list(range(tokens_seen(caches[0]))), caches)
+    forked = store.fork(store.entries[0], make_cache(model, spec))
+    first_token, wants = token, []
+    for _ in range(STEPS):
+        want, got = step(model, caches, token), step(model, forked, token)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4, rtol=0)
+        token = int(mx.argmax(want))
+        wants.append(want)
+    late = store.fork(store.entries[0], make_cache(model, spec))  # after both moved on
+    np.testing.assert_allclose(
+        np.array(step(model, late, first_token)), np.array(wants[0]), atol=1e-4, rtol=0
+    )
 
     # batched: two sessions in one forward pass, each as it would decode alone
     other = make_cache(model, spec)
