@@ -62,10 +62,10 @@ class Engine:
     shares_for: Callable[[str], tuple | None] | None  # a policy's layer shares (profile)
     # What start-up chose without being told (logged, and shown by /health).
     notices: list[str] = field(default_factory=list)
-    grammars: Grammars | None = None  # constrained decoding (server/engine/grammar.py)
+    grammars: Grammars = field(init=False)  # constrained decoding (server/engine/grammar.py)
 
     def __post_init__(self):
-        self.grammars = self.grammars or Grammars(self.tokenizer, self.vocab_size)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size)
 
     @classmethod
     def load(cls, settings: ServerSettings) -> Engine:

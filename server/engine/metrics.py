@@ -47,7 +47,7 @@ class Metrics:
 
     def render(
         self, session_counts: dict[str, int], sessions: list[dict], queue_depth: int, active: int,
-        budget: int, prefixes: list[dict],
+        budget: int, prefixes: dict,
     ) -> str:  # fmt: skip
         """Prometheus text: every counter, then gauges from the session store's snapshot."""
         with self._lock:
@@ -68,11 +68,11 @@ class Metrics:
             "sessions_spilled": (len(sessions) - len(resident), "sessions on disk"),
             "cache_bytes": (sum(s["bytes"] for s in resident), "bytes held by KV caches"),
             "cache_budget_bytes": (budget, "KV memory budget (sessions and prefix store)"),
-            "prefix_store_bytes": (
-                sum(p["bytes"] for p in prefixes),
-                "bytes held by stored system prompts",
+            "prefix_store_bytes": (prefixes["bytes"], "bytes held by stored system prompts"),
+            "prefix_store_entries": (
+                prefixes["entries"],
+                "system prompts stored for new conversations",
             ),
-            "prefix_store_entries": (len(prefixes), "system prompts stored for new conversations"),
             "evicted_tokens": (
                 sum(s["evictions"] for s in sessions),
                 "tokens evicted, live sessions",

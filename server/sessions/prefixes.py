@@ -110,17 +110,3 @@ class PrefixStore:
         layers = [(type(c), _detached(c.state)) for c in caches]
         self.entries.append(Prefix(scope, spec, list(tokens), layers, nbytes))
         return True
-
-    def snapshot(self) -> list[dict]:
-        """Plain figures per entry, for the cache view and /metrics."""
-        return [
-            {
-                "tokens": len(e.tokens),
-                "policy": e.spec.policy,
-                "max_kv": e.spec.max_kv,
-                "bytes": e.nbytes,
-                "hits": e.hits,
-                "last_used": int(e.last_used),
-            }
-            for e in self.entries
-        ]

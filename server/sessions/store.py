@@ -191,7 +191,7 @@ class SessionStore:
         log.info("session %s starts from a stored %d-token prefix", session.id, len(prefix.tokens))
 
     def prefix_figures(self) -> dict:
-        """The prefix store's size and use, for the cache view."""
+        """The prefix store's size and use, for /metrics and the cache view."""
         prefixes = self.prefixes
         return {
             "entries": len(prefixes.entries) if prefixes else 0,
@@ -300,7 +300,7 @@ class SessionStore:
                 s.refresh_stats()
         self.published = [(s.owner, dict(s.stats)) for s in self.sessions.values()]
         self.published_counts = dict(self.counts)
-        self.published_prefixes = self.prefixes.snapshot() if self.prefixes else []
+        self.published_prefixes = self.prefix_figures()
 
     # ------------------------------------------------------------------ memory
 
