@@ -182,10 +182,11 @@ def test_twenty_schemas_parse(api):
         assert isinstance(choice.message.parsed, model), choice.message.content
 
 
-@pytest.mark.parametrize("model,prompt", CASES[:4], ids=[m.__name__ for m, _ in CASES[:4]])
-def test_a_stream_parses_too(api, model, prompt):
-    reply = ask(api, prompt, model, stream=True)
-    assert isinstance(reply.choices[0].message.parsed, model)
+def test_the_twenty_schemas_parse_streamed_too(api):
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda case: ask(api, case[1], case[0], stream=True), CASES))
+    for (model, _), reply in zip(CASES, replies, strict=True):
+        assert isinstance(reply.choices[0].message.parsed, model), reply.choices[0].message
 
 
 @pytest.mark.parametrize(
