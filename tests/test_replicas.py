@@ -36,12 +36,11 @@ def question(conv: int, turn: int) -> str:
     ][turn]
 
 
-def ask(port: int, conv: int, messages: list[dict], headers: dict | None = None) -> dict:
+def ask(port: int, conv: int, key: str, messages: list[dict]) -> dict:
     """One turn through nginx: conversations with an even number name themselves in the body,
     odd ones in the X-Session-ID header."""
-    key = f"conv-{conv}"
     body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}
-    sent = {"Content-Type": "application/json", **(headers or {})}
+    sent = {"Content-Type": "application/json"}
     if conv % 2:
         sent["X-Session-ID"] = key
     else:
@@ -63,13 +62,15 @@ def ask(port: int, conv: int, messages: list[dict], headers: dict | None = None)
     return out
 
 
-def run_turns(port: int, histories: list[list[dict]], turns: range) -> list[list[dict]]:
+def run_turns(
+    port: int, histories: list[list[dict]], turns: range, keys: list[str]
+) -> list[list[dict]]:
     """Turns `turns` of every conversation, in order; histories grow with each reply."""
     results = [[] for _ in histories]
     for turn in turns:
         for conv, history in enumerate(histories):
             history.append({"role": "user", "content": question(conv, turn)})
-            out = ask(port, conv, history)
+            out = ask(port, conv, keys[conv], history)
             results[conv].append(out)
             history.append({"role": "assistant", "content": out.get("reply", "")})
     return results
@@ -82,12 +83,35 @@ def uninterrupted(tmp_path_factory):
     server = launch(tmp, *FLAGS, "--spill-dir", str(tmp / "spill"))
     try:
         histories = [[] for _ in range(CONVERSATIONS)]
-        results = run_turns(server.port, histories, range(TURNS))
+        keys = [f"conv-{conv}" for conv in range(CONVERSATIONS)]
+        results = run_turns(server.port, histories, range(TURNS), keys)
     finally:
         server.process.send_signal(signal.SIGTERM)
         server.process.wait(timeout=60)
     assert all(r["status"] == 200 for conv in results for r in conv)
     return [[r["reply"] for r in conv] for conv in results]
+
+
+def keys_on_both(port: int, replicas: int) -> list[str]:
+    """Conversation keys that nginx spreads over every replica. Ketama places keys by the
+    replicas' addresses, which are random ports here, so a fixed set of 6 keys can all land
+    on one; asking where each key goes (nginx names the replica on any reply, a 404 too)
+    keeps the test about failover, not about luck."""
+    for salt in range(100):
+        keys = [f"conv-{conv}-{salt}" for conv in range(CONVERSATIONS)]
+        homes = set()
+        for key in keys:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            try:
+                conn.request("GET", f"/v1/sessions/{key}")
+                r = conn.getresponse()
+                r.read()
+                homes.add(r.getheader("X-H2O-Replica", ""))
+            finally:
+                conn.close()
+        if len(homes) == replicas:
+            return keys
+    raise AssertionError("no 6 keys out of 100 tries spread over both replicas")
 
 
 def counter(server, name: str) -> float:
@@ -107,7 +131,8 @@ def test_conversations_stick_and_survive_a_replica_stopping(tmp_path, uninterrup
     nginx = Nginx([r.port for r in replicas], tmp_path / "nginx")
     try:
         histories = [[] for _ in range(CONVERSATIONS)]
-        before = run_turns(nginx.port, histories, range(KILL_AFTER))
+        keys = keys_on_both(nginx.port, len(replicas))
+        before = run_turns(nginx.port, histories, range(KILL_AFTER), keys)
         homes = [{r["replica"] for r in conv} for conv in before]
         assert all(len(h) == 1 for h in homes), homes  # each conversation on one replica
         load = Counter(next(iter(h)) for h in homes)
@@ -121,7 +146,7 @@ def test_conversations_stick_and_survive_a_replica_stopping(tmp_path, uninterrup
         if idle:
             time.sleep(float(idle) + 1)  # the victim spills its idle sessions
         victim.process.send_signal(stop)  # turns go on at once: during the drain, too
-        after = run_turns(nginx.port, histories, range(KILL_AFTER, TURNS))
+        after = run_turns(nginx.port, histories, range(KILL_AFTER, TURNS), keys)
         victim.process.wait(timeout=60)
 
         results = [b + a for b, a in zip(before, after, strict=True)]
