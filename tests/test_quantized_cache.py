@@ -329,7 +329,7 @@ def test_save_load_round_trip(layout, tmp_path):
 
 # ---------------------------------------------------------------- default model
 
-PROMPT, STEPS, MAX_KV = 64, 200, 128
+PROMPT, STEPS, MAX_KV = 64, 120, 128
 # policy -> bounds on the (mean, worst) per-step KL(dense h2o || policy), in nats.
 KL_BOUNDS = {
     "h2o-q8": (0.003, 0.05),
@@ -361,7 +361,7 @@ def dense_run(default_model, essay_text):
 
 @pytest.mark.parametrize("policy", list(KL_BOUNDS))
 def test_next_token_distribution_stays_close_to_dense_h2o(default_model, dense_run, policy):
-    """KL(dense h2o || policy) per step over 200 teacher-forced decode steps with eviction.
+    """KL(dense h2o || policy) per step over 120 teacher-forced decode steps with eviction.
 
     Measured (x86_64 CPU, float32, the essays, 64-token prompt, max_kv 128, 136
     tokens evicted per head), mean / worst step: q8 0.0008 / 0.012, q4 0.133 /
@@ -371,7 +371,9 @@ def test_next_token_distribution_stays_close_to_dense_h2o(default_model, dense_r
     8x more (its group of 64 spans the whole head dim, so key outlier channels set
     the step size, and the top token changes on ~20% of steps). Since then h2o-q4
     rotates, centres its keys and keeps its sinks and its newest 16 tokens dense:
-    0.0063 / 0.21 (h2o-q8 0.0002 / 0.002, h2o-mixed 0.007 / 0.085). The bounds sit
+    0.0063 / 0.21 (h2o-q8 0.0002 / 0.002, h2o-mixed 0.007 / 0.085); over the first 120
+    steps (56 tokens evicted per head, the test's length since stop 50) q4 0.0058 / 0.21,
+    q8 0.00014 / 0.003, mixed 0.0068 / 0.060. The bounds sit
     about 3x above the measured values: they fail on real faults (a wrong scale
     or bias, a token quantized twice, 4-bit keys in k8v4, eviction keeping other
     tokens: 10x or more), not on BLAS summation order.
