@@ -83,6 +83,7 @@ class ScoredAttention:
         block: int = QUERY_BLOCK,
         fused_prefill: bool | None = None,
         eager_scores: bool = True,
+        compiled_decode: bool = True,
     ):
         self.backend = AUTO
         self.quantized_path = "fused"
@@ -94,6 +95,9 @@ class ScoredAttention:
         # query blocks. None: on a GPU, where that prefills 1.09-1.47x faster at the same
         # peak (docs/gpu.md, H200); on the CPU the plain matmuls win (bench.prefill_paths).
         self.fused_prefill = fused_prefill
+        # A cache with a fixed-shape decode (an H2O slab's dense rows) attends and scores in
+        # one compiled call; False takes the op-by-op path (tests compare the two).
+        self.compiled_decode = compiled_decode
         self.configure(backend, quantized_path)
 
     def configure(self, backend: str | None = None, quantized_path: str | None = None) -> None:
@@ -125,6 +129,9 @@ class ScoredAttention:
         scores_prefix = all(fmt.tile is None for _, _, fmt in parts)
         if L > 1:  # many queries: the dense kernel is the fast one, so unpack once per call
             parts = unpacked(parts)
+        fused = L == 1 and bias is None and archive is None
+        if fused and self._fuses_decode(cache, queries, parts, mask):
+            return cache.attend_decode(queries, scale, mask)
         if L <= self.block:
             out, logits, probs = self.attend_parts(queries, parts, scale, mask, bias)
             cache.update_scores(logits, probs)
@@ -157,6 +164,15 @@ class ScoredAttention:
             outs.append(out)
         cache.evict_if_full()
         return mx.concatenate(outs, axis=2)
+
+    def _fuses_decode(self, cache, queries: mx.array, parts: list, mask) -> bool:
+        """Whether a decode query goes to the cache's own compiled attend-and-score
+        (`attend_decode`: an H2O slab's dense rows), which the reference kernel serves."""
+        if not (self.compiled_decode and cache.fused_decode):
+            return False
+        if len(parts) != 1 or parts[0][2] != DENSE:
+            return False
+        return select_backend(self.backend, queries, parts[0][0], mask) == "reference"
 
     def _fuses_prefill(self) -> bool:
         if self.fused_prefill is not None:

@@ -121,6 +121,15 @@ class ScoredCache(LayerCache):
     # host once per layer (cache/attention.py start_scores). False: attention starts them.
     scores_with_step: bool = False
 
+    # Whether `attend_decode` serves a decode query over its one dense part (fixed shapes:
+    # an H2O slab's dense rows); the router takes it where the reference kernel would run.
+    fused_decode: ClassVar[bool] = False
+
+    def attend_decode(self, queries: mx.array, scale: float, mask) -> mx.array:
+        """A decode query's output, its scores accumulated and any eviction done, in one
+        compiled call (only where `fused_decode`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused decode")
+
     def kv_segments(self, keys, values) -> list[tuple[Any, Any, KVFormat]]:
         """What update_and_fetch returned, as (keys, values, format) parts for attention."""
         return [(keys, values, self.kv_format)]

@@ -38,6 +38,7 @@ nearing its model's context must leave first (`near_wall`): re-indexing runs alo
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Hashable
 from functools import partial
 
@@ -49,6 +50,7 @@ from cache.contract import LayerCache, ScoredCache
 from cache.h2o import SLOT_BUFFERS as SLOTS
 from cache.h2o import H2OKVCache
 from cache.quantized import shifted_in
+from kernels import reference
 
 
 def slab_key(caches: list) -> tuple | None:
@@ -79,6 +81,7 @@ class H2OSlabLayer(ScoredCache):
         # none waiting and take a token each step), as a lone cache's `unpacked`.
         self.unpacked = 0
         self._mask = None  # this step's `held` per query head, [rows, q_heads, 1, slots]
+        self._full = False  # some row holds more than its slot budget: it evicts this step
 
     @property
     def rows(self) -> int:
@@ -102,19 +105,15 @@ class H2OSlabLayer(ScoredCache):
             raise ValueError("an H2O slab decodes one token per row; prefill runs alone")
         caches = self._caches()
         seen = self.slab.seen_at_start()  # this layer's caches, before this token
-        B, H = keys.shape[:2]
-        at = mx.argmax(~self.held, axis=-1).reshape(B, H, 1)  # a row holds max_kv slots at most
-        if self.slab.select_writes:
-            taken = mx.arange(self.size(), dtype=at.dtype) == at  # [B, H, slots]
-            put, held = partial(select_write, taken), self.held | taken
-        else:
-            put, held = (
-                partial(scatter_write, at),
-                mx.put_along_axis(self.held, at, mx.array(True), 2),
-            )
         if self.key_center is not None:  # packed rows store keys centred (cache/quantized.py)
             keys = keys - self.key_center
-        if self.tail_keys is not None:  # the newest tokens, dense, and the slots they fill
+        tail = self.tail_keys is not None
+        kv = []  # with a tail, the newest tokens' packed copies wait (below)
+        if not tail:
+            kv = [self.keys, self.values, *caches[0].encode(keys, values)]  # rows alike
+        store = _store(self.slab.select_writes)
+        self.held, self.positions, at, stored = store(self.held, self.positions, seen, kv)
+        if tail:
             self.tail_keys = shifted_in(self.tail_keys, keys)
             self.tail_values = shifted_in(self.tail_values, values)
             self.tail_slots = shifted_in(self.tail_slots, at.astype(mx.int32))
@@ -124,15 +123,14 @@ class H2OSlabLayer(ScoredCache):
             if self.unpacked == self.tail_slots.shape[2]:
                 self.pack_pending()
         else:
-            keys, values = caches[0].encode(keys, values)  # every row's config is the same
-            self.keys = tree_map(put, self.keys, keys)
-            self.values = tree_map(put, self.values, values)
-        self.positions = put(self.positions, mx.broadcast_to(seen.reshape(B, 1, 1), (B, H, 1)))
-        self.held = held
+            self.keys, self.values = stored
         self._mask = None
-        for c in caches:
+        full = False
+        for c in caches:  # members are never re-indexed: offset += 1 is seen += 1
             c.used += 1
-            c.offset += 1
+            c.seen += 1
+            full = full or c.used > c.slot_budget
+        self._full = full
         return self.keys, self.values
 
     def pack_pending(self) -> None:
@@ -180,12 +178,23 @@ class H2OSlabLayer(ScoredCache):
         rule = caches[0].score_rule
         if self.tail_keys is not None:  # the tail's logits to the slots its tokens fill
             logits, probs = (None if x is None else self._in_slots(x) for x in (logits, probs))
-        updated = rule.accumulate(self.scores, logits, self.positions.shape[1], probs)
-        # Slots a row does not hold stay at 0, as a lone cache's free slots are.
-        self.scores = mx.where(self.held, updated, 0.0)
-        full = tuple(c.used > c.slot_budget for c in caches)
-        if any(full):
-            self._evict(full, caches)
+        scored = _scored(rule, self.positions.shape[1], probs is not None)
+        self.scores = scored(self.scores, self.held, logits, [] if probs is None else [probs])
+        if self._full:
+            self._evict(tuple(c.used > c.slot_budget for c in caches), caches)
+
+    fused_decode = True  # the slots' shapes stay fixed while the rows do
+
+    def attend_decode(self, queries: mx.array, scale: float, mask: mx.array) -> mx.array:
+        """Dense rows on the reference kernel: attention and the score update in one compiled
+        call (what a GPU kernel's epilogue does), then eviction. The logits and
+        probabilities are never handed out, so the fused graph need not keep them."""
+        caches = self._caches()
+        fused = _attend_scored(caches[0].score_rule, self.positions.shape[1], scale)
+        out, self.scores = fused(queries, self.keys, self.values, mask, self.scores, self.held)
+        if self._full:
+            self._evict(tuple(c.used > c.slot_budget for c in caches), caches)
+        return out
 
     def _in_slots(self, x: mx.array) -> mx.array:
         """Per-key values over [slots | tail] [rows, q_heads, 1, slots + tail] as per slot:
@@ -352,6 +361,53 @@ class H2OSlab:
                 for name in layer.names:
                     setattr(c, name, None)
         self._lent = []
+
+
+@functools.cache
+def _store(select: bool):
+    """A step's writes into every row's first free slot per head, as one compiled call:
+    held, positions and (unless a tail defers them) K/V. Shapes stay fixed while the rows
+    do, so the graph is traced once and replayed, its element-wise ops fused."""
+
+    def store(held: mx.array, positions: mx.array, seen: mx.array, kv: list) -> tuple:
+        B, H = held.shape[:2]
+        at = mx.argmax(~held, axis=-1).reshape(B, H, 1)  # a row holds max_kv slots at most
+        if select:  # on a GPU one select over the buffers costs less than a scatter launch
+            taken = mx.arange(held.shape[-1], dtype=at.dtype) == at  # [B, H, slots]
+            put, held = partial(select_write, taken), held | taken
+        else:
+            put, held = partial(scatter_write, at), mx.put_along_axis(held, at, mx.array(True), 2)
+        positions = put(positions, mx.broadcast_to(seen.reshape(B, 1, 1), (B, H, 1)))
+        if kv:
+            keys, values, new_keys, new_values = kv
+            kv = [tree_map(put, keys, new_keys), tree_map(put, values, new_values)]
+        return held, positions, at, kv
+
+    return mx.compile(store)
+
+
+@functools.cache
+def _scored(rule, n_kv_heads: int, with_probs: bool):
+    """Every row's scores accumulated from one step's logits (or probabilities), the slots
+    a row does not hold kept at 0 (as a lone cache's free slots are), as one compiled call."""
+
+    def scored(scores: mx.array, held: mx.array, logits: mx.array, probs: list) -> mx.array:
+        updated = rule.accumulate(scores, logits, n_kv_heads, probs[0] if with_probs else None)
+        return mx.where(held, updated, 0.0)
+
+    return mx.compile(scored)
+
+
+@functools.cache
+def _attend_scored(rule, n_kv_heads: int, scale: float):
+    """`H2OSlabLayer.attend_decode`'s compiled body: the reference kernel, then `_scored`."""
+
+    def attend_scored(queries, keys, values, mask, scores, held) -> tuple[mx.array, mx.array]:
+        out, logits, probs = reference.sdpa_with_probs(queries, keys, values, scale, mask)
+        updated = rule.accumulate(scores, logits, n_kv_heads, probs)
+        return out, mx.where(held, updated, 0.0)
+
+    return mx.compile(attend_scored)
 
 
 def select_write(taken: mx.array, buf: mx.array, new: mx.array) -> mx.array:

@@ -17,8 +17,9 @@ import pytest
 from tiny import tiny
 
 from cache import H2OKVCache, install_router, make_cache
+from cache.attention import ATTENTION
 from cache.batch import batch_caches
-from cache.h2o_slab import H2OSlab, near_wall, slab_key
+from cache.h2o_slab import H2OSlab, H2OSlabLayer, near_wall, slab_key
 from config.cache_spec import CacheSpec
 
 SPEC = CacheSpec("h2o", 24, evict_batch=4)
@@ -155,6 +156,43 @@ def test_slab_rows_compute_what_each_session_computes_alone(spec, select_writes)
             np.array(model(mx.array([[7]]), cache=twin)),
             atol=tol,
         )
+
+
+@pytest.mark.parametrize("score", ["attn", "ema", "tova"])
+def test_the_compiled_decode_equals_the_op_by_op_one(monkeypatch, score):
+    """Dense rows attend and score in one compiled call per layer (`attend_decode`): the
+    same logits, scores and evictions as the op-by-op path, under every kind of rule
+    (sums, decays, the last query's), and it is the path taken."""
+    model = tiny("llama", head_dim=32)
+    install_router(model)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 64, n).tolist() for n in (40, 12, 30)]
+    fed = rng.integers(0, 64, (len(prompts), 20)).tolist()
+    spec = CacheSpec("h2o", 24, evict_batch=4, score=score)
+    calls = []
+    real = H2OSlabLayer.attend_decode
+    monkeypatch.setattr(
+        H2OSlabLayer, "attend_decode", lambda self, *a: calls.append(1) or real(self, *a)
+    )
+    runs = {}
+    for compiled in (True, False):
+        monkeypatch.setattr(ATTENTION, "compiled_decode", compiled)
+        rows = [prefilled(model, spec, p) for p in prompts]
+        slab = H2OSlab(slab_key(rows[0]))
+        slab.join(list(enumerate(rows)))
+        outs = []
+        for step in range(len(fed[0])):
+            column = mx.array([[tokens[step]] for tokens in fed])
+            outs.append(model(column, cache=batch_caches([], slab))[:, -1])
+        for n, caches in enumerate(rows):
+            slab.leave(n, caches)
+        runs[compiled] = (np.array(mx.stack(outs)), rows)
+        assert (len(calls) > 0) == compiled  # one call per layer and step, when compiled
+        calls.clear()
+    np.testing.assert_allclose(runs[True][0], runs[False][0], atol=1e-5, rtol=1e-5)
+    for mine, theirs in zip(sum(runs[True][1], []), sum(runs[False][1], []), strict=True):
+        assert mine.evicted == theirs.evicted > 0
+        assert_holds_the_same(mine, theirs)
 
 
 def test_a_member_dropped_or_lent_leaves_the_others_whole():
