@@ -131,7 +131,10 @@ class ScoredAttention:
             parts = unpacked(parts)
         fused = L == 1 and bias is None and archive is None
         if fused and self._fuses_decode(cache, queries, parts, mask):
-            return cache.attend_decode(queries, scale, mask)
+            out = cache.attend_decode(queries, scale, mask)
+            if self.eager_scores:
+                start_scores(cache)
+            return out
         if L <= self.block:
             out, logits, probs = self.attend_parts(queries, parts, scale, mask, bias)
             cache.update_scores(logits, probs)
