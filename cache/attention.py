@@ -131,7 +131,8 @@ class ScoredAttention:
             parts = unpacked(parts)
         fused = L == 1 and bias is None and archive is None
         if fused and self._fuses_decode(cache, queries, parts, mask):
-            out = cache.attend_decode(queries, scale, mask)
+            how = (self.backend, self.quantized_path)  # what `attend_parts` reads
+            out = cache.attend_decode(queries, parts, scale, mask, self.attend_parts, how)
             if self.eager_scores:
                 start_scores(cache)
             return out
@@ -170,12 +171,14 @@ class ScoredAttention:
 
     def _fuses_decode(self, cache, queries: mx.array, parts: list, mask) -> bool:
         """Whether a decode query goes to the cache's own compiled attend-and-score
-        (`attend_decode`: an H2O slab's dense rows), which the reference kernel serves."""
+        (`attend_decode`: an H2O slab's rows): where every part is dense or
+        mx.quantize-packed and the reference kernel serves it (a GPU kernel is one launch)."""
         if not (self.compiled_decode and cache.fused_decode):
             return False
-        if len(parts) != 1 or parts[0][2] != DENSE:
-            return False
-        return select_backend(self.backend, queries, parts[0][0], mask) == "reference"
+        return all(
+            fmt.tile is None and self._backend(queries, keys, fmt, mask) == "reference"
+            for keys, _, fmt in parts
+        )
 
     def _fuses_prefill(self) -> bool:
         if self.fused_prefill is not None:

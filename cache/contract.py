@@ -25,7 +25,7 @@ one place that knows how such a cache answers.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import mlx.core as mx
@@ -121,13 +121,16 @@ class ScoredCache(LayerCache):
     # host once per layer (cache/attention.py start_scores). False: attention starts them.
     scores_with_step: bool = False
 
-    # Whether `attend_decode` serves a decode query over its one dense part (fixed shapes:
-    # an H2O slab's dense rows); the router takes it where the reference kernel would run.
+    # Whether `attend_decode` serves a decode query (fixed shapes: an H2O slab's rows); the
+    # router takes it where the reference kernel would run.
     fused_decode: ClassVar[bool] = False
 
-    def attend_decode(self, queries: mx.array, scale: float, mask) -> mx.array:
-        """A decode query's output, its scores accumulated and any eviction done, in one
-        compiled call (only where `fused_decode`)."""
+    def attend_decode(
+        self, queries: mx.array, parts: list, scale: float, mask, attend: Callable, how: tuple
+    ) -> mx.array:
+        """A decode query's output over `parts` (`attend(queries, parts, scale, mask)`: the
+        router's attention; `how`: its settings), its scores accumulated and any eviction
+        done, in one compiled call (only where `fused_decode`)."""
         raise NotImplementedError(f"{type(self).__name__} has no fused decode")
 
     def kv_segments(self, keys, values) -> list[tuple[Any, Any, KVFormat]]:

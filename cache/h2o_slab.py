@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from functools import partial
 
 import mlx.core as mx
@@ -50,7 +50,6 @@ from cache.contract import LayerCache, ScoredCache
 from cache.h2o import SLOT_BUFFERS as SLOTS
 from cache.h2o import H2OKVCache
 from cache.quantized import shifted_in
-from kernels import reference
 
 
 def slab_key(caches: list) -> tuple | None:
@@ -177,7 +176,8 @@ class H2OSlabLayer(ScoredCache):
         caches = self._caches()
         rule = caches[0].score_rule
         if self.tail_keys is not None:  # the tail's logits to the slots its tokens fill
-            logits, probs = (None if x is None else self._in_slots(x) for x in (logits, probs))
+            tail = self.tail_slots
+            logits, probs = (None if x is None else tail_in_slots(x, tail) for x in (logits, probs))
         scored = _scored(rule, self.positions.shape[1], probs is not None)
         self.scores = scored(self.scores, self.held, logits, [] if probs is None else [probs])
         if self._full:
@@ -185,24 +185,22 @@ class H2OSlabLayer(ScoredCache):
 
     fused_decode = True  # the slots' shapes stay fixed while the rows do
 
-    def attend_decode(self, queries: mx.array, scale: float, mask: mx.array) -> mx.array:
-        """Dense rows on the reference kernel: attention and the score update in one compiled
-        call (what a GPU kernel's epilogue does), then eviction. The logits and
-        probabilities are never handed out, so the fused graph need not keep them."""
+    def attend_decode(
+        self, queries, parts: list, scale: float, mask, attend: Callable, how
+    ) -> mx.array:
+        """Attention over `parts` (`attend`: the router's op-by-op attention, `how` its
+        settings) and the score update in one compiled call (what a GPU kernel's epilogue
+        does), then eviction. The logits and probabilities stay inside the fused graph."""
         caches = self._caches()
-        fused = _attend_scored(caches[0].score_rule, self.positions.shape[1], scale)
-        out, self.scores = fused(queries, self.keys, self.values, mask, self.scores, self.held)
+        formats = tuple(fmt for _, _, fmt in parts)
+        tail = [] if self.tail_keys is None else [self.tail_slots]
+        rule, n_kv = caches[0].score_rule, self.positions.shape[1]
+        fused = _attend_scored(attend, how, formats, rule, n_kv, scale)
+        arrays = [(k, v) for k, v, _ in parts]
+        out, self.scores = fused(queries, arrays, mask, self.scores, self.held, tail)
         if self._full:
             self._evict(tuple(c.used > c.slot_budget for c in caches), caches)
         return out
-
-    def _in_slots(self, x: mx.array) -> mx.array:
-        """Per-key values over [slots | tail] [rows, q_heads, 1, slots + tail] as per slot:
-        each tail token's in place of its (masked) packed copy's."""
-        slots = self.size()
-        group = x.shape[1] // self.tail_slots.shape[1]
-        where = mx.repeat(self.tail_slots[:, :, None], group, axis=1)
-        return mx.put_along_axis(x[..., :slots], where, x[..., slots:], axis=-1)
 
     def _evict(self, full: tuple[bool, ...], caches: list[H2OKVCache]) -> None:
         """Rows that overflow free their leaving slots, ranked as alone (their cache's rule,
@@ -399,15 +397,32 @@ def _scored(rule, n_kv_heads: int, with_probs: bool):
 
 
 @functools.cache
-def _attend_scored(rule, n_kv_heads: int, scale: float):
-    """`H2OSlabLayer.attend_decode`'s compiled body: the reference kernel, then `_scored`."""
+def _attend_scored(
+    attend: Callable, how: tuple, formats: tuple, rule, n_kv_heads: int, scale: float
+):
+    """`H2OSlabLayer.attend_decode`'s compiled body: attention over the parts, the tail's
+    logits moved to the slots its tokens fill, then `_scored`."""
 
-    def attend_scored(queries, keys, values, mask, scores, held) -> tuple[mx.array, mx.array]:
-        out, logits, probs = reference.sdpa_with_probs(queries, keys, values, scale, mask)
+    def attend_scored(queries, arrays: list, mask, scores, held, tail: list) -> tuple:
+        parts = [(k, v, fmt) for (k, v), fmt in zip(arrays, formats, strict=True)]
+        out, logits, probs = attend(queries, parts, scale, mask)
+        if tail:
+            logits, probs = (
+                None if x is None else tail_in_slots(x, tail[0]) for x in (logits, probs)
+            )
         updated = rule.accumulate(scores, logits, n_kv_heads, probs)
         return out, mx.where(held, updated, 0.0)
 
     return mx.compile(attend_scored)
+
+
+def tail_in_slots(x: mx.array, tail_slots: mx.array) -> mx.array:
+    """Per-key values over [slots | tail] [rows, q_heads, 1, slots + tail] as per slot: each
+    tail token's in place of its (masked) packed copy's; `tail_slots` [rows, H, tail]."""
+    slots = x.shape[-1] - tail_slots.shape[-1]
+    group = x.shape[1] // tail_slots.shape[1]
+    where = mx.repeat(tail_slots[:, :, None], group, axis=1)
+    return mx.put_along_axis(x[..., :slots], where, x[..., slots:], axis=-1)
 
 
 def select_write(taken: mx.array, buf: mx.array, new: mx.array) -> mx.array:

@@ -33,6 +33,7 @@ PACKED = {
     "k8v4": CacheSpec("h2o-mixed", 24, evict_batch=4, group_size=32),
 }
 CASES = {"batch-4": SPEC, "one-per-step": OFTEN, **PACKED}
+SCORES = ("attn", "ema", "tova")
 
 
 def held(cache: H2OKVCache) -> dict[str, np.ndarray]:
@@ -158,17 +159,23 @@ def test_slab_rows_compute_what_each_session_computes_alone(spec, select_writes)
         )
 
 
-@pytest.mark.parametrize("score", ["attn", "ema", "tova"])
-def test_the_compiled_decode_equals_the_op_by_op_one(monkeypatch, score):
-    """Dense rows attend and score in one compiled call per layer (`attend_decode`): the
-    same logits, scores and evictions as the op-by-op path, under every kind of rule
-    (sums, decays, the last query's), and it is the path taken."""
+COMPILED = {
+    **{f"dense-{rule}": CacheSpec("h2o", 24, evict_batch=4, score=rule) for rule in SCORES},
+    **{name: PACKED[name] for name in ("q8", "q4-tail", "k8v4")},
+}
+
+
+@pytest.mark.parametrize("spec", COMPILED.values(), ids=COMPILED.keys())
+def test_the_compiled_decode_equals_the_op_by_op_one(monkeypatch, spec):
+    """Rows attend and score in one compiled call per layer (`attend_decode`): the same
+    logits, scores and evictions as the op-by-op path, under every kind of rule (sums,
+    decays, the last query's) and packed rows (a sink pool, a dense tail), and it is the
+    path taken."""
     model = tiny("llama", head_dim=32)
     install_router(model)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 64, n).tolist() for n in (40, 12, 30)]
     fed = rng.integers(0, 64, (len(prompts), 20)).tolist()
-    spec = CacheSpec("h2o", 24, evict_batch=4, score=score)
     calls = []
     real = H2OSlabLayer.attend_decode
     monkeypatch.setattr(
