@@ -174,12 +174,9 @@ class H2OSlabLayer(ScoredCache):
     def update_scores(self, logits: mx.array, probs: mx.array | None = None) -> None:
         """Accumulate every row's scores at once, then evict the rows that overflow."""
         caches = self._caches()
-        rule = caches[0].score_rule
-        if self.tail_keys is not None:  # the tail's logits to the slots its tokens fill
-            tail = self.tail_slots
-            logits, probs = (None if x is None else tail_in_slots(x, tail) for x in (logits, probs))
-        scored = _scored(rule, self.positions.shape[1], probs is not None)
-        self.scores = scored(self.scores, self.held, logits, [] if probs is None else [probs])
+        scored = _scored(caches[0].score_rule, self.positions.shape[1], probs is not None)
+        with_probs = [] if probs is None else [probs]
+        self.scores = scored(self.scores, self.held, logits, with_probs, self._tail())
         if self._full:
             self._evict(tuple(c.used > c.slot_budget for c in caches), caches)
 
@@ -193,14 +190,17 @@ class H2OSlabLayer(ScoredCache):
         does), then eviction. The logits and probabilities stay inside the fused graph."""
         caches = self._caches()
         formats = tuple(fmt for _, _, fmt in parts)
-        tail = [] if self.tail_keys is None else [self.tail_slots]
         rule, n_kv = caches[0].score_rule, self.positions.shape[1]
         fused = _attend_scored(attend, how, formats, rule, n_kv, scale)
         arrays = [(k, v) for k, v, _ in parts]
-        out, self.scores = fused(queries, arrays, mask, self.scores, self.held, tail)
+        out, self.scores = fused(queries, arrays, mask, self.scores, self.held, self._tail())
         if self._full:
             self._evict(tuple(c.used > c.slot_budget for c in caches), caches)
         return out
+
+    def _tail(self) -> list:
+        """[the slot each tail token fills] for a layout with a dense tail, else []."""
+        return [] if self.tail_keys is None else [self.tail_slots]
 
     def _evict(self, full: tuple[bool, ...], caches: list[H2OKVCache]) -> None:
         """Rows that overflow free their leaving slots, ranked as alone (their cache's rule,
@@ -384,14 +384,22 @@ def _store(select: bool):
     return mx.compile(store)
 
 
+def updated_scores(rule, n_kv_heads: int, scores, held, logits, probs, tail: list) -> mx.array:
+    """Every row's scores after one step's logits (and probabilities, or None): a tail's
+    logits moved to the slots its tokens fill, accumulated by the rule, the slots a row does
+    not hold kept at 0 (as a lone cache's free slots are)."""
+    if tail:
+        logits, probs = (None if x is None else tail_in_slots(x, tail[0]) for x in (logits, probs))
+    return mx.where(held, rule.accumulate(scores, logits, n_kv_heads, probs), 0.0)
+
+
 @functools.cache
 def _scored(rule, n_kv_heads: int, with_probs: bool):
-    """Every row's scores accumulated from one step's logits (or probabilities), the slots
-    a row does not hold kept at 0 (as a lone cache's free slots are), as one compiled call."""
+    """`updated_scores` as one compiled call (the op-by-op attention's score update)."""
 
-    def scored(scores: mx.array, held: mx.array, logits: mx.array, probs: list) -> mx.array:
-        updated = rule.accumulate(scores, logits, n_kv_heads, probs[0] if with_probs else None)
-        return mx.where(held, updated, 0.0)
+    def scored(scores, held, logits, probs: list, tail: list) -> mx.array:
+        probs = probs[0] if with_probs else None
+        return updated_scores(rule, n_kv_heads, scores, held, logits, probs, tail)
 
     return mx.compile(scored)
 
@@ -400,18 +408,13 @@ def _scored(rule, n_kv_heads: int, with_probs: bool):
 def _attend_scored(
     attend: Callable, how: tuple, formats: tuple, rule, n_kv_heads: int, scale: float
 ):
-    """`H2OSlabLayer.attend_decode`'s compiled body: attention over the parts, the tail's
-    logits moved to the slots its tokens fill, then `_scored`."""
+    """`H2OSlabLayer.attend_decode`'s compiled body: attention over the parts, then
+    `updated_scores`; `how` (the attention's settings) keys the trace."""
 
     def attend_scored(queries, arrays: list, mask, scores, held, tail: list) -> tuple:
         parts = [(k, v, fmt) for (k, v), fmt in zip(arrays, formats, strict=True)]
         out, logits, probs = attend(queries, parts, scale, mask)
-        if tail:
-            logits, probs = (
-                None if x is None else tail_in_slots(x, tail[0]) for x in (logits, probs)
-            )
-        updated = rule.accumulate(scores, logits, n_kv_heads, probs)
-        return out, mx.where(held, updated, 0.0)
+        return out, updated_scores(rule, n_kv_heads, scores, held, logits, probs, tail)
 
     return mx.compile(attend_scored)
 
