@@ -195,15 +195,17 @@ def parse_calls(text: str, plan: ToolPlan) -> tuple[list[dict], str | None] | No
     for call in found:
         if not isinstance(call, dict) or call.get("name") not in plan.names:
             return None
-        arguments = call.get("arguments", {})
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": call["name"], "arguments": json.dumps(arguments)},
-            }
-        )
+        calls.append(tool_call(call["name"], json.dumps(call.get("arguments", {}))))
     return (calls, rest) if calls else None
+
+
+def tool_call(name: str, arguments: str) -> dict:
+    """One call as OpenAI's `tool_calls` carry it, with a new id."""
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 CALL_HEAD = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
@@ -233,14 +235,8 @@ class CallStream:
                     break
                 self.index += 1
                 self.at, self.depth = head.end(), 0
-                deltas.append(
-                    {
-                        "index": self.index,
-                        "id": f"call_{uuid.uuid4().hex[:24]}",
-                        "type": "function",
-                        "function": {"name": json.loads(f'"{head.group(1)}"'), "arguments": ""},
-                    }
-                )
+                name = json.loads(f'"{head.group(1)}"')
+                deltas.append({"index": self.index, **tool_call(name, "")})
                 continue
             start = self.at
             while self.at < len(text) and self.depth is not None:
