@@ -173,12 +173,8 @@ class ScoredAttention:
         """Whether a decode query goes to the cache's own compiled attend-and-score
         (`attend_decode`: an H2O slab's rows): where every part is dense or
         mx.quantize-packed and the reference kernel serves it (a GPU kernel is one launch)."""
-        if not (self.compiled_decode and cache.fused_decode):
-            return False
-        return all(
-            fmt.tile is None and self._backend(queries, keys, fmt, mask) == "reference"
-            for keys, _, fmt in parts
-        )
+        wanted = self.compiled_decode and cache.fused_decode
+        return wanted and self._on_reference(queries, parts, mask)
 
     def _fuses_prefill(self) -> bool:
         if self.fused_prefill is not None:
@@ -265,8 +261,12 @@ class ScoredAttention:
         dense or mx.quantize-packed, each on the reference backend, the fused path."""
         if queries.shape[2] != 1 or self.quantized_path != "fused":
             return False
+        return self._on_reference(queries, parts, None)
+
+    def _on_reference(self, queries: mx.array, parts: list, mask) -> bool:
+        """Whether every part is dense or mx.quantize-packed and the reference kernel serves it."""
         return all(
-            fmt.tile is None and self._backend(queries, keys, fmt, None) == "reference"
+            fmt.tile is None and self._backend(queries, keys, fmt, mask) == "reference"
             for keys, _, fmt in parts
         )
 

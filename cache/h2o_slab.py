@@ -177,8 +177,7 @@ class H2OSlabLayer(ScoredCache):
         scored = _scored(caches[0].score_rule, self.positions.shape[1], probs is not None)
         with_probs = [] if probs is None else [probs]
         self.scores = scored(self.scores, self.held, logits, with_probs, self._tail())
-        if self._full:
-            self._evict(tuple(c.used > c.slot_budget for c in caches), caches)
+        self._evict_overflowing(caches)
 
     fused_decode = True  # the slots' shapes stay fixed while the rows do
 
@@ -194,13 +193,17 @@ class H2OSlabLayer(ScoredCache):
         fused = _attend_scored(attend, how, formats, rule, n_kv, scale)
         arrays = [(k, v) for k, v, _ in parts]
         out, self.scores = fused(queries, arrays, mask, self.scores, self.held, self._tail())
-        if self._full:
-            self._evict(tuple(c.used > c.slot_budget for c in caches), caches)
+        self._evict_overflowing(caches)
         return out
 
     def _tail(self) -> list:
         """[the slot each tail token fills] for a layout with a dense tail, else []."""
         return [] if self.tail_keys is None else [self.tail_slots]
+
+    def _evict_overflowing(self, caches: list[H2OKVCache]) -> None:
+        """After the scores: evict the rows this step took past their slot budget."""
+        if self._full:  # found while counting the step's token (update_and_fetch)
+            self._evict(tuple(c.used > c.slot_budget for c in caches), caches)
 
     def _evict(self, full: tuple[bool, ...], caches: list[H2OKVCache]) -> None:
         """Rows that overflow free their leaving slots, ranked as alone (their cache's rule,
