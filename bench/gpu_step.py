@@ -106,8 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-kv", type=int, default=128)
     p.add_argument("--steps", type=int, default=24, help="decode steps counted and timed")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every case")
-    p.add_argument("--rows", type=int, default=16, help="sessions decoding together")
-    p.add_argument("--prompt", type=int, default=4096, help="prompt tokens of the prompt part")
+    p.add_argument(
+        "--rows", type=int, default=16, help="sessions decoding together (1: alone only)"
+    )
+    p.add_argument(
+        "--prompt", type=int, default=4096, help="prompt tokens of the prompt part (0: none)"
+    )
     p.add_argument("--policies", nargs="+", default=None, help="bounded policies (all)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -182,9 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     cases = [(STOCK, None), ("rotating", "rotating"), *((p, p) for p in policies)]
     if "h2o" in policies:
         cases.append((per_layer, "h2o"))
+    row_counts = sorted({1, args.rows})
     ops, builds = {}, {}  # ops counted once; build ms per round, cases interleaved
     for r in range(args.rounds):
-        for rows in (1, args.rows):
+        for rows in row_counts:
             for label, policy in cases if r % 2 == 0 else cases[::-1]:
                 n, ms = measure(policy, rows, label != per_layer, count=r == 0)
                 ops.setdefault((label, rows), n)
@@ -202,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         "| cache | rows | ops per step | x stock | build ms per step | x stock | how it batches |",
         "|---|---|---|---|---|---|---|",
     ]
-    for rows in (1, args.rows):
+    for rows in row_counts:
         for label, policy in cases:
             n, ms = got[label, rows]
             how = "one KVCache" if policy is None else "alone"
@@ -213,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {label} | {rows} | {n:.0f} | {n / ops[STOCK, rows]:.2f}x | {ms:.2f} | "
                 f"{build_ratio(label, rows):.2f}x | {how} |"
             )
-    lines += ["", *prompt_section(args, model, vocab, policies)]
+    if args.prompt:
+        lines += ["", *prompt_section(args, model, vocab, policies)]
     publish(
         "A decode step's ops and host time, stock mlx-lm against every bounded policy",
         f"{about}; {args.context}-token prompts, max_kv {args.max_kv}, {args.steps} decode "

@@ -23,6 +23,7 @@ One instance, `ATTENTION`, serves the router; `configure` sets its backend (from
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from mlx.utils import tree_map
 
 from kernels import (
     AUTO,
+    available_backends,
     check_backend,
     get_backend,
     reference,
@@ -122,6 +124,7 @@ class ScoredAttention:
         additive logit per stored key, [B, n_kv_heads, keys] (cache/merging.py).
         """
         L = queries.shape[2]
+        mask = cache.attention_mask(queries.shape[1], L, mask)  # its slots may need their own
         archive = cache.archive_part(L)  # cache/recall.py: a prompt reads evicted tokens
         cache.observe(queries, scale)
         parts = cache.kv_segments(keys, values)
@@ -208,6 +211,7 @@ class ScoredAttention:
 
     def attend(self, queries: mx.array, keys, values, cache, scale: float, mask=None, bias=None):
         """(out, float32 logits [B, n_q, L_q, L_k], probs or None) over the cache's parts."""
+        mask = cache.attention_mask(queries.shape[1], queries.shape[2], mask)
         return self.attend_parts(queries, cache.kv_segments(keys, values), scale, mask, bias)
 
     def attend_parts(self, queries: mx.array, parts: list, scale: float, mask=None, bias=None):
@@ -272,6 +276,8 @@ class ScoredAttention:
 
     def _backend(self, queries: mx.array, keys, fmt: KVFormat, mask) -> str:
         """The kernel backend for one dense or mx.quantize-packed part."""
+        if self.backend == AUTO and _reference_only():  # asked per part, layer and step
+            return "reference"
         if not fmt.packed:
             return select_backend(self.backend, queries, keys, mask)
         v_bits = fmt.value_bits or fmt.key_bits
@@ -387,6 +393,12 @@ def _joint_decode(queries: mx.array, parts: list, scale: float, mask=None):
     shape = (B, n_q, L, scores.shape[-1])
     out = out.reshape(B, n_q, L, D).astype(queries.dtype)
     return out, scores.reshape(shape), probs.reshape(shape)
+
+
+@functools.cache
+def _reference_only() -> bool:
+    """No GPU backend on this machine (it does not change while the process runs)."""
+    return available_backends() == ["reference"]
 
 
 def start_scores(cache) -> None:

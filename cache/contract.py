@@ -121,9 +121,10 @@ class ScoredCache(LayerCache):
     # host once per layer (cache/attention.py start_scores). False: attention starts them.
     scores_with_step: bool = False
 
-    # Whether `attend_decode` serves a decode query (fixed shapes: an H2O slab's rows); the
-    # router takes it where the reference kernel would run.
-    fused_decode: ClassVar[bool] = False
+    # Whether `attend_decode` serves this decode query (fixed shapes: an H2O slab's rows, a
+    # lone H2O cache's full slot buffers); the router takes it where the reference kernel
+    # would run.
+    fused_decode: bool = False
 
     def attend_decode(
         self, queries: mx.array, parts: list, scale: float, mask, attend: Callable, how: tuple
@@ -150,7 +151,8 @@ class ScoredCache(LayerCache):
         """Evict down to the budget, if over it."""
 
     def attention_mask(self, n_q_heads: int, n_new: int, mask=None):
-        """The mask its attention uses: the model's, unless its slots need their own."""
+        """The mask its attention uses (asked on every call, after `update_and_fetch`): the
+        model's, unless its slots need their own."""
         return mask
 
     def logit_bias(self) -> mx.array | None:

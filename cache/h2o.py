@@ -33,7 +33,7 @@ with the sequence on axis 2, so scoring and eviction never look inside them.
 from __future__ import annotations
 
 import json
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -41,6 +41,7 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.base import create_causal_mask
 
 from cache.budget import H2O_BOOKKEEPING
+from cache.compiled_decode import attended_and_scored, scored
 from cache.contents import LayerContents, scored_contents
 from cache.contract import LayerCache, ScoredCache
 from cache.heavy_hitters import HeavyHitters, segment_knobs
@@ -138,8 +139,9 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         config = (self.max_size, self.sink, self.heavy, self.recent, self.evict_batch)
         return (type(self).__name__, *config, self.score_rule, self.slab_layout(), shapes)
 
-    # Whether an H2OSlab can hold this class's rows (cache/h2o_slab.py): exactly these
-    # buffers per slot, nothing else that moves.
+    # Whether its slots are all it stores per token (nothing else that moves): an H2OSlab
+    # can hold its rows (cache/h2o_slab.py) and a decode step can read every slot under a
+    # mask (`fused_decode`).
     slab_rows: bool = True
 
     def __init_subclass__(cls, **kwargs):
@@ -187,19 +189,41 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         self._write_slots(keys, values, self.used, end)
         self.used = end
         self.offset += n_new
+        self.fused_decode = self._every_slot(n_new)
         return self._fetch()
 
     def update_scores(self, scores: mx.array, probs: mx.array | None = None) -> None:
         """Accumulate one attention call's logits [B, n_q_heads, L_q, size], then evict.
 
         `probs`: the softmax the attention used, when it has it (saves rules a second one).
+        After a decode that read every slot (`fused_decode`), the logits may cover those
+        keys (the attention's own) or the held ones only (a caller scoring by hand).
         """
+        every_slot, self.fused_decode = self.fused_decode, False  # the step ends here
+        if every_slot and scores.shape[-1] != self.used:  # over every slot (and the tail)
+            rule, n_kv = self.score_rule, self.positions.shape[1]
+            self.scores = scored(rule, n_kv, self.scores, [], scores, probs, self._tail())
+            self.evict_if_full()
+            return
         if scores.shape[-1] != self.used:
             raise ValueError(
                 f"scores cover {scores.shape[-1]} keys but the cache holds {self.used}"
             )
         self.add_scores(scores, probs)
         self.evict_if_full()
+
+    def attend_decode(
+        self, queries: mx.array, parts: list, scale: float, mask, attend: Callable, how: tuple
+    ) -> mx.array:
+        """Attention over every slot (the free ones masked) and the score update in one
+        compiled call (cache/compiled_decode.py), then any eviction."""
+        rule, n_kv = self.score_rule, self.positions.shape[1]
+        out, self.scores = attended_and_scored(
+            queries, parts, scale, mask, attend, how, rule, n_kv, self.scores, [], self._tail()
+        )
+        self.fused_decode = False  # the step ends here: readers get the held slots again
+        self.evict_if_full()
+        return out
 
     def add_scores(self, scores: mx.array, probs: mx.array | None = None) -> None:
         """Accumulate logits of some query rows (in order) without evicting yet.
@@ -243,6 +267,47 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         self.lags[..., :n] = pos - rank
         self.shift = self.seen - n
         self.reset_free_slots()
+
+    # ------------------------------------------------------------ fixed-shape decode
+
+    # Whether this step's attention reads every slot, the free ones masked, so that its
+    # shapes, and the compiled graph of its attention and score update, repeat every step.
+    fused_decode = False
+
+    def _every_slot(self, n_new: int) -> bool:
+        """One decode token into buffers at their final size (max_kv + 1 slots): attend all
+        of them, the free ones masked. Shorter buffers grow; a prompt reads what it holds."""
+        if n_new != 1 or not self.slab_rows or self.positions is None:
+            return False
+        return self.positions.shape[-1] == self.slot_budget + self._slots_per_token
+
+    def attention_mask(self, n_q_heads: int, n_new: int, mask=None):
+        """With every slot attended: the held ones (`_key_slots` below `_slots_served`)."""
+        if not self.fused_decode:
+            return mask
+        visible = self._key_slots() < self._slots_served()
+        if isinstance(mask, mx.array):  # a model's own (a str is causal: nothing for one query)
+            return visible & mask if mask.dtype == mx.bool_ else mx.where(visible, mask, -mx.inf)
+        return visible
+
+    def _key_slots(self) -> mx.array:
+        """int32 [1, 1, 1, keys]: the slot of each key attention reads (every slot), built
+        once (an evaluated array adds no op to a step)."""
+        n = self.positions.shape[-1]
+        if self._slot_ids is None or self._slot_ids.shape[-1] != n:
+            self._slot_ids = mx.arange(n, dtype=mx.int32).reshape(1, 1, 1, n)
+            mx.eval(self._slot_ids)
+        return self._slot_ids
+
+    _slot_ids = None
+
+    def _slots_served(self) -> int:
+        """Keys whose `_key_slots` is below this are visible: the held slots."""
+        return self.used
+
+    def _tail(self) -> list:
+        """[the slot each dense tail token fills] (cache/compiled_decode.py), or []."""
+        return []
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Mask for N new tokens: every stored key visible, the new keys causal.
@@ -353,8 +418,12 @@ class H2OKVCache(HeavyHitters, ScoredCache):
             self.keys[:, :, start:end] = keys
             self.values[:, :, start:end] = values
             return
-        stored, fresh = tree_flatten((self.keys, self.values)), tree_flatten((keys, values))
-        for (_, buf), (_, new) in zip(stored, fresh, strict=True):
+        if isinstance(keys[0], mx.array):  # mx.quantize's parts: a walk of the tree costs
+            stored, fresh = (*self.keys, *self.values), (*keys, *values)  # ~1 ms per step
+        else:
+            stored = [a for _, a in tree_flatten((self.keys, self.values))]
+            fresh = [a for _, a in tree_flatten((keys, values))]
+        for buf, new in zip(stored, fresh, strict=True):
             buf[:, :, start:end] = new
 
     def encode(self, keys: mx.array, values: mx.array):
@@ -364,7 +433,7 @@ class H2OKVCache(HeavyHitters, ScoredCache):
     def _fetch(self):
         """What attention reads: every stored key/value, spare slots cut off."""
         n = self.used
-        if n == self.positions.shape[-1]:
+        if n == self.positions.shape[-1] or self.fused_decode:  # every slot, free ones masked
             return self.keys, self.values
         if isinstance(self.keys, mx.array):
             return self.keys[:, :, :n], self.values[:, :, :n]

@@ -46,6 +46,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
 from cache.attention import DENSE
+from cache.compiled_decode import attended_and_scored, scatter_write, scored, select_write
 from cache.contract import LayerCache, ScoredCache
 from cache.h2o import SLOT_BUFFERS as SLOTS
 from cache.h2o import H2OKVCache
@@ -174,9 +175,8 @@ class H2OSlabLayer(ScoredCache):
     def update_scores(self, logits: mx.array, probs: mx.array | None = None) -> None:
         """Accumulate every row's scores at once, then evict the rows that overflow."""
         caches = self._caches()
-        scored = _scored(caches[0].score_rule, self.positions.shape[1], probs is not None)
-        with_probs = [] if probs is None else [probs]
-        self.scores = scored(self.scores, self.held, logits, with_probs, self._tail())
+        rule, n_kv = caches[0].score_rule, self.positions.shape[1]
+        self.scores = scored(rule, n_kv, self.scores, [self.held], logits, probs, self._tail())
         self._evict_overflowing(caches)
 
     fused_decode = True  # the slots' shapes stay fixed while the rows do
@@ -188,11 +188,11 @@ class H2OSlabLayer(ScoredCache):
         settings) and the score update in one compiled call (what a GPU kernel's epilogue
         does), then eviction. The logits and probabilities stay inside the fused graph."""
         caches = self._caches()
-        formats = tuple(fmt for _, _, fmt in parts)
         rule, n_kv = caches[0].score_rule, self.positions.shape[1]
-        fused = _attend_scored(attend, how, formats, rule, n_kv, scale)
-        arrays = [(k, v) for k, v, _ in parts]
-        out, self.scores = fused(queries, arrays, mask, self.scores, self.held, self._tail())
+        out, self.scores = attended_and_scored(
+            queries, parts, scale, mask, attend, how, rule, n_kv, self.scores, [self.held],
+            self._tail(),
+        )  # fmt: skip
         self._evict_overflowing(caches)
         return out
 
@@ -385,61 +385,6 @@ def _store(select: bool):
         return held, positions, at, kv
 
     return mx.compile(store)
-
-
-def updated_scores(rule, n_kv_heads: int, scores, held, logits, probs, tail: list) -> mx.array:
-    """Every row's scores after one step's logits (and probabilities, or None): a tail's
-    logits moved to the slots its tokens fill, accumulated by the rule, the slots a row does
-    not hold kept at 0 (as a lone cache's free slots are)."""
-    if tail:
-        logits, probs = (None if x is None else tail_in_slots(x, tail[0]) for x in (logits, probs))
-    return mx.where(held, rule.accumulate(scores, logits, n_kv_heads, probs), 0.0)
-
-
-@functools.cache
-def _scored(rule, n_kv_heads: int, with_probs: bool):
-    """`updated_scores` as one compiled call (the op-by-op attention's score update)."""
-
-    def scored(scores, held, logits, probs: list, tail: list) -> mx.array:
-        probs = probs[0] if with_probs else None
-        return updated_scores(rule, n_kv_heads, scores, held, logits, probs, tail)
-
-    return mx.compile(scored)
-
-
-@functools.cache
-def _attend_scored(
-    attend: Callable, how: tuple, formats: tuple, rule, n_kv_heads: int, scale: float
-):
-    """`H2OSlabLayer.attend_decode`'s compiled body: attention over the parts, then
-    `updated_scores`; `how` (the attention's settings) keys the trace."""
-
-    def attend_scored(queries, arrays: list, mask, scores, held, tail: list) -> tuple:
-        parts = [(k, v, fmt) for (k, v), fmt in zip(arrays, formats, strict=True)]
-        out, logits, probs = attend(queries, parts, scale, mask)
-        return out, updated_scores(rule, n_kv_heads, scores, held, logits, probs, tail)
-
-    return mx.compile(attend_scored)
-
-
-def tail_in_slots(x: mx.array, tail_slots: mx.array) -> mx.array:
-    """Per-key values over [slots | tail] [rows, q_heads, 1, slots + tail] as per slot: each
-    tail token's in place of its (masked) packed copy's; `tail_slots` [rows, H, tail]."""
-    slots = x.shape[-1] - tail_slots.shape[-1]
-    group = x.shape[1] // tail_slots.shape[1]
-    where = mx.repeat(tail_slots[:, :, None], group, axis=1)
-    return mx.put_along_axis(x[..., :slots], where, x[..., slots:], axis=-1)
-
-
-def select_write(taken: mx.array, buf: mx.array, new: mx.array) -> mx.array:
-    """`buf` [B, H, slots, ...] with `new` [B, H, 1, ...] in the slots `taken` marks."""
-    return mx.where(taken.reshape(*taken.shape, *[1] * (new.ndim - 3)), new, buf)
-
-
-def scatter_write(at: mx.array, buf: mx.array, new: mx.array) -> mx.array:
-    """`buf` [B, H, slots, ...] with `new` [B, H, n, ...] in slots `at` [B, H, n]."""
-    where = mx.broadcast_to(at.reshape(*at.shape, *[1] * (new.ndim - 3)), new.shape)
-    return mx.put_along_axis(buf, where, new, axis=2)
 
 
 def _leaves(tree) -> list[mx.array]:

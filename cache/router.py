@@ -55,7 +55,6 @@ def _route(original: Callable) -> Callable:
                 f"this layer's attention passes {', '.join(extra)}, which the score-exporting "
                 "kernels do not take: H2O cannot score it; use policy full or rotating"
             )
-        mask = cache.attention_mask(queries.shape[1], queries.shape[2], mask)
         bias = cache.logit_bias()
         return ATTENTION.attend_scored(queries, keys, values, cache, scale, mask, bias)
 

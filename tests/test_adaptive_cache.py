@@ -26,8 +26,8 @@ def attend_all(c, n_kv: int, seed: int, group: int = 2, dim: int = 8, sharp: flo
         v = mx.array(rng.standard_normal((1, n_kv, n, dim), np.float32))
         q = mx.array(rng.standard_normal((1, n_kv * group, n, dim), np.float32))
         keys, values = c.update_and_fetch(k, v)
-        mask = c.attention_mask(q.shape[1], n, c.make_mask(n))
-        outs.append(ATTENTION.attend_scored(q, keys, values, c, 0.3, mask))
+        # attend_scored asks the cache for its own mask (each KV head's pool slots)
+        outs.append(ATTENTION.attend_scored(q, keys, values, c, 0.3, c.make_mask(n)))
     return outs
 
 

@@ -1,7 +1,7 @@
 """`h2o-server eval ...` on tiny settings: output shape and sanity, no numbers as goals.
 
 Each subcommand runs once in-process through `server.cli.main` on the default
-model (64-token samples, 16-token caches, one sample) and the tests check
+model (samples of 24-64 tokens, 16-token caches, one sample) and the tests check
 the records it printed.
 """
 
@@ -17,6 +17,7 @@ from server.cli import main
 pytestmark = pytest.mark.slow(seconds=60)
 
 SEQ = 64
+PPL_SEQ = 32  # the ppl grid's longest sample: token by token, 14 runs of it
 PPL_KEYS = {
     "policy", "max_kv", "evict_batch", "seq_len", "score", "preset", "layers", "samples", "ppl",
     "mode", "prefill",
@@ -42,8 +43,8 @@ def find(records: list[dict], **fields) -> dict:
 @pytest.fixture
 def ppl_run(capsys) -> list[dict]:
     return run_json(
-        capsys, "ppl", "--policy", "full", "rotating", "h2o", "--max-kv", "16", str(SEQ),
-        "--score", "attn", "ema", "--seq-len", "32", str(SEQ), "--samples", "1",
+        capsys, "ppl", "--policy", "full", "rotating", "h2o", "--max-kv", "16", str(PPL_SEQ),
+        "--score", "attn", "ema", "--seq-len", "24", str(PPL_SEQ), "--samples", "1",
     )  # fmt: skip
 
 
@@ -63,23 +64,21 @@ def test_ppl_records(ppl_run, default_model, tmp_path):
 
     # The full cache, token by token, equals one forward pass over the same tokens.
     model, tokenizer = default_model
-    tokens = sample_windows(tokenizer, 1, SEQ)
+    tokens = sample_windows(tokenizer, 1, PPL_SEQ)
     one_shot = math.exp(mx.mean(token_nll(model(tokens[:, :-1]), tokens[:, 1:])).item())
-    full = find(records, policy="full", seq_len=SEQ)["ppl"]
+    full = find(records, policy="full", seq_len=PPL_SEQ)["ppl"]
     assert full == pytest.approx(one_shot, rel=1e-4)
 
     # A cache as large as the sample never evicts: it matches the full cache.
     for score in ("attn", "ema"):
-        assert find(records, policy="h2o", max_kv=SEQ, score=score, seq_len=SEQ)[
-            "ppl"
-        ] == pytest.approx(full, rel=1e-4)
-    assert find(records, policy="rotating", max_kv=SEQ, seq_len=SEQ)["ppl"] == pytest.approx(
-        full, rel=1e-4
-    )
+        h2o = find(records, policy="h2o", max_kv=PPL_SEQ, score=score, seq_len=PPL_SEQ)
+        assert h2o["ppl"] == pytest.approx(full, rel=1e-4)
+    rotating = find(records, policy="rotating", max_kv=PPL_SEQ, seq_len=PPL_SEQ)
+    assert rotating["ppl"] == pytest.approx(full, rel=1e-4)
 
     pngs = plot_all(records, tmp_path)
-    assert {p.name for p in pngs} == {"ppl_vs_max_kv_64.png", "ppl_vs_seq_len_16.png",
-                                      "ppl_vs_seq_len_64.png", "ppl_vs_max_kv_32.png"}  # fmt: skip
+    assert {p.name for p in pngs} == {"ppl_vs_max_kv_32.png", "ppl_vs_seq_len_16.png",
+                                      "ppl_vs_seq_len_32.png", "ppl_vs_max_kv_24.png"}  # fmt: skip
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
 
 

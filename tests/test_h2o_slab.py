@@ -202,6 +202,42 @@ def test_the_compiled_decode_equals_the_op_by_op_one(monkeypatch, spec):
         assert_holds_the_same(mine, theirs)
 
 
+@pytest.mark.parametrize("spec", COMPILED.values(), ids=COMPILED.keys())
+def test_a_lone_cache_decodes_every_slot_as_it_would_its_held_ones(monkeypatch, spec):
+    """A lone cache at its final size attends every slot, the free ones (and the packed
+    copies its pools shadow) masked, so each step has the same shapes: compiled or op by
+    op, the same logits, scores and evictions as attending the held slots alone, and the
+    compiled call is the path taken once the buffers are full."""
+    model = tiny("llama", head_dim=32)
+    install_router(model)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 64, n).tolist() for n in (40, 12)]  # evicting, then later
+    fed = rng.integers(0, 64, 30).tolist()
+    calls = []
+    real = H2OKVCache.attend_decode
+    monkeypatch.setattr(
+        H2OKVCache, "attend_decode", lambda self, *a: calls.append(1) or real(self, *a)
+    )
+    runs = {}
+    for how in ("compiled", "op-by-op", "held slots"):
+        monkeypatch.setattr(ATTENTION, "compiled_decode", how == "compiled")
+        if how == "held slots":
+            monkeypatch.setattr(H2OKVCache, "_every_slot", lambda self, n: False)
+        outs, caches = [], []
+        for prompt in prompts:
+            cache = prefilled(model, spec, prompt)
+            outs += [model(mx.array([[t]]), cache=cache)[0, -1] for t in fed]
+            caches += cache
+        runs[how] = np.array(mx.stack(outs)), caches
+        assert (len(calls) > 0) == (how == "compiled")
+        calls.clear()
+    for how in ("op-by-op", "held slots"):
+        np.testing.assert_allclose(runs[how][0], runs["compiled"][0], atol=1e-5, rtol=1e-5)
+        for mine, theirs in zip(runs["compiled"][1], runs[how][1], strict=True):
+            assert mine.evicted == theirs.evicted > 0
+            assert_holds_the_same(mine, theirs)
+
+
 def test_a_member_dropped_or_lent_leaves_the_others_whole():
     model = tiny("llama")
     install_router(model)

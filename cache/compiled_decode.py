@@ -1,0 +1,96 @@
+"""A scored layer's decode step in one compiled call: attention, then the score update.
+
+On a GPU a decode step is launch- and host-bound (docs/gpu.md): a scored layer built
+op by op is a few dozen small launches (logits, softmax, the weighted sum, the score
+rule's reduction and accumulation) and as much Python. Where a cache's slots keep their
+shapes from step to step (a lone H2O cache once its buffers reach max_kv + 1 slots,
+cache/h2o.py; an H2O slab's rows, cache/h2o_slab.py), those ops are one `mx.compile`d
+function, traced once per shape and replayed: what a GPU kernel's epilogue does, where
+the kernel (not the reference) attends, only the score update is compiled.
+
+Both callers speak the same two bodies; their arguments differ in what they hold:
+- `held`: [] when every slot the attention does not mask is held (a lone cache masks its
+  free slots, whose probabilities are then 0), else [bool [rows, H, slots]] (a slab's
+  rows hold different slots, and their free ones keep score 0);
+- `tail`: [] without a dense tail, else [int32 [rows, H or 1, tail]]: the slot each tail
+  token fills (its packed copy is masked and the tail's logits are scored there).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import mlx.core as mx
+
+
+def updated_scores(rule, n_kv_heads: int, scores, held: list, logits, probs, tail: list):
+    """Every row's scores after one step's logits (and probabilities, or None): a tail's
+    logits moved to the slots its tokens fill, accumulated by the rule, the slots a row
+    does not hold kept at 0."""
+    if tail:
+        logits, probs = (None if x is None else tail_in_slots(x, tail[0]) for x in (logits, probs))
+    updated = rule.accumulate(scores, logits, n_kv_heads, probs)
+    return mx.where(held[0], updated, 0.0) if held else updated
+
+
+def scored(rule, n_kv_heads: int, scores, held: list, logits, probs, tail: list) -> mx.array:
+    """`updated_scores` in one compiled call: after an attention kernel that is not
+    compiled with it (a GPU kernel's, or a step that does not fuse)."""
+    with_probs = [] if probs is None else [probs]
+    return _scored(rule, n_kv_heads, probs is not None)(scores, held, logits, with_probs, tail)
+
+
+def attended_and_scored(
+    queries, parts: list, scale: float, mask, attend: Callable, how: tuple,
+    rule, n_kv_heads: int, scores, held: list, tail: list,
+) -> tuple[mx.array, mx.array]:  # fmt: skip
+    """(output, scores): attention over `parts` [(keys, values, KVFormat)] by `attend`
+    (`attend(queries, parts, scale, mask)`: the router's op-by-op attention; `how`, its
+    settings, keys the trace) and `updated_scores`, in one compiled call. The logits and
+    probabilities stay inside the fused graph."""
+    formats = tuple(fmt for _, _, fmt in parts)
+    fused = _attend_and_score(attend, how, formats, rule, n_kv_heads, scale)
+    return fused(queries, [(k, v) for k, v, _ in parts], mask, scores, held, tail)
+
+
+@functools.cache
+def _scored(rule, n_kv_heads: int, with_probs: bool) -> Callable:
+    def scored(scores, held: list, logits, probs: list, tail: list) -> mx.array:
+        probs = probs[0] if with_probs else None
+        return updated_scores(rule, n_kv_heads, scores, held, logits, probs, tail)
+
+    return mx.compile(scored)
+
+
+@functools.cache
+def _attend_and_score(
+    attend: Callable, how: tuple, formats: tuple, rule, n_kv_heads: int, scale: float
+) -> Callable:
+    def attend_scored(queries, arrays: list, mask, scores, held: list, tail: list) -> tuple:
+        parts = [(k, v, fmt) for (k, v), fmt in zip(arrays, formats, strict=True)]
+        out, logits, probs = attend(queries, parts, scale, mask)
+        return out, updated_scores(rule, n_kv_heads, scores, held, logits, probs, tail)
+
+    return mx.compile(attend_scored)
+
+
+def tail_in_slots(x: mx.array, tail_slots: mx.array) -> mx.array:
+    """Per-key values over [slots | tail] [rows, q_heads, 1, slots + tail] as per slot: each
+    tail token's in place of its (masked) packed copy's; `tail_slots` [rows, H, tail] (H: the
+    KV heads, or 1 where every head's tail fills the same slots)."""
+    slots = x.shape[-1] - tail_slots.shape[-1]
+    group = x.shape[1] // tail_slots.shape[1]
+    where = mx.repeat(tail_slots[:, :, None], group, axis=1)
+    return mx.put_along_axis(x[..., :slots], where, x[..., slots:], axis=-1)
+
+
+def select_write(taken: mx.array, buf: mx.array, new: mx.array) -> mx.array:
+    """`buf` [B, H, slots, ...] with `new` [B, H, 1, ...] in the slots `taken` marks."""
+    return mx.where(taken.reshape(*taken.shape, *[1] * (new.ndim - 3)), new, buf)
+
+
+def scatter_write(at: mx.array, buf: mx.array, new: mx.array) -> mx.array:
+    """`buf` [B, H, slots, ...] with `new` [B, H, n, ...] in slots `at` [B, H, n]."""
+    where = mx.broadcast_to(at.reshape(*at.shape, *[1] * (new.ndim - 3)), new.shape)
+    return mx.put_along_axis(buf, where, new, axis=2)
