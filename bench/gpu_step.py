@@ -11,8 +11,9 @@ arithmetic. Both can be counted on this CPU at every change:
 - build ms: host time from the call of the model until it returns (the graph built,
   plus whatever the code waited for inside), with the previous step done (nothing else
   computing), the median over the steps; each step's scores are evaluated with its
-  tokens as the server's batcher does (one row also shows dense H2O with its scores
-  started layer by layer, as before);
+  tokens as the server's batcher does (one row also shows dense H2O without such an
+  owner, as direct model calls run it: attention starts the scores layer by layer, unless
+  its compiled decode made them part of the step's output);
 
 for stock mlx-lm (its KVCache, no router), the sliding window, and each bounded policy,
 one session alone and `--rows` sessions decoding together (one H2OSlab where the
@@ -182,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
             mx.eval(buffers(held))
         return ops[0] / args.steps, statistics.median(builds) * 1e3
 
-    per_layer = "h2o, scores started layer by layer"  # before the batcher evaluated them
+    # No step owner evaluates the scores (a direct model call, make_cache's default):
+    # attention starts them layer by layer unless its compiled decode ties them to the output.
+    per_layer = "h2o, no step owner (direct model calls)"
     cases = [(STOCK, None), ("rotating", "rotating"), *((p, p) for p in policies)]
     if "h2o" in policies:
         cases.append((per_layer, "h2o"))

@@ -135,10 +135,9 @@ class ScoredAttention:
         fused = L == 1 and bias is None and archive is None
         if fused and self._fuses_decode(cache, queries, parts, mask):
             how = (self.backend, self.quantized_path)  # what `attend_parts` reads
-            out = cache.attend_decode(queries, parts, scale, mask, self.attend_parts, how)
-            if self.eager_scores:
-                start_scores(cache)
-            return out
+            # Its output depends on the new scores (cache/compiled_decode.py): evaluating the
+            # step evaluates them, so they need no start here.
+            return cache.attend_decode(queries, parts, scale, mask, self.attend_parts, how)
         if L <= self.block:
             out, logits, probs = self.attend_parts(queries, parts, scale, mask, bias)
             cache.update_scores(logits, probs)
@@ -412,6 +411,7 @@ def start_scores(cache) -> None:
     256 (0.98x at 2048, within noise; docs/score_chain.md), but the host waits at every
     layer: building a step of dense H2O took 19x stock mlx-lm's time (docs/gpu_step.md).
     Evaluated with the step, memory stays flat too, and the host builds the step whole.
+    A compiled decode (`attend_decode`) needs neither: its output depends on its scores.
     """
     if cache.scores is not None and not cache.scores_with_step:
         mx.async_eval(cache.scores)

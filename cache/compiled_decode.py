@@ -70,7 +70,10 @@ def _attend_and_score(
     def attend_scored(queries, arrays: list, mask, scores, held: list, tail: list) -> tuple:
         parts = [(k, v, fmt) for (k, v), fmt in zip(arrays, formats, strict=True)]
         out, logits, probs = attend(queries, parts, scale, mask)
-        return out, updated_scores(rule, n_kv_heads, scores, held, logits, probs, tail)
+        scores = updated_scores(rule, n_kv_heads, scores, held, logits, probs, tail)
+        # The output depends on the new scores: whoever evaluates the step evaluates them,
+        # with no wait at this layer (start_scores) and no lazy chain of them across steps.
+        return mx.depends([out], [scores])[0], scores
 
     return mx.compile(attend_scored)
 

@@ -125,6 +125,32 @@ def test_decoding_holds_no_growing_chain_of_scores(policy):
 
 
 @pytest.mark.parametrize("policy", ["h2o", "h2o-q4"])
+def test_a_compiled_decode_ties_its_scores_to_the_output(policy, monkeypatch):
+    """A lone cache at its final size decodes in one compiled call per layer whose output
+    depends on the new scores: steps that evaluate only their logits start nothing layer
+    by layer (each start blocks the host) and still hold no growing chain of scores."""
+    import cache.attention
+
+    model = tiny("llama", head_dim=64)
+    # No step owner (direct calls); one eviction leaves room for the 40 steps below.
+    caches = make_cache(model, policy=policy, max_kv=512, evict_batch=64)
+    prompt = mx.random.randint(0, 64, (1, 1300), key=mx.random.key(3))
+    for start in range(0, 1300, 500):  # evicts: the buffers reach their final 513 slots
+        mx.eval(model(prompt[:, start : start + 500], cache=caches))
+    started = []
+    monkeypatch.setattr(cache.attention.mx, "async_eval", lambda *a: started.append(a))
+    token, used = mx.array([[1]]), []
+    for _ in range(40):
+        mx.eval(model(token, cache=caches))
+        used.append(mx.get_active_memory())
+    monkeypatch.undo()
+    uninstall_router(model)
+    assert started == [] and all(c.evicted > 0 for c in caches)
+    # A lazy chain holds 4 heads x 513 slots x 4 bytes per layer and step: ~0.3 MB here.
+    assert used[-1] - used[4] < 128 * 1024, (used[4], used[-1])
+
+
+@pytest.mark.parametrize("policy", ["h2o", "h2o-q4"])
 def test_a_step_that_evaluates_its_scores_builds_without_waiting(policy, monkeypatch):
     """Caches whose scores the step's owner evaluates (scores_with_step, the server's
     batcher) are not started layer by layer (each start blocks the host); evaluated with
