@@ -185,16 +185,16 @@ def main(argv: list[str] | None = None) -> int:
 
     # No step owner evaluates the scores (a direct model call, make_cache's default):
     # attention starts them layer by layer unless its compiled decode ties them to the output.
-    per_layer = "h2o, no step owner (direct model calls)"
+    no_owner = "h2o, no step owner (direct model calls)"
     cases = [(STOCK, None), ("rotating", "rotating"), *((p, p) for p in policies)]
     if "h2o" in policies:
-        cases.append((per_layer, "h2o"))
+        cases.append((no_owner, "h2o"))
     row_counts = sorted({1, args.rows})
     ops, builds = {}, {}  # ops counted once; build ms per round, cases interleaved
     for r in range(args.rounds):
         for rows in row_counts:
             for label, policy in cases if r % 2 == 0 else cases[::-1]:
-                n, ms = measure(policy, rows, label != per_layer, count=r == 0)
+                n, ms = measure(policy, rows, label != no_owner, count=r == 0)
                 ops.setdefault((label, rows), n)
                 builds.setdefault((label, rows), []).append(ms)
                 print(f"round {r}: {label} x{rows}: {ms:.2f} ms", file=sys.stderr)

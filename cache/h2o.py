@@ -270,13 +270,11 @@ class H2OKVCache(HeavyHitters, ScoredCache):
 
     # ------------------------------------------------------------ fixed-shape decode
 
-    # Whether this step's attention reads every slot, the free ones masked, so that its
-    # shapes, and the compiled graph of its attention and score update, repeat every step.
-    fused_decode = False
-
     def _every_slot(self, n_new: int) -> bool:
         """One decode token into buffers at their final size (max_kv + 1 slots): attend all
-        of them, the free ones masked. Shorter buffers grow; a prompt reads what it holds."""
+        of them, the free ones masked, so that the step's shapes (and the compiled graph of
+        its attention and score update: `fused_decode`) repeat every step. Shorter buffers
+        grow; a prompt reads what it holds."""
         if n_new != 1 or not self.slab_rows or self.positions is None:
             return False
         return self.positions.shape[-1] == self.slot_budget + self._slots_per_token
@@ -291,15 +289,20 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         return visible
 
     def _key_slots(self) -> mx.array:
-        """int32 [1, 1, 1, keys]: the slot of each key attention reads (every slot), built
-        once (an evaluated array adds no op to a step)."""
+        """int32 [1, 1, 1, keys]: `_slots_of_keys`, built once per buffer size (an evaluated
+        array adds no op to a step)."""
         n = self.positions.shape[-1]
-        if self._slot_ids is None or self._slot_ids.shape[-1] != n:
-            self._slot_ids = mx.arange(n, dtype=mx.int32).reshape(1, 1, 1, n)
-            mx.eval(self._slot_ids)
-        return self._slot_ids
+        if self._slot_ids is None or self._slot_ids[0] != n:
+            ids = self._slots_of_keys(n).reshape(1, 1, 1, -1)
+            mx.eval(ids)
+            self._slot_ids = (n, ids)
+        return self._slot_ids[1]
 
-    _slot_ids = None
+    _slot_ids = None  # (slots, their `_key_slots`)
+
+    def _slots_of_keys(self, slots: int) -> mx.array:
+        """The slot of each key attention reads from buffers of `slots` slots: every slot."""
+        return mx.arange(slots, dtype=mx.int32)
 
     def _slots_served(self) -> int:
         """Keys whose `_key_slots` is below this are visible: the held slots."""

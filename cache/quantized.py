@@ -311,17 +311,13 @@ class QuantizedH2OKVCache(H2OKVCache):
         pools_full = self._pool() == (0 if self.sink_keys is None else self.sink)
         return super()._every_slot(n_new) and pools_full and self.tail_filled() == self.tail
 
-    def _key_slots(self) -> mx.array:
+    def _slots_of_keys(self, slots: int) -> mx.array:
         """[sink pool | packed slots from the pool's end | tail]: the pools' keys (-1) are
-        always visible, their packed copies never (the sinks') or while the tail serves them."""
-        pool, n = self._pool(), self.positions.shape[-1]
-        if self._slot_ids is None or self._slot_ids.shape[-1] != n + self.tail:
-            always = mx.full((pool,), -1, dtype=mx.int32)
-            tail = mx.full((self.tail,), -1, dtype=mx.int32)
-            ids = mx.concatenate([always, mx.arange(pool, n, dtype=mx.int32), tail])
-            self._slot_ids = ids.reshape(1, 1, 1, -1)
-            mx.eval(self._slot_ids)
-        return self._slot_ids
+        always visible, their packed copies never (the sinks') or while the tail serves them
+        (the pools are full, their sizes fixed, once a decode reads every slot)."""
+        pool = self._pool()
+        always, tail = mx.full((pool,), -1, mx.int32), mx.full((self.tail,), -1, mx.int32)
+        return mx.concatenate([always, mx.arange(pool, slots, dtype=mx.int32), tail])
 
     def _slots_served(self) -> int:
         return self.used - self.tail_filled()
