@@ -16,7 +16,9 @@ backend [dense | packed | dense] parts of one width go to one kernel call. A pro
 as one dense part, through the dense kernel: a matmul
 kernel beats the packed one there (1024-token prefill of rotated h2o-q4 on CPU:
 21 s -> 4.2 s, dense h2o 4.0 s). On a GPU a prompt over one dense part takes its
-output from one fused mx.fast SDPA call and its scores from a logits-only pass.
+output from one fused mx.fast SDPA call and, under the `attn` rule, its scores from a
+two-pass kernel over K (kernels/src/prompt_weights.body: no logits); other rules take a
+logits-only pass in query blocks.
 One instance, `ATTENTION`, serves the router; `configure` sets its backend (from
 `--kernel` or H2O_KERNEL, read once) and quantized path.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -38,6 +41,7 @@ from kernels import (
     reference,
     select_backend,
     select_kvarn_backend,
+    select_prompt_backend,
 )
 from kernels.hadamard import rotate
 from kernels.kvarn import TileFormat, dequantize_storage, kvarn_sdpa_with_probs
@@ -138,6 +142,13 @@ class ScoredAttention:
             # Its output depends on the new scores (cache/compiled_decode.py): evaluating the
             # step evaluates them, so they need no start here.
             return cache.attend_decode(queries, parts, scale, mask, self.attend_parts, how)
+        # The one dense part (unpacked) holds a chunk's slots in arrival order: a block
+        # sees exactly the first n_keys - L + stop of them, causally, and scores only those.
+        prefix = scores_prefix and (mask is None or isinstance(mask, str))  # None or "causal"
+        if L > 1 and prefix and bias is None and archive is None and self._fuses_prefill():
+            kernel = self._prompt_weights_kernel(cache, queries, parts[0][0], mask)
+            if kernel is not None or L > self.block:
+                return self._fused_prompt(queries, parts[0], cache, scale, mask, kernel)
         if L <= self.block:
             out, logits, probs = self.attend_parts(queries, parts, scale, mask, bias)
             cache.update_scores(logits, probs)
@@ -145,11 +156,6 @@ class ScoredAttention:
                 start_scores(cache)
             return self._with_archive(queries, out, logits, archive, scale)
         n_keys = cache.size()
-        # The one dense part (unpacked) holds a chunk's slots in arrival order: a block
-        # sees exactly the first n_keys - L + stop of them, causally, and scores only those.
-        prefix = scores_prefix and (mask is None or isinstance(mask, str))  # None or "causal"
-        if prefix and bias is None and archive is None and self._fuses_prefill():
-            return self._fused_prompt(queries, parts[0], cache, scale, mask)
         outs = []
         for start in range(0, L, self.block):
             stop = min(start + self.block, L)
@@ -183,11 +189,19 @@ class ScoredAttention:
             return self.fused_prefill
         return mx.default_device() == mx.gpu
 
-    def _fused_prompt(self, queries: mx.array, part, cache, scale: float, mask) -> mx.array:
-        """A prompt chunk's output from one fused attention call over the dense part;
-        its scores from query blocks of logits alone (no block of them times V)."""
+    def _fused_prompt(
+        self, queries: mx.array, part, cache, scale: float, mask, kernel: Callable | None
+    ) -> mx.array:
+        """A prompt chunk's output from one fused attention call over the dense part; its
+        scores from the prompt-weights `kernel` when given, else from query blocks of
+        logits alone (no block of them times V)."""
         k, v, _ = part
         out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+        if kernel is not None:
+            # Two launches over K for the whole chunk; no logits, no synchronisation here.
+            cache.scores = kernel(queries, k, scale, mask, cache.scores)
+            cache.evict_if_full()
+            return out
         L, n_keys = queries.shape[2], seq_length(k)
         for start in range(0, L, self.block):
             stop = min(start + self.block, L)
@@ -199,6 +213,15 @@ class ScoredAttention:
             mx.eval([x for x in (None if start else out, cache.scores) if x is not None])
         cache.evict_if_full()
         return out
+
+    def _prompt_weights_kernel(self, cache, queries: mx.array, keys: mx.array, mask):
+        """A GPU kernel that adds a prompt chunk's key weights to the cache's scores
+        (kernels/src/prompt_weights.body), where its rule sums them and one takes the call;
+        None: the reference's blocks of logits."""
+        if not cache.sums_probabilities or cache.scores is None:
+            return None
+        name = select_prompt_backend(self.backend, queries, keys, mask, cache.scores)
+        return None if name == "reference" else get_backend(name).prompt_weights
 
     def _with_archive(self, queries, out, logits, archive, scale: float) -> mx.array:
         """`out` merged with attention over `archive` (keys, values, format), every key of

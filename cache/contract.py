@@ -14,7 +14,8 @@ cache, each with a default:
 
 A `ScoredCache` is one whose attention goes through the router (cache/router.py): it
 hands its K/V to attention as parts (`kv_segments`) and takes each call's scores
-(`update_scores`, or `add_scores` block by block then `evict_if_full`); the hooks
+(`update_scores`, or `add_scores` block by block then `evict_if_full`; a prompt kernel
+updates `scores` itself where `sums_probabilities`); the hooks
 `attention_mask`, `logit_bias`, `archive_part` and `observe` default to doing nothing.
 
 The functions at the end take any layer cache, also mlx-lm's own (a model may provide
@@ -149,6 +150,13 @@ class ScoredCache(LayerCache):
 
     def evict_if_full(self) -> None:
         """Evict down to the budget, if over it."""
+
+    @property
+    def sums_probabilities(self) -> bool:
+        """Whether a block of queries adds each key's softmax weight, summed over the rows
+        and the query heads of its KV head, to `scores` [B, n_kv, slots] (the `attn` rule):
+        a prompt kernel can then update `scores` itself, without the block's logits."""
+        return False
 
     def attention_mask(self, n_q_heads: int, n_new: int, mask=None):
         """The mask its attention uses (asked on every call, after `update_and_fetch`): the

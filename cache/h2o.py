@@ -242,6 +242,10 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         else:
             self.scores[..., :n] = updated
 
+    @property
+    def sums_probabilities(self) -> bool:
+        return self.score_rule.sums_probabilities
+
     def evict_if_full(self) -> None:
         """Evict down to max_kv; then re-index if RoPE positions near the wall."""
         if self.used > self.slot_budget:

@@ -18,6 +18,7 @@ from kernels.dispatch import (
     sdpa_with_scores,
     select_backend,
     select_kvarn_backend,
+    select_prompt_backend,
 )
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "sdpa_with_scores",
     "select_backend",
     "select_kvarn_backend",
+    "select_prompt_backend",
 ]

@@ -27,3 +27,5 @@ sdpa_with_scores = _kernels.dense
 quantized_sdpa_with_scores = _kernels.quantized
 supports_kvarn = launch.supports_kvarn
 kvarn_sdpa_with_scores = _kernels.kvarn  # KVarN storage: [front, tiles, tail] per side
+supports_prompt = launch.supports_prompt
+prompt_weights = _kernels.prompt_weights  # a prompt's key weights in two passes over K

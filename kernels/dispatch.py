@@ -38,6 +38,10 @@ class Backend:
     # storage, keys/values [front, tiles, tail] (kernels/kvarn.py).
     supports_kvarn: Callable[..., bool]
     kvarn: Callable[..., tuple[mx.array, mx.array]]
+    # supports_prompt(q, k, mask, held), prompt_weights(q, k, scale, mask, held): a prompt
+    # block's summed softmax weight per key added to the held scores (no logits returned).
+    supports_prompt: Callable[..., bool]
+    prompt_weights: Callable[..., mx.array]
 
 
 def _reference_kvarn(q, keys, values, scale: float, mask: Mask, fmt: TileFormat):
@@ -53,6 +57,8 @@ _BACKENDS: dict[str, Backend] = {
             gpu.quantized_sdpa_with_scores,
             gpu.supports_kvarn,
             gpu.kvarn_sdpa_with_scores,
+            gpu.supports_prompt,
+            gpu.prompt_weights,
         )
         for name, gpu in (("metal", metal), ("cuda", cuda))
     },
@@ -63,6 +69,8 @@ _BACKENDS: dict[str, Backend] = {
         reference.quantized_sdpa_with_scores,
         lambda *args, **kwargs: True,
         _reference_kvarn,
+        lambda *args, **kwargs: True,
+        reference.prompt_weights,
     ),
 }
 BACKEND_NAMES = (AUTO, *_BACKENDS)
@@ -123,6 +131,14 @@ def select_kvarn_backend(
     """The backend for attention over one KVarN part (keys: [front, tiles, tail])."""
     storage = f"KVarN k{fmt.key_bits}v{fmt.value_bits}"
     return _first(preference, lambda b: b.supports_kvarn(q, keys, mask, fmt), q, storage)
+
+
+def select_prompt_backend(
+    preference: str, q: mx.array, k: mx.array, mask: Mask, held: mx.array
+) -> str:
+    """The backend that adds a prompt block's key weights to `held` (dense keys)."""
+    supports = lambda b: b.supports_prompt(q, k, mask, held)  # noqa: E731
+    return _first(preference, supports, q, "dense (prompt weights)")
 
 
 def _first(preference: str, supports: Callable[[Backend], bool], q: mx.array, storage: str):

@@ -80,6 +80,18 @@ def logits_and_probs(
     return scores.reshape(shape), probs.reshape(shape)
 
 
+def prompt_weights(q: mx.array, k: mx.array, scale: float, mask: Mask, held: mx.array) -> mx.array:
+    """`held` [B, n_kv, n >= L_k] plus each key's softmax weight summed over q's rows and
+    the query heads of its KV head: the `attn` rule's update over a prompt block, which
+    the GPU kernels compute without the logits (kernels/src/prompt_weights.body)."""
+    _, probs = _grouped_probs(q, k, scale, mask, None)
+    sums = probs.sum(axis=2)  # [B, n_kv, L_k]
+    L_k = k.shape[2]
+    if held.shape[-1] == L_k:
+        return held + sums
+    return mx.concatenate([held[..., :L_k] + sums, held[..., L_k:]], axis=-1)
+
+
 def _grouped_probs(q, k, scale: float, mask: Mask, bias) -> tuple[mx.array, mx.array]:
     """float32 logits and softmax laid out [B, n_kv, rep * L_q, L_k]."""
     B, n_q, L_q, D = q.shape

@@ -106,6 +106,8 @@ def emulated_gpu(monkeypatch):
         logged("quantized", kernels.quantized),
         launch.supports_kvarn,
         logged("kvarn", kernels.kvarn),
+        launch.supports_prompt,
+        logged("prompt_weights", kernels.prompt_weights),
     )
     monkeypatch.setitem(dispatch._BACKENDS, "metal", gpu)
     monkeypatch.setattr(dispatch, "_is_available", lambda name: name in ("metal", "reference"))

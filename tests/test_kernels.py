@@ -219,6 +219,8 @@ EMULATED = SimpleNamespace(
     quantized_sdpa_with_scores=_emulated_kernels.quantized,
     supports_kvarn=launch.supports_kvarn,
     kvarn_sdpa_with_scores=_emulated_kernels.kvarn,
+    supports_prompt=launch.supports_prompt,
+    prompt_weights=_emulated_kernels.prompt_weights,
 )
 BACKENDS = {"metal": metal, "cuda": cuda, "emulated": EMULATED}
 SKIP_REASONS = {
@@ -347,6 +349,70 @@ def test_emulated_quantized_matches_reference(L_k, D, gqa, mask, bits, group_siz
     L_q = 1 if L_k >= 1000 else None  # fewer query rows: fibers are slow
     backend = kernel_backend("emulated")
     check_quantized(backend, L_k, D, gqa, mask, bits, group_size, B, L_q=L_q, dtype=dtype)
+
+
+# --- a prompt's key weights without its logits (kernels/src/prompt_weights.body) ---------
+
+EMULATED_PROMPT = [
+    # L_q, L_k, held width, D, gqa, mask, dtype
+    (20, 30, 30, 64, 2, "causal", mx.float32),  # a chunk after 10 held keys
+    (20, 30, 41, 64, 2, "none", mx.float32),  # held slots past the keys are copied
+    (300, 300, 320, 64, 3, "causal", mx.float32),  # row tiles span query heads
+    (600, 600, 600, 64, 1, "causal", mx.float32),  # key groups skip rows that see none
+    (7, 600, 640, 128, 1, "causal", mx.float16),
+    (33, 33, 40, 256, 2, "causal", mx.float32),
+    (40, 90, 90, 128, 3, "causal", mx.float16),
+]
+
+
+def check_prompt_weights(backend, L_q, L_k, width, D, gqa, mask, dtype, B=1):
+    """held + each key's softmax weight summed over the rows and the query heads of its KV
+    head, against the reference and a float64 numpy oracle of the same sums."""
+    rng = np.random.default_rng(L_q * 1000 + L_k)
+    n_kv = 2
+    q = mx.array(rng.standard_normal((B, n_kv * gqa, L_q, D), dtype=np.float32)).astype(dtype)
+    k = mx.array(rng.standard_normal((B, n_kv, L_k, D), dtype=np.float32)).astype(dtype)
+    held = mx.array(rng.random((B, n_kv, width), dtype=np.float32))
+    m = None if mask == "none" else mask
+    assert backend.supports_prompt(q, k, m, held)
+    got = backend.prompt_weights(q, k, D**-0.5, m, held)
+    want = reference.prompt_weights(q.astype(mx.float32), k.astype(mx.float32), D**-0.5, m, held)
+    assert got.dtype == mx.float32 and got.shape == held.shape
+    assert_close(got, want, 1e-5 if dtype == mx.float32 else 1e-3, "weights")
+    qn, kn = (np.array(x.astype(mx.float32), dtype=np.float64) for x in (q, k))
+    logits = D**-0.5 * qn @ np.repeat(kn, gqa, axis=1).swapaxes(-1, -2)
+    if m is not None:
+        keep = np.arange(L_k)[None] <= np.arange(L_k - L_q, L_k)[:, None]
+        logits = np.where(keep, logits, -np.inf)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    sums = probs.reshape(B, n_kv, gqa * L_q, L_k).sum(axis=2)
+    oracle = np.array(held, dtype=np.float64)
+    oracle[..., :L_k] += sums
+    np.testing.assert_allclose(np.array(got), oracle, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "L_q, L_k, width, D, gqa, mask, dtype", EMULATED_PROMPT, ids=case_ids(EMULATED_PROMPT)
+)
+def test_emulated_prompt_weights_match_reference(L_q, L_k, width, D, gqa, mask, dtype):
+    check_prompt_weights(kernel_backend("emulated"), L_q, L_k, width, D, gqa, mask, dtype)
+
+
+@on_backends(GPU_BACKENDS, "L_q, L_k, width, D, gqa, mask, dtype", EMULATED_PROMPT)
+def test_gpu_prompt_weights_match_reference(name, L_q, L_k, width, D, gqa, mask, dtype):
+    check_prompt_weights(kernel_backend(name), L_q, L_k, width, D, gqa, mask, dtype, B=2)
+
+
+def test_prompt_weights_take_dense_keys_and_no_mask_or_a_causal_one():
+    q, k = mx.zeros((1, 4, 8, 64)), mx.zeros((1, 2, 16, 64))
+    held = mx.zeros((1, 2, 16))
+    assert launch.supports_prompt(q, k, "causal", held) and launch.supports_prompt(q, k, None, held)
+    assert not launch.supports_prompt(q, k, mx.ones((8, 16), dtype=mx.bool_), held)
+    assert not launch.supports_prompt(q, k, "causal", held[..., :15])  # fewer slots than keys
+    assert not launch.supports_prompt(q, k, "causal", held.astype(mx.float16))
+    assert not launch.supports_prompt(q, k[:, :, :4], "causal", held)  # causal: L_k >= L_q
+    assert not launch.supports_prompt(mx.zeros((1, 4, 8, 48)), mx.zeros((1, 2, 16, 48)), None, held)
 
 
 # --- packed K/V between dense pools: [front | packed | tail] -----------------------------

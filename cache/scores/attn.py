@@ -12,6 +12,7 @@ from cache.scores.base import ScoreRule, per_kv_head, softmax_of
 @dataclass(frozen=True)
 class AttnScore(ScoreRule):
     name = "attn"
+    sums_probabilities = True
 
     def accumulate(
         self, held: mx.array, logits: mx.array, n_kv_heads: int, probs: mx.array | None = None

@@ -23,6 +23,9 @@ class ScoreRule:
     """Base of every score rule: a frozen dataclass of knobs."""
 
     name: ClassVar[str]
+    # `accumulate` adds each key's softmax probability summed over the rows and heads (the
+    # attention's own column sums): a GPU kernel computes that without the logits.
+    sums_probabilities: ClassVar[bool] = False
 
     def accumulate(
         self, held: mx.array, logits: mx.array, n_kv_heads: int, probs: mx.array | None = None

@@ -6,7 +6,7 @@ A body (`*.body`) is dialect-neutral text. It uses only:
 - the thread coordinates declared by a dialect prologue (`prologue_<dialect>.inc`):
   tid, lane, warp, group_y, group_z, n_groups_z;
 - dialect-neutral helpers in `common.h` (flat offsets, in-register dequantization);
-- compile-time switches given as `#define` lines (QUANTIZED, SPLIT).
+- compile-time switches given as `#define` lines (QUANTIZED, SPLIT, PASS).
 
 The prologue goes into the function body, not the header, because
 `mx.fast.metal_kernel` adds a thread attribute to the signature only when the body's
@@ -22,7 +22,7 @@ from pathlib import Path
 SRC_DIR = Path(__file__).parent
 DIALECTS = ("metal", "cuda")  # the GPU backends
 EMULATOR_DIALECT = "host"  # CPU emulation of the same bodies, for tests (emulator.py)
-BODIES = ("decode_attention", "combine_blocks")
+BODIES = ("decode_attention", "combine_blocks", "prompt_weights")
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,11 @@ _QUANTIZED_INPUTS = _packed_inputs()
 _KVARN_INPUTS = _packed_inputs("factors")  # key_factors, value_factors
 _INPUTS = {"dense": _DENSE_INPUTS, "quantized": _QUANTIZED_INPUTS, "kvarn": _KVARN_INPUTS}
 _SINGLE_OUTPUTS = ("out", "scores")
+PROMPT_THREADS = 256  # query rows (pass 1) or keys (pass 2) per threadgroup
+_PROMPT_PASSES = {
+    1: (("queries", "keys", "scale"), ("row_max", "row_sum")),
+    2: (("queries", "keys", "row_max", "row_sum", "held", "scale"), ("weights",)),
+}
 _SPLIT_OUTPUTS = ("scores", "partial_out", "partial_max", "partial_sum")
 
 
@@ -86,6 +91,27 @@ def supports(
         return False
     L_k += sum(x.shape[2] for x in pools)
     return _mask_supported(mask, (B, n_q, L_q, L_k))
+
+
+def supports_prompt(q: mx.array, k: mx.array, mask: object, held: mx.array) -> bool:
+    """Whether the prompt-weights kernel takes this call: dense keys [B, n_kv, L_k, D] of
+    a kernel dtype and head dim, any number of query rows, no mask or a causal one, and
+    float32 held scores [B, n_kv, >= L_k]."""
+    if q.ndim != 4 or k.ndim != 4 or held.ndim != 3 or q.dtype not in DTYPES:
+        return False
+    B, n_q, L_q, D = q.shape
+    n_kv, L_k = k.shape[1], k.shape[2]
+    if D not in HEAD_DIMS or k.shape[0] != B or k.shape[3] != D or k.dtype not in DTYPES:
+        return False
+    if n_kv < 1 or n_q % n_kv or held.dtype != mx.float32 or L_q < 1 or L_k < 1:
+        return False
+    if held.shape[:2] != (B, n_kv) or held.shape[2] < L_k:
+        return False
+    if not (mask is None or (isinstance(mask, str) and mask == "causal" and L_k >= L_q)):
+        return False
+    rows = (n_q // n_kv) * L_q
+    tiles = max(math.ceil(rows / PROMPT_THREADS), math.ceil(held.shape[2] / PROMPT_THREADS))
+    return tiles <= MAX_GRID_ROWS and B * n_kv <= MAX_GRID_ROWS
 
 
 def _decode_query(q: mx.array, batch: int, n_kv: int) -> bool:
@@ -163,13 +189,58 @@ def fast_kernel_maker(api: str) -> MakeKernel:
 
 
 class DecodeKernels:
-    """The decode kernels of one dialect, built on first use and cached per variant."""
+    """The decode kernels of one dialect, and the prompt-weights kernel beside them, built
+    on first use and cached per variant."""
 
     def __init__(self, dialect: str, make_kernel: MakeKernel):
         self.dialect = dialect
         self._make_kernel = make_kernel
         self._kernels: dict[tuple[str, bool], Callable] = {}
         self._combine: Callable | None = None
+        self._prompt: dict[int, Callable] = {}
+
+    def prompt_weights(
+        self, q: mx.array, k: mx.array, scale: float, mask: object, held: mx.array
+    ) -> mx.array:
+        """`held` [B, n_kv, n >= L_k] plus each key's softmax weight summed over q's rows
+        and the query heads of its KV head (the `attn` rule's update over a prompt chunk),
+        in two launches over K: row max and sum, then column sums. No [L_q, L_k] array
+        exists at any point; mask: None or "causal" (bottom-right)."""
+        B, n_q, L_q, D = q.shape
+        n_kv = k.shape[1]
+        rows = (n_q // n_kv) * L_q
+        scale_in = _scale_input(scale)
+        mode = MASK_NONE if mask is None else MASK_CAUSAL
+        constants = [("HEAD_DIM", D), ("N_THREADS", PROMPT_THREADS), ("MASK_MODE", mode)]
+        threads = (PROMPT_THREADS, 1, 1)
+        first = [q, k, scale_in]
+        row_max, row_sum = self._prompt_pass(1)(
+            inputs=first,
+            template=constants + _input_dtypes(first),
+            grid=(PROMPT_THREADS, math.ceil(rows / PROMPT_THREADS), B * n_kv),
+            threadgroup=threads,
+            output_shapes=[(B, n_q, L_q)] * 2,
+            output_dtypes=[mx.float32] * 2,
+        )
+        second = [q, k, row_max, row_sum, held, scale_in]
+        (weights,) = self._prompt_pass(2)(
+            inputs=second,
+            template=constants + _input_dtypes(second),
+            grid=(PROMPT_THREADS, math.ceil(held.shape[2] / PROMPT_THREADS), B * n_kv),
+            threadgroup=threads,
+            output_shapes=[held.shape],
+            output_dtypes=[mx.float32],
+        )
+        return weights
+
+    def _prompt_pass(self, which: int) -> Callable:
+        if which not in self._prompt:
+            inputs, outputs = _PROMPT_PASSES[which]
+            source = assemble("prompt_weights", self.dialect, {"PASS": which})
+            self._prompt[which] = self._make_kernel(
+                f"h2o_prompt_weights_{which}", inputs, outputs, source
+            )
+        return self._prompt[which]
 
     def dense(
         self,
