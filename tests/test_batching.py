@@ -24,9 +24,9 @@ from server.engine.generation import Generation
 from server.engine.jobs import Delta, SamplingParams
 from server.sessions.store import Session
 
-pytestmark = pytest.mark.slow(seconds=165)
+pytestmark = pytest.mark.slow(seconds=125)
 
-STEPS = 18
+STEPS = 12  # decode steps a request: every event below happens while the others decode
 SPECS = {
     "full": CacheSpec("full", 4096),
     "rotating": CacheSpec("rotating", 96),
@@ -49,6 +49,18 @@ def requests(default_model, essay_text):
     return [
         (name, SPECS[name], ids[i * 300 : i * 300 + lengths[name]]) for i, name in enumerate(SPECS)
     ]
+
+
+@pytest.fixture(scope="module")
+def requests_alone(default_model, requests) -> dict:
+    """{name: (deltas, generation)} of each request decoded alone (one Batcher, one at a time)."""
+    model, tokenizer = default_model
+    batcher = Batcher(model, prefill_step=64, prefill_budget=100)
+    alone = {}
+    for name, spec, prompt in requests:
+        g = start(model, tokenizer, spec, prompt)
+        alone[name] = (drive(batcher, [g])[id(g)], g)
+    return alone
 
 
 def start(model, tokenizer, spec, prompt) -> Generation:
@@ -101,13 +113,10 @@ def assert_same_greedy(batched, alone, spec: CacheSpec) -> None:
             return
 
 
-def test_batched_equals_alone(default_model, requests):
+def test_batched_equals_alone(default_model, requests, requests_alone):
     model, tokenizer = default_model
     batcher = Batcher(model, prefill_step=64, prefill_budget=100)
-    alone = {}
-    for name, spec, prompt in requests:
-        g = start(model, tokenizer, spec, prompt)
-        alone[name] = (drive(batcher, [g])[id(g)], g)
+    alone = requests_alone
     gens = {name: start(model, tokenizer, spec, prompt) for name, spec, prompt in requests}
     together = drive(batcher, list(gens.values()))
     compared = 0
@@ -135,12 +144,11 @@ def test_batched_equals_alone(default_model, requests):
     assert compared >= 2 * len(model.layers)  # at least two H2O requests matched whole
 
 
-def test_join_and_cancel_leave_the_others_unchanged(default_model, requests):
+def test_join_and_cancel_leave_the_others_unchanged(default_model, requests, requests_alone):
     model, tokenizer = default_model
     batcher = Batcher(model, prefill_step=64, prefill_budget=100)
-    (_, s1, p1), (_, s2, p2), (_, s3, p3) = requests[:3]
-    ref = start(model, tokenizer, s1, p1)
-    reference = drive(batcher, [ref])[id(ref)]
+    (n1, s1, p1), (_, s2, p2), (_, s3, p3) = requests[:3]
+    reference = requests_alone[n1][0]  # the first request alone, on a Batcher like this one
 
     first = start(model, tokenizer, s1, p1)
     doomed = start(model, tokenizer, s2, p2)
@@ -254,7 +262,7 @@ def test_plain_sessions_share_a_slab_and_get_their_caches_back(default_model, es
     model, tokenizer = default_model
     ids = tokenizer.encode(essay_text)
     full = CacheSpec("full", 4096)
-    prompts = [ids[:120], ids[300:390], ids[600:700], ids[900:1010], ids[1200:1800]]
+    prompts = [ids[:120], ids[300:390], ids[600:700], ids[900:1010], ids[1200:1640]]
     alone = runs_alone(model, tokenizer, [(full, p) for p in prompts], 256, 300)
     batcher = Batcher(model, prefill_step=256, prefill_budget=300)
     gens = [start(model, tokenizer, full, p) for p in prompts]
@@ -281,7 +289,10 @@ def test_plain_sessions_share_a_slab_and_get_their_caches_back(default_model, es
         assert set(batcher.slab.members) == {first, late, later}
         return active
 
-    events = {4: join, 9: cancel_and_read, 10: join_long, 15: long_beside_the_slab}
+    # first and doomed decode from round 1, the joiners from round 3; long (440 tokens:
+    # 4 x 440 > 2 x the K/V held, it stays out of the slab) prefills from round 6 and has
+    # decoded by round 11, when first is still 2 steps from done
+    events = {2: join, 5: cancel_and_read, 6: join_long, 11: long_beside_the_slab}
     out = drive(batcher, [first, doomed], events)
     # the reader saw the session whole: its caches held exactly its tokens
     assert seen["offsets"] == {seen["tokens"]}
@@ -341,9 +352,9 @@ def test_h2o_sessions_share_a_slab_and_match_alone(default_model, essay_text):
     row and a joiner change none of that."""
     model, tokenizer = default_model
     ids = tokenizer.encode(essay_text)
-    # two past max_kv (evicting from the first step), one short (evicts mid-run), and
-    # two packed ones: a slab of their own
-    runs = [(H2O_96, ids[:230]), (H2O_96, ids[300:385]), (H2O_96, ids[600:780]),
+    # two past max_kv (evicting from the first step), one short (88 + STEPS > 96: evicts
+    # mid-run), and two packed ones: a slab of their own
+    runs = [(H2O_96, ids[:230]), (H2O_96, ids[300:388]), (H2O_96, ids[600:780]),
             (Q8_80, ids[900:1020]), (Q8_80, ids[1200:1300]), (H2O_96, ids[1500:1700])]  # fmt: skip
     alone = runs_alone(model, tokenizer, runs, 64, 100)
     batcher = Batcher(model, prefill_step=64, prefill_budget=300)
@@ -366,7 +377,8 @@ def test_h2o_sessions_share_a_slab_and_match_alone(default_model, essay_text):
         seen["tokens"] = len(first.session.tokens)
         return [g for g in active if g is not doomed]
 
-    out = drive(batcher, [first, short, doomed, packed, packed2], {10: cancel_and_read, 12: join})
+    # slabs form in round 3; the joiner decodes in the slab from round 9, the others to ~14
+    out = drive(batcher, [first, short, doomed, packed, packed2], {6: cancel_and_read, 8: join})
     assert seen["offsets"] == {seen["tokens"]} and len(seen["sizes"]) == 1
     assert not batcher.h2o_slabs  # everyone left, their caches written back
     compared = 0
