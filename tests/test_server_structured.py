@@ -17,7 +17,7 @@ import pytest
 from pydantic import BaseModel, Field
 from server_harness import MODEL, running_server
 
-pytestmark = pytest.mark.slow(seconds=70)
+pytestmark = pytest.mark.slow(seconds=60)
 
 
 @pytest.fixture(scope="module")
@@ -172,21 +172,17 @@ def ask(api, prompt: str, model: type[BaseModel], stream: bool = False):
         return s.get_final_completion()
 
 
-def test_twenty_schemas_parse(api):
-    """Four clients at a time: constrained rows decode batched, each with its own matcher."""
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        replies = list(pool.map(lambda case: ask(api, case[1], case[0]), CASES))
-    for (model, _), reply in zip(CASES, replies, strict=True):
+def test_twenty_schemas_parse_whole_and_streamed(api):
+    """Eight clients at a time, each schema asked for whole and streamed: constrained rows
+    decode batched, each with its own matcher."""
+    jobs = [(case, stream) for case in CASES for stream in (False, True)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda job: ask(api, job[0][1], job[0][0], job[1]), jobs))
+    for ((model, _), stream), reply in zip(jobs, replies, strict=True):
         choice = reply.choices[0]
-        assert choice.finish_reason == "stop", (model.__name__, choice.message.content)
-        assert isinstance(choice.message.parsed, model), choice.message.content
-
-
-def test_the_twenty_schemas_parse_streamed_too(api):
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        replies = list(pool.map(lambda case: ask(api, case[1], case[0], stream=True), CASES))
-    for (model, _), reply in zip(CASES, replies, strict=True):
-        assert isinstance(reply.choices[0].message.parsed, model), reply.choices[0].message
+        if not stream:
+            assert choice.finish_reason == "stop", (model.__name__, choice.message.content)
+        assert isinstance(choice.message.parsed, model), (stream, choice.message)
 
 
 @pytest.mark.parametrize(
