@@ -57,32 +57,35 @@ def test_anonymous_follow_up_is_found_by_prefix(api):
 
 
 def test_interleaved_conversations_stay_apart(api):
-    """A and B alternate turns on their own sessions; each second turn equals a cold run."""
+    """A and B alternate turns on their own sessions; each second turn equals a cold run.
+    Twelve tokens a reply: the two second turns already tell Alice from Bob."""
     run = uuid.uuid4().hex[:6]
     histories = {n: [{"role": "user", "content": FACTS[n] + " Say hello."}] for n in FACTS}
     for n in FACTS:  # turn 1 of A, then of B
-        r = chat(api, histories[n], key=f"{n}-{run}")
+        r = chat(api, histories[n], key=f"{n}-{run}", max_tokens=12)
         histories[n] += [
             {"role": "assistant", "content": r.choices[0].message.content},
             {"role": "user", "content": "Tell me what you know about me."},
         ]
-    warm = {n: chat(api, histories[n], key=f"{n}-{run}") for n in FACTS}
+    warm = {n: chat(api, histories[n], key=f"{n}-{run}", max_tokens=12) for n in FACTS}
     for n in FACTS:
         assert warm[n].usage.prompt_tokens_details.cached_tokens > 0
-        cold = chat(api, histories[n], key=f"cold-{n}-{run}")
+        cold = chat(api, histories[n], key=f"cold-{n}-{run}", max_tokens=12)
         assert cold.usage.prompt_tokens_details.cached_tokens == 0
         assert warm[n].choices[0].message.content == cold.choices[0].message.content
     assert warm["a"].choices[0].message.content != warm["b"].choices[0].message.content
 
 
 def test_eight_concurrent_streams(api):
+    """Eight greedy streams decoded together reply what each does alone (8 tokens each:
+    the replies fall into the same four distinct texts as with 16)."""
     prompts = [f"Count from {i} to {i + 5}, separated by commas." for i in range(8)]
 
     def expected(p):
-        return chat(api, [{"role": "user", "content": p}], max_tokens=16).choices[0].message.content
+        return chat(api, [{"role": "user", "content": p}], max_tokens=8).choices[0].message.content
 
     def streamed(p):
-        chunks = chat(api, [{"role": "user", "content": p}], max_tokens=16, stream=True)
+        chunks = chat(api, [{"role": "user", "content": p}], max_tokens=8, stream=True)
         return "".join(c.choices[0].delta.content or "" for c in chunks)
 
     solo = [expected(p) for p in prompts]
@@ -152,18 +155,19 @@ def test_delete_session(api):
 
 def _edited_second_turn(api, key, kv_cache=None):
     """Turn 2 sends turn 1's reply edited (as templates that strip text do); returns
-    the warm reply, its usage, and the reply of the same history sent cold."""
+    the warm reply, its usage, and the reply of the same history sent cold (8 greedy tokens
+    each, compared whole)."""
     extra = {"kv_cache": kv_cache} if kv_cache else {}
     messages = [{"role": "user", "content": FACTS["b"] + " Tell me about goats in detail."}]
-    first = chat(api, messages, max_tokens=40, extra_body={"prompt_cache_key": key, **extra})
+    first = chat(api, messages, max_tokens=24, extra_body={"prompt_cache_key": key, **extra})
     reply = first.choices[0].message.content
     messages += [
         {"role": "assistant", "content": reply[: len(reply) // 2].rstrip()},
         {"role": "user", "content": "How many goats do I have?"},
     ]
-    warm = chat(api, messages, max_tokens=16, extra_body={"prompt_cache_key": key, **extra})
+    warm = chat(api, messages, max_tokens=8, extra_body={"prompt_cache_key": key, **extra})
     cold_key = key + "-cold"
-    cold = chat(api, messages, max_tokens=16, extra_body={"prompt_cache_key": cold_key, **extra})
+    cold = chat(api, messages, max_tokens=8, extra_body={"prompt_cache_key": cold_key, **extra})
     return first, warm, cold
 
 
