@@ -19,10 +19,10 @@ from cache import H2OKVCache, make_cache
 from models.gguf_file import read_gguf
 from models.gguf_model import architecture_of, mlx_name
 
-pytestmark = pytest.mark.slow(seconds=85)
+pytestmark = pytest.mark.slow(seconds=80)
 
 PROMPT = "The printing press changed Europe because"
-GREEDY_STEPS = 16
+GREEDY_STEPS = 8
 
 
 def _gemma_file():
@@ -93,19 +93,19 @@ def test_greedy_continuation_matches_independent_dequantization(gemma_model):
 
 
 def test_h2o_without_eviction_equals_full(gemma_model, essay_text):
-    """300-token prompt + 16 decode steps, max_kv above the length: logits within 1e-4."""
+    """200-token prompt + 8 decode steps, max_kv above the length: logits within 1e-4."""
     model, tokenizer = gemma_model
-    prompt = mx.array(tokenizer.encode(essay_text)[:300])[None]
+    prompt = mx.array(tokenizer.encode(essay_text)[:200])[None]
     full, h2o = make_cache(model, "full"), make_cache(model, "h2o", max_kv=1024)
     a, b = model(prompt, cache=full)[:, -1], model(prompt, cache=h2o)[:, -1]
     worst = mx.abs(a - b).max().item()
-    for _ in range(16):
+    for _ in range(8):
         token = mx.argmax(a, axis=-1).reshape(1, 1)
         a, b = model(token, cache=full)[:, -1], model(token, cache=h2o)[:, -1]
         worst = max(worst, mx.abs(a - b).max().item())
     assert worst <= 1e-4
     assert any(isinstance(c, H2OKVCache) for c in h2o)
-    assert all(c.offset == 316 for c in h2o)
+    assert all(c.offset == 208 for c in h2o)
 
 
 @pytest.mark.parametrize("policy", ["h2o", "rotating"])
@@ -114,7 +114,7 @@ def test_every_layer_bounded_and_offsets_count_every_token(gemma_model, essay_te
     chunk and step each of the 18 layers (15 sliding, 3 global) stores <= 64 tokens
     and its offset equals the tokens seen."""
     model, tokenizer = gemma_model
-    ids = tokenizer.encode(essay_text)[:630]
+    ids = tokenizer.encode(essay_text)[:610]  # 600 prefilled in chunks, then 10 decode steps
     caches = make_cache(model, policy, max_kv=64)
     assert len(caches) == 18
     seen = 0
@@ -259,12 +259,12 @@ def test_server_serves_gemma_within_the_budget(gemma_model, essay_text, tmp_path
         assert [m.id for m in api.client.models.list().data] == ["gemma-3-270m"]
         reply = api.client.chat.completions.create(
             model="gemma-3-270m",
-            messages=[{"role": "user", "content": essay_text[:4000] + "\n\nSummarize."}],
-            max_tokens=8,
+            messages=[{"role": "user", "content": essay_text[:2600] + "\n\nSummarize."}],
+            max_tokens=4,
             temperature=0,
             extra_body={"prompt_cache_key": "long"},
         )
-        assert reply.model == "gemma-3-270m" and reply.usage.prompt_tokens > 700
+        assert reply.model == "gemma-3-270m" and reply.usage.prompt_tokens > 560  # > 512
         session = api.sessions()["long"]
         # 4 MiB per session: max_kv from the per-layer sum, below the 512-token window
         assert 16 <= session["max_kv"] < 512
