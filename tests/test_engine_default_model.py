@@ -12,7 +12,7 @@ import cache.attention
 from cache import H2OKVCache, make_cache
 from kernels.reference import expand_mask
 
-pytestmark = pytest.mark.slow(seconds=90)
+pytestmark = pytest.mark.slow(seconds=55)
 
 
 def essay_ids(tokenizer, text: str, n: int) -> list[int]:
@@ -33,19 +33,19 @@ def test_default_model_answers_paris(default_model):
 
 
 def test_h2o_logits_equal_kvcache_until_eviction(default_model, essay_text):
-    """300-token prompt + 40 greedy decode steps: H2O (max_kv 512) == mlx-lm KVCache."""
+    """300-token prompt + 16 greedy decode steps: H2O (max_kv 512) == mlx-lm KVCache."""
     model, tokenizer = default_model
     prompt = mx.array(essay_ids(tokenizer, essay_text, 300))[None]
     full = [KVCache() for _ in model.layers]
     h2o = make_cache(model, "h2o", max_kv=512)
     a, b = model(prompt, cache=full)[:, -1], model(prompt, cache=h2o)[:, -1]
     worst = mx.abs(a - b).max().item()
-    for _ in range(40):
+    for _ in range(16):
         token = mx.argmax(a, axis=-1).reshape(1, 1)  # both follow the full cache's choice
         a, b = model(token, cache=full)[:, -1], model(token, cache=h2o)[:, -1]
         worst = max(worst, mx.abs(a - b).max().item())
     assert worst <= 1e-4
-    assert all(c.evicted == 0 and c.offset == 340 for c in h2o)
+    assert all(c.evicted == 0 and c.offset == 316 for c in h2o)
 
 
 class OffsetResetBug(H2OKVCache):
@@ -90,17 +90,20 @@ def test_rope_positions_survive_eviction(default_model, essay_text, monkeypatch)
     assert all(c.evicted >= 64 and c.offset == 160 and c.size() <= 64 for c in caches)
     assert h2o_ppl <= 1.15 * full_ppl
 
-    # The bug fails it.
+    # The bug fails it, already over the first 48 decoded tokens, against the full cache's
+    # perplexity over the same tokens (measured: 90.8 against 18.5, 4.9x).
     monkeypatch.setattr("cache.h2o.H2OKVCache", OffsetResetBug)  # the h2o record's class
-    buggy_ppl = decode_perplexity(model, ids, make_cache(model, "h2o", max_kv=64))
-    assert buggy_ppl > 1.15 * full_ppl
+    buggy_ppl = decode_perplexity(model, ids[:112], make_cache(model, "h2o", max_kv=64))
+    full_48 = nn.losses.cross_entropy(full_logits[:, 63:111], seq[:, 64:112]).mean().item()
+    assert buggy_ppl > 1.15 * math.exp(full_48)
 
 
 def test_chunked_prefill_mask_and_output(default_model, essay_text, monkeypatch):
-    """1800-token prompt in 512-token chunks at max_kv=256: every query block's mask and
+    """1200-token prompt in 512-token chunks at max_kv=256: every query block's mask and
     output match an explicit float64 computation over what the cache holds."""
     model, tokenizer = default_model
-    ids = essay_ids(tokenizer, essay_text, 1800)  # three full chunks, then a shorter one
+    # a full chunk into the empty cache, one into a full cache, then a shorter one
+    ids = essay_ids(tokenizer, essay_text, 1200)
     layer, step = 7, 512
     block = cache.attention.ATTENTION.block
     calls = []
