@@ -83,14 +83,15 @@ def test_auto_under_a_small_budget_bounds_every_session(tmp_path):
     """`auto` with a share too small for the whole context picks an evicting policy:
     a conversation longer than its max_kv keeps going, within its share."""
     with running_server(tmp_path, "--kv-budget", str(BUDGET), "--max-sessions", "2") as api:
-        history = [{"role": "user", "content": "Tell me about goats. " * 160}]  # ~880 tokens
+        history = [{"role": "user", "content": "Tell me about goats. " * 120}]  # ~640 tokens
         r = api.client.chat.completions.create(
-            model=MODEL, messages=history, temperature=0, max_tokens=16,
+            model=MODEL, messages=history, temperature=0, max_tokens=8,
             extra_body={"prompt_cache_key": "long"},
         )  # fmt: skip
-        assert r.usage.prompt_tokens > 800 and r.choices[0].message.content
+        assert r.usage.prompt_tokens > 600 and r.choices[0].message.content
         s = api.sessions()["long"]
         assert s["policy"] == "h2o-q8"  # what `auto` bounds a conversation with
-        # longer than even the largest layer of the profile: every layer evicts
+        # longer than even the largest layer of the profile (457 of 639 here): every
+        # layer evicts
         assert s["stored_tokens"] <= largest_layer(s) < s["logical_tokens"]
         assert s["evictions"] > 0 and s["bytes"] <= BUDGET // 2
