@@ -49,7 +49,7 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
-# Regenerates every report in docs/ (about 4.5 hours on 2 CPU cores).
+# Regenerates every report in docs/ (about 5 hours on 2 CPU cores).
 bench: setup
 	$(PY) -m bench.decode_speed --context 2048 --rounds 5 --steps 32 --out docs/decode_speed.md
 	$(PY) -m bench.memory --out docs/memory.md
@@ -61,6 +61,7 @@ bench: setup
 	$(PY) -m bench.structured --rounds 3 --out docs/structured.md
 	$(PY) -m bench.gpu_step --synthetic llama-1b --context 144 --max-kv 128 --steps 8 --rounds 2 --rows 16 --prompt 4096 --policies h2o h2o-q8 h2o-q4 h2o-kvarn --out docs/gpu_step.md
 	$(PY) -m bench.gpu_step --rows 1 --prompt 0 --rounds 5 --policies h2o h2o-q8 h2o-q4 --out docs/gpu_step_lone.md
+	$(PY) -m bench.gpu_step --synthetic llama-1b --steps 0 --prompt 4096 --policies h2o h2o-q8 --out docs/gpu_step_prompt.md
 	$(PY) -m bench.kernel_speed --out docs/kernel_speed.md
 	$(PY) -m bench.quantized --out docs/quantized.md
 	$(PY) -m bench.decode_parts --rounds 10 --out docs/decode_parts.md

@@ -105,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--context", type=int, default=300, help="prompt tokens per session")
     p.add_argument("--max-kv", type=int, default=128)
-    p.add_argument("--steps", type=int, default=24, help="decode steps counted and timed")
+    p.add_argument(
+        "--steps", type=int, default=24, help="decode steps counted and timed (0: prompt only)"
+    )
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every case")
     p.add_argument(
         "--rows", type=int, default=16, help="sessions decoding together (1: alone only)"
@@ -189,9 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     cases = [(STOCK, None), ("rotating", "rotating"), *((p, p) for p in policies)]
     if "h2o" in policies:
         cases.append((no_owner, "h2o"))
-    row_counts = sorted({1, args.rows})
+    row_counts = sorted({1, args.rows}) if args.steps else []  # --steps 0: the prompt only
     ops, builds = {}, {}  # ops counted once; build ms per round, cases interleaved
-    for r in range(args.rounds):
+    for r in range(args.rounds if args.steps else 0):
         for rows in row_counts:
             for label, policy in cases if r % 2 == 0 else cases[::-1]:
                 n, ms = measure(policy, rows, label != no_owner, count=r == 0)
@@ -210,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         "| cache | rows | ops per step | x stock | build ms per step | x stock | how it batches |",
         "|---|---|---|---|---|---|---|",
     ]
+    lines = lines if args.steps else []
     for rows in row_counts:
         for label, policy in cases:
             n, ms = got[label, rows]
@@ -222,26 +225,30 @@ def main(argv: list[str] | None = None) -> int:
                 f"{build_ratio(label, rows):.2f}x | {how} |"
             )
     if args.prompt:
-        lines += ["", *prompt_section(args, model, vocab, policies)]
-    publish(
-        "A decode step's ops and host time, stock mlx-lm against every bounded policy",
+        prompt = prompt_section(args, model, vocab, policies)
+        lines = [*lines, "", *prompt] if lines else prompt
+    title = "A decode step's ops and host time, stock mlx-lm against every bounded policy"
+    summary = (
         f"{about}; {args.context}-token prompts, max_kv {args.max_kv}, {args.steps} decode "
         f"steps counted and {args.steps} timed per case (after the prompt, so bounded caches "
         f"evict). Ops: MLX primitives evaluated per step (launches on a GPU), the mean over "
         f"the steps (evictions amortized). Build: host ms until the model call returns, the "
         f"median over {args.rounds} interleaved rounds; its ratio is taken within each round, "
-        f"then the median. Machine: {machine()}.",
-        command("bench.gpu_step", argv),
-        lines,
-        args.out,
+        f"then the median. Machine: {machine()}."
     )
+    if not args.steps:
+        title = "A scored prompt's ops, stock mlx-lm against bounded policies"
+        summary = f"{about}. Machine: {machine()}."
+    publish(title, summary, command("bench.gpu_step", argv), lines, args.out)
     install_router(model)
     return 0
 
 
 def prompt_section(args, model, vocab: int, policies: list[str]) -> list[str]:
     """Ops of one `args.prompt`-token prompt, scored caches against stock's, per layer and
-    128-query block (the block a scored layer attends at once)."""
+    128-query block (the block a scored layer attends at once): on this machine's route
+    (on a CPU, blocks of logits through the reference), and on a GPU's (one fused SDPA call,
+    the `attn` scores from the prompt-weights kernel, counted as its two launches)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -250,7 +257,7 @@ def prompt_section(args, model, vocab: int, policies: list[str]) -> list[str]:
 
     ids = mx.random.randint(0, vocab, (1, args.prompt), key=mx.random.key(1))
 
-    def prompt_ops(policy: str | None) -> int:
+    def prompt_ops(policy: str | None, gpu_route: bool = False) -> int:
         if policy is None:
             uninstall_router(model)
             caches = make_prompt_cache(model)
@@ -258,7 +265,7 @@ def prompt_section(args, model, vocab: int, policies: list[str]) -> list[str]:
             install_router(model)
             caches = make_cache(model, policy, max_kv=args.prompt + 1)  # nothing evicted
         ops = [0]
-        with counting_evals(ops):
+        with counting_evals(ops), gpu_prompt_route(ops, gpu_route):
             logits = model(ids, cache=caches)
             mx.eval(logits, buffers(caches))
         return ops[0]
@@ -268,16 +275,63 @@ def prompt_section(args, model, vocab: int, policies: list[str]) -> list[str]:
     lines = [
         f"A {args.prompt}-token prompt in one chunk, nothing evicted: ops against stock's "
         f"{stock}, per layer and {ATTENTION.block}-query block ({layers} layers x {blocks} "
-        "blocks).",
+        "blocks). Route here: what this machine runs (on a CPU, blocks of logits through the "
+        "reference). GPU route: what a GPU backend runs (the output from one fused SDPA call, "
+        "the `attn` scores from the prompt-weights kernel over the whole chunk, kernels/src/"
+        "prompt_weights.body; its two passes counted as two launches, their values computed "
+        "here by the reference outside the count).",
         "",
-        "| cache | ops | extra ops per layer and block |",
-        "|---|---|---|",
+        "| cache | route | ops | extra ops per layer | extra ops per layer and block |",
+        "|---|---|---|---|---|",
     ]
     for policy in [p for p in policies if p in ("h2o", "h2o-q8")]:
-        ops = prompt_ops(policy)
-        lines.append(f"| {policy} | {ops} | {(ops - stock) / (layers * blocks):.1f} |")
+        for route in ("here", "GPU"):
+            ops = prompt_ops(policy, gpu_route=route == "GPU")
+            extra = ops - stock
+            lines.append(
+                f"| {policy} | {route} | {ops} | {extra / layers:.1f} | "
+                f"{extra / (layers * blocks):.2f} |"
+            )
     install_router(model)
     return lines
+
+
+@contextmanager
+def gpu_prompt_route(counter: list[int], on: bool):
+    """Within: prompts take the GPU's route (ATTENTION.fused_prefill), and a stand-in GPU
+    backend takes the prompt-weights calls, adding the kernel's two launches to `counter`
+    (its values from the reference, evaluated outside the count). Nothing else goes to it."""
+    if not on:
+        yield
+        return
+    import mlx.core as mx
+
+    from cache.attention import ATTENTION
+    from kernels import dispatch, reference
+    from kernels.src import launch
+
+    real_eval = mx.eval
+
+    def prompt_weights(q, k, scale, mask, held):
+        weights = reference.prompt_weights(q, k, scale, mask, held)
+        real_eval(weights)
+        counter[0] += 2  # pass 1 (row max and sum), pass 2 (column sums)
+        return weights
+
+    def never(*_, **__) -> bool:
+        return False
+
+    stand_in = dispatch.Backend(
+        lambda: True, never, None, None, never, None, launch.supports_prompt, prompt_weights
+    )
+    saved = dispatch._BACKENDS["metal"], ATTENTION.fused_prefill
+    dispatch._BACKENDS["metal"], ATTENTION.fused_prefill = stand_in, True
+    dispatch._is_available.cache_clear()
+    try:
+        yield
+    finally:
+        dispatch._BACKENDS["metal"], ATTENTION.fused_prefill = saved
+        dispatch._is_available.cache_clear()
 
 
 if __name__ == "__main__":
