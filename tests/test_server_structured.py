@@ -3,6 +3,8 @@
 The reply follows the request's JSON schema token by token (llguidance's mask), so a
 135M-parameter model's replies parse and validate every time; tool calls come back in
 OpenAI's shapes, whole and streamed, and a tool round trip reuses the conversation's cache.
+The server is the session's `api` (tests/conftest.py): this file started one with the same
+flags (--max-sessions 8, --kv-budget 512MiB) of its own.
 """
 
 from __future__ import annotations
@@ -15,16 +17,9 @@ from typing import Literal
 
 import pytest
 from pydantic import BaseModel, Field
-from server_harness import MODEL, running_server
+from server_harness import MODEL
 
 pytestmark = pytest.mark.slow(seconds=60)
-
-
-@pytest.fixture(scope="module")
-def api(tmp_path_factory):
-    flags = ["--max-sessions", "8", "--kv-budget", "512MiB"]
-    with running_server(tmp_path_factory.mktemp("structured"), *flags) as server:
-        yield server
 
 
 class Color(str, Enum):
