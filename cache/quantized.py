@@ -326,7 +326,8 @@ class QuantizedH2OKVCache(H2OKVCache):
         """The slots of the tail's tokens: the last `tail` held ones."""
         if not self.tail_filled():
             return []
-        return [mx.arange(self.used - self.tail, self.used, dtype=mx.int32).reshape(1, 1, -1)]
+        # Built from host data, a constant: no op in the step (an arange was one per layer).
+        return [mx.array([[list(range(self.used - self.tail, self.used))]], dtype=mx.int32)]
 
     def kv_segments(self, keys, values) -> list[tuple[object, object, KVFormat]]:
         """[dense sinks | packed slots between | dense tail], in slot order, empty parts
