@@ -92,8 +92,9 @@ def test_harmless_values_of_those_fields_are_accepted(api):
 def test_health_and_metrics_answer_during_a_long_prefill(api):
     """The worker spends seconds in one prefill; probes must not wait for it."""
     before = api.metrics()["h2o_prefill_tokens_total"]
-    # ~2000 tokens: seconds of prefill on 2 cores, far from the client's timeout.
-    long = [{"role": "user", "content": "word " * 2000}]
+    # ~1000 tokens: seconds of prefill on 2 cores (~100 probes answered here), far from the
+    # client's timeout.
+    long = [{"role": "user", "content": "word " * 1000}]
     done, outcome = threading.Event(), []
 
     def prefill():
