@@ -98,7 +98,7 @@ def test_chunked_eval_mode_on_the_default_model(default_model, essay_text):
     from bench.ppl import sample_windows
 
     model, tokenizer = default_model
-    tokens = sample_windows(tokenizer, 1, 160)
+    tokens = sample_windows(tokenizer, 1, 128)  # two 32-token chunks past the 64-token window
     kwargs = {"policy": "rotating", "max_kv": 64}
     stepped = nll_autoregressive(model, tokens, kwargs, prefill=32)
     chunked = nll_chunked(model, tokens, kwargs, 32)
