@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         cases.append((no_owner, "h2o"))
     row_counts = sorted({1, args.rows}) if args.steps else []  # --steps 0: the prompt only
     ops, builds = {}, {}  # ops counted once; build ms per round, cases interleaved
-    for r in range(args.rounds if args.steps else 0):
+    for r in range(args.rounds):
         for rows in row_counts:
             for label, policy in cases if r % 2 == 0 else cases[::-1]:
                 n, ms = measure(policy, rows, label != no_owner, count=r == 0)
@@ -208,11 +208,8 @@ def main(argv: list[str] | None = None) -> int:
 
     got = {key: (ops[key], statistics.median(builds[key])) for key in ops}
 
-    lines = [
-        "| cache | rows | ops per step | x stock | build ms per step | x stock | how it batches |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    lines = lines if args.steps else []
+    columns = "cache | rows | ops per step | x stock | build ms per step | x stock | how it batches"
+    lines = [f"| {columns} |", "|---|---|---|---|---|---|---|"] if row_counts else []
     for rows in row_counts:
         for label, policy in cases:
             n, ms = got[label, rows]
