@@ -8,6 +8,8 @@ must be undone:
 - llama: q/k projection rows are permuted for GGUF's RoPE layout.
 - gemma3: RMSNorm weights are stored with Gemma's +1 folded in; mlx-lm's
   gemma3_text adds 1 itself, so 1 is subtracted.
+Tensors are dequantized to float32 and the model computes in the dtype its loader
+asks for: float32 on MLX's CPU, the architecture's half type on a GPU.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ class Architecture:
     config: Callable[[GGUFFile], dict[str, Any]]
     layer_names: dict[str, str]  # GGUF blk.N.<base> -> mlx-lm layers.N.<name>
     fix_weight: Callable[[str, mx.array, dict[str, Any]], mx.array]
+    # The half type a GPU computes it in: Gemma's activations overflow float16's range
+    # (its checkpoints are bfloat16); llama.cpp computes llama in float16.
+    half: mx.Dtype = mx.float16
 
 
 def _get(file: GGUFFile, key: str, default: Any = None) -> Any:
@@ -147,6 +152,7 @@ ARCHITECTURES = {
             "post_ffw_norm": "post_feedforward_layernorm",
         },
         _gemma_fix,
+        mx.bfloat16,
     ),
 }  # fmt: skip
 
@@ -172,16 +178,29 @@ def mlx_name(name: str, arch: Architecture) -> str:
     raise GGUFError(f"GGUF tensor {name!r} has no place in mlx-lm's {arch.mlx_module} model")
 
 
-def load_gguf(path: str | Path) -> tuple[nn.Module, TokenizerWrapper]:
-    """A GGUF of a supported architecture as an mlx-lm model (float32 weights) and tokenizer."""
+def half_dtype(file: GGUFFile) -> mx.Dtype:
+    """The dtype a GPU computes this file's model in: bfloat16 where the file stores its
+    tensors so, else its architecture's half type."""
+    if any(t.type_name == "BF16" for t in file.tensors):
+        return mx.bfloat16
+    return architecture_of(file).half
+
+
+def load_gguf(
+    path: str | Path, dtype: mx.Dtype | None = None
+) -> tuple[nn.Module, TokenizerWrapper]:
+    """A GGUF of a supported architecture as an mlx-lm model and its tokenizer.
+
+    `dtype`: of the floating-point weights (float32 on MLX's CPU); None: `half_dtype`."""
     file = read_gguf(path)
     arch = architecture_of(file)
     cfg = arch.config(file)  # before the (slow) tensor read, so bad files fail fast
     tokenizer = gguf_tokenizer(file.metadata)
+    dtype = dtype or half_dtype(file)
     weights = {}
     for name, w in load_tensors(file).items():
         mlx = mlx_name(name, arch)
-        weights[mlx] = arch.fix_weight(mlx, w, cfg)
+        weights[mlx] = arch.fix_weight(mlx, w, cfg).astype(dtype)
     cfg["tie_word_embeddings"] = "lm_head.weight" not in weights
     module = importlib.import_module(f"mlx_lm.models.{arch.mlx_module}")
     model = module.Model(module.ModelArgs.from_dict(cfg))

