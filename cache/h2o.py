@@ -18,7 +18,8 @@ than the model was trained on; `offset` then runs `shift` behind `seen`.
 Eviction runs after scoring, when the cache holds more than max_size tokens.
 It drops the lowest-scored middle tokens (neither sink nor recent) per head,
 down to max_size + 1 - evict_batch, with one argpartition and one gather into
-buffers of max_size + 1 slots. The next evict_batch - 1 decode steps only
+buffers of max_size + 1 slots (a decode's eviction, whose shapes repeat, as one
+compiled call). The next evict_batch - 1 decode steps only
 append (two slice writes, like mlx-lm's KVCache), so the gather is amortized;
 evict_batch=1 is H2O evicting one token per step. Free slots always hold
 score 0 and the position the next appended token will have, so appending
@@ -32,6 +33,7 @@ with the sequence on axis 2, so scoring and eviction never look inside them.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
@@ -524,9 +526,11 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         have."""
         free = self.positions.shape[-1] - self.used
         if free:
-            self.positions[..., self.used :] = mx.arange(
-                self.seen, self.seen + free, dtype=mx.int32
-            )
+            if isinstance(self.seen, int):
+                after = mx.arange(self.seen, self.seen + free, dtype=mx.int32)
+            else:  # an array inside a compiled eviction (_compiled_eviction)
+                after = self.seen + mx.arange(free, dtype=mx.int32)
+            self.positions[..., self.used :] = after
             self.scores[..., self.used :] = 0.0
             if self.lags is not None:
                 self.lags[..., self.used :] = self.shift
@@ -544,8 +548,31 @@ class H2OKVCache(HeavyHitters, ScoredCache):
 
     def _evict(self) -> None:
         """Keep sinks, the recent window and the best middle tokens: max_size + 1 - batch."""
+        if self._evicts_at_final_size() and (compiled := _compiled_eviction(self)):
+            self._evict_compiled(compiled)
+            return
         kept, _ = self._eviction_split()
         self._gather(kept, capacity=self.max_size + 1)
+
+    def _evicts_at_final_size(self) -> bool:
+        """A decode's eviction: every slot of buffers at their final size full, so its shapes
+        repeat from one eviction to the next. Layouts that move more than their slots on
+        eviction (subclasses that are not `slab_rows`) and re-indexed caches (their lags
+        shift too) evict op by op."""
+        if not self.slab_rows or self.lags is not None:
+            return False
+        slots = self.positions.shape[-1]
+        return self.used == slots == self.slot_budget + self._slots_per_token
+
+    def _evict_compiled(self, compiled: Callable) -> None:
+        """`_evict`'s ranking, selection and gathers as one compiled call (`seen`, which
+        changes every time, is its input): ~40 ops per layer the host would build one by
+        one every evict_batch steps."""
+        buffers = {name: getattr(self, name) for name in SLOT_BUFFERS}
+        seen = mx.array(self.seen, dtype=mx.int32)
+        self.__dict__.update(compiled(buffers, seen))
+        self.evicted += self.used - self.keep
+        self.used = self.keep
 
     def _eviction_split(self) -> tuple[mx.array, mx.array]:
         """(slots kept, slots leaving) [B, H, *], the leavers counted as evicted."""
@@ -554,6 +581,35 @@ class H2OKVCache(HeavyHitters, ScoredCache):
     def eviction_ranks(self, pos: mx.array) -> mx.array:
         """What eviction keeps the top of (HeavyHitters.rank_middle over the held slots)."""
         return self.rank_middle(self.scores[..., : self.used], pos, self.seen)
+
+
+_EVICTIONS: dict[Hashable, Callable] = {}  # compiled evictions by configuration (slab_key)
+
+
+def _compiled_eviction(cache: H2OKVCache) -> Callable | None:
+    """(slot buffers, seen) -> slot buffers after `_evict`, compiled once per configuration:
+    it runs `_evict`'s own code on a copy of a cache of that configuration, so its rule,
+    segments and layout (a packed cache sorts the kept slots) are what the trace holds.
+    None where the configuration has no key (its pools still fill)."""
+    key = cache.slab_key()
+    if key is None:
+        return None
+    if key not in _EVICTIONS:
+        template = copy.copy(cache)
+        for name, value in vars(cache).items():  # the trace gets its arrays as inputs
+            if any(isinstance(a, mx.array) for _, a in tree_flatten(value)):
+                setattr(template, name, None)  # and a template keeps no session's memory
+
+        def evict(buffers: dict, seen: mx.array) -> dict:
+            view = copy.copy(template)
+            view.__dict__.update(buffers)
+            view.seen, view.used = seen, buffers["positions"].shape[-1]
+            kept, _ = view._eviction_split()
+            view._gather(kept, capacity=view.max_size + 1)
+            return {name: getattr(view, name) for name in SLOT_BUFFERS}
+
+        _EVICTIONS[key] = mx.compile(evict)
+    return _EVICTIONS[key]
 
 
 def gather_slots(buf: mx.array, idx: mx.array, capacity: int) -> mx.array:

@@ -10,9 +10,10 @@ The cache must keep exactly the oracle's positions at every step.
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 import cache  # noqa: F401  (registers the class with mlx-lm)
-from cache import H2OKVCache
+from cache import H2OKVCache, QuantizedH2OKVCache
 from cache.scores import make_score_rule
 from config.cache_spec import split_segments
 
@@ -270,3 +271,47 @@ def test_snap_counts_the_observation_window_and_pools_neighbours():
     ranked = np.array(rule.rank(importance, positions, 10))[0, 0]
     # by position 0..4, 9: scores 0, 0, 0, 2, 5, 0 -> pooled 0, 0, 2, 5, 5, 5
     np.testing.assert_allclose(ranked, [5, 0, 0, 2, 5, 5])
+
+
+def _twin_decode(make, steps: int, rng: np.random.Generator) -> H2OKVCache:
+    """A cache from `make` after a 12-token prompt and `steps` decode tokens, scored by
+    random logits over its held slots."""
+    c = make()
+    for n_new in [12] + [1] * steps:
+        k = mx.array(rng.standard_normal((B, N_KV, n_new, 64)).astype(np.float32))
+        c.update_and_fetch(k, k * 0.5)
+        logits = rng.standard_normal((B, N_Q, n_new, c.used)).astype(np.float32) * 3
+        c.update_scores(mx.array(logits))
+    return c
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: H2OKVCache(24, 2, 10, 12, "attn", evict_batch=4),
+        lambda: H2OKVCache(24, 2, 10, 12, "snap", evict_batch=1),
+        lambda: H2OKVCache(24, 2, 10, 12, "ema", evict_batch=3),
+        lambda: QuantizedH2OKVCache(24, sink=2, heavy=10, recent=12, bits=8, evict_batch=4),
+        lambda: QuantizedH2OKVCache(
+            24, sink=2, heavy=10, recent=12, bits=4, rotate=True, evict_batch=2, score="tova"
+        ),
+    ],
+    ids=["dense-attn", "dense-snap", "dense-ema", "q8", "q4-rotated-tail"],
+)
+def test_a_decode_eviction_is_one_compiled_call_with_the_same_result(make, monkeypatch):
+    """At the buffers' final size a decode's eviction is one compiled call; it keeps exactly
+    what the op-by-op eviction keeps (slots, K/V, scores, positions, counters)."""
+    import cache.h2o
+
+    calls = []
+    compiled = cache.h2o._compiled_eviction
+    monkeypatch.setattr(cache.h2o, "_compiled_eviction", lambda c: calls.append(c) or compiled(c))
+    fused = _twin_decode(make, 40, np.random.default_rng(5))
+    assert calls and len(calls) == fused.evicted // fused.evict_batch  # every eviction
+    monkeypatch.setattr(cache.h2o, "_compiled_eviction", lambda c: None)
+    plain = _twin_decode(make, 40, np.random.default_rng(5))
+    assert (fused.used, fused.seen, fused.evicted) == (plain.used, plain.seen, plain.evicted)
+    for name in ("positions", "scores", "keys", "values"):
+        a, b = tree_flatten(getattr(fused, name)), tree_flatten(getattr(plain, name))
+        for (_, x), (_, y) in zip(a, b, strict=True):
+            np.testing.assert_array_equal(np.array(x), np.array(y), err_msg=name)
