@@ -13,7 +13,10 @@ Both callers speak the same two bodies; their arguments differ in what they hold
   free slots, whose probabilities are then 0), else [bool [rows, H, slots]] (a slab's
   rows hold different slots, and their free ones keep score 0);
 - `tail`: [] without a dense tail, else [int32 [rows, H or 1, tail]]: the slot each tail
-  token fills (its packed copy is masked and the tail's logits are scored there).
+  token fills (its packed copy is masked and the tail's logits are scored there);
+- `front`: 0, or the dense sink pool read before every packed slot (a lone packed cache
+  attends its packed buffers whole): the pool's logits are scored in slots [0, front),
+  where their packed copies (masked) were read.
 """
 
 from __future__ import annotations
@@ -24,53 +27,64 @@ from collections.abc import Callable
 import mlx.core as mx
 
 
-def updated_scores(rule, n_kv_heads: int, scores, held: list, logits, probs, tail: list):
-    """Every row's scores after one step's logits (and probabilities, or None): a tail's
-    logits moved to the slots its tokens fill, accumulated by the rule, the slots a row
-    does not hold kept at 0."""
+def updated_scores(
+    rule, n_kv_heads: int, scores, held: list, logits, probs, tail: list, front: int = 0
+):
+    """Every row's scores after one step's logits (and probabilities, or None): a front
+    pool's and a tail's logits moved to the slots their tokens fill, accumulated by the
+    rule, the slots a row does not hold kept at 0."""
+    if front:  # [front | its packed copies, masked | the other slots ...]: drop the copies
+        logits, probs = (
+            None if x is None else mx.concatenate([x[..., :front], x[..., 2 * front :]], -1)
+            for x in (logits, probs)
+        )
     if tail:
         logits, probs = (None if x is None else tail_in_slots(x, tail[0]) for x in (logits, probs))
     updated = rule.accumulate(scores, logits, n_kv_heads, probs)
     return mx.where(held[0], updated, 0.0) if held else updated
 
 
-def scored(rule, n_kv_heads: int, scores, held: list, logits, probs, tail: list) -> mx.array:
+def scored(
+    rule, n_kv_heads: int, scores, held: list, logits, probs, tail: list, front: int = 0
+) -> mx.array:
     """`updated_scores` in one compiled call: after an attention kernel that is not
     compiled with it (a GPU kernel's, or a step that does not fuse)."""
     with_probs = [] if probs is None else [probs]
-    return _scored(rule, n_kv_heads, probs is not None)(scores, held, logits, with_probs, tail)
+    compiled = _scored(rule, n_kv_heads, probs is not None, front)
+    return compiled(scores, held, logits, with_probs, tail)
 
 
 def attended_and_scored(
     queries, parts: list, scale: float, mask, attend: Callable, how: tuple,
-    rule, n_kv_heads: int, scores, held: list, tail: list,
+    rule, n_kv_heads: int, scores, held: list, tail: list, front: int = 0,
 ) -> tuple[mx.array, mx.array]:  # fmt: skip
     """(output, scores): attention over `parts` [(keys, values, KVFormat)] by `attend`
     (`attend(queries, parts, scale, mask)`: the router's op-by-op attention; `how`, its
     settings, keys the trace) and `updated_scores`, in one compiled call. The logits and
     probabilities stay inside the fused graph."""
     formats = tuple(fmt for _, _, fmt in parts)
-    fused = _attend_and_score(attend, how, formats, rule, n_kv_heads, scale)
+    fused = _attend_and_score(attend, how, formats, rule, n_kv_heads, scale, front)
     return fused(queries, [(k, v) for k, v, _ in parts], mask, scores, held, tail)
 
 
 @functools.cache
-def _scored(rule, n_kv_heads: int, with_probs: bool) -> Callable:
+def _scored(rule, n_kv_heads: int, with_probs: bool, front: int) -> Callable:
     def scored(scores, held: list, logits, probs: list, tail: list) -> mx.array:
         probs = probs[0] if with_probs else None
-        return updated_scores(rule, n_kv_heads, scores, held, logits, probs, tail)
+        return updated_scores(rule, n_kv_heads, scores, held, logits, probs, tail, front)
 
     return mx.compile(scored)
 
 
 @functools.cache
 def _attend_and_score(
-    attend: Callable, how: tuple, formats: tuple, rule, n_kv_heads: int, scale: float
-) -> Callable:
+    attend: Callable, how: tuple, formats: tuple, rule, n_kv_heads: int, scale: float,
+    front: int,
+) -> Callable:  # fmt: skip
     def attend_scored(queries, arrays: list, mask, scores, held: list, tail: list) -> tuple:
         parts = [(k, v, fmt) for (k, v), fmt in zip(arrays, formats, strict=True)]
         out, logits, probs = attend(queries, parts, scale, mask)
-        scores = updated_scores(rule, n_kv_heads, scores, held, logits, probs, tail)
+        scores = updated_scores(rule, n_kv_heads, scores, held, logits, probs, tail, front)
         # The output depends on the new scores: whoever evaluates the step evaluates them,
         # with no wait at this layer (start_scores) and no lazy chain of them across steps.
         return mx.depends([out], [scores])[0], scores

@@ -204,7 +204,8 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         every_slot, self.fused_decode = self.fused_decode, False  # the step ends here
         if every_slot and scores.shape[-1] != self.used:  # over every slot (and the tail)
             rule, n_kv = self.score_rule, self.positions.shape[1]
-            self.scores = scored(rule, n_kv, self.scores, [], scores, probs, self._tail())
+            tail, front = self._tail(), self._front()
+            self.scores = scored(rule, n_kv, self.scores, [], scores, probs, tail, front)
             self.evict_if_full()
             return
         if scores.shape[-1] != self.used:
@@ -221,8 +222,9 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         compiled call (cache/compiled_decode.py), then any eviction."""
         rule, n_kv = self.score_rule, self.positions.shape[1]
         out, self.scores = attended_and_scored(
-            queries, parts, scale, mask, attend, how, rule, n_kv, self.scores, [], self._tail()
-        )
+            queries, parts, scale, mask, attend, how, rule, n_kv, self.scores, [], self._tail(),
+            self._front(),
+        )  # fmt: skip
         self.fused_decode = False  # the step ends here: readers get the held slots again
         self.evict_if_full()
         return out
@@ -317,6 +319,11 @@ class H2OKVCache(HeavyHitters, ScoredCache):
     def _tail(self) -> list:
         """[the slot each dense tail token fills] (cache/compiled_decode.py), or []."""
         return []
+
+    def _front(self) -> int:
+        """Dense keys read before every slot, whose copies in slots [0, front) are masked
+        (cache/compiled_decode.py): none here."""
+        return 0
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Mask for N new tokens: every stored key visible, the new keys causal.

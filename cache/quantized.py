@@ -312,15 +312,22 @@ class QuantizedH2OKVCache(H2OKVCache):
         return super()._every_slot(n_new) and pools_full and self.tail_filled() == self.tail
 
     def _slots_of_keys(self, slots: int) -> mx.array:
-        """[sink pool | packed slots from the pool's end | tail]: the pools' keys (-1) are
-        always visible, their packed copies never (the sinks') or while the tail serves them
-        (the pools are full, their sizes fixed, once a decode reads every slot)."""
+        """[sink pool | every packed slot | tail]: the pools' keys (-1) are always visible,
+        their packed copies never (the sinks', past every slot) or while the tail serves
+        them (the pools are full, their sizes fixed, once a decode reads every slot)."""
         pool = self._pool()
         always, tail = mx.full((pool,), -1, mx.int32), mx.full((self.tail,), -1, mx.int32)
-        return mx.concatenate([always, mx.arange(pool, slots, dtype=mx.int32), tail])
+        packed = mx.arange(slots, dtype=mx.int32)
+        packed = mx.where(packed < pool, mx.array(2**31 - 1, mx.int32), packed)
+        return mx.concatenate([always, packed, tail])
 
     def _slots_served(self) -> int:
         return self.used - self.tail_filled()
+
+    def _front(self) -> int:
+        """A decode reading every slot (`_fetch`) reads the packed buffers whole (no slice
+        per buffer and step), the sinks' packed copies masked behind their dense pool."""
+        return self._pool()
 
     def _tail(self) -> list:
         """The slots of the tail's tokens: the last `tail` held ones."""
@@ -355,10 +362,17 @@ class QuantizedH2OKVCache(H2OKVCache):
         pool, tail = self._pool(), self.tail_filled()
         if not (pool or tail):
             return super()._fetch()
-        # One slice per packed buffer and full pools whole: on the CPU every op of a decode
-        # step's graph costs ~3-5 us, and these were a third of a packed layer's.
-        end = self.positions.shape[-1] if self.fused_decode else self.used - tail
-        packed = [a[:, :, pool:end] for a in self.keys], [a[:, :, pool:end] for a in self.values]
+        # A decode reading every slot takes the packed buffers whole (`_front`), else one
+        # slice per buffer; full pools whole: on the CPU every op of a decode step's graph
+        # costs ~3-5 us, and these were a third of a packed layer's.
+        if self.fused_decode:
+            packed = self.keys, self.values
+        else:
+            end = self.used - tail
+            packed = (
+                [a[:, :, pool:end] for a in self.keys],
+                [a[:, :, pool:end] for a in self.values],
+            )
         sinks = tails = (None, None)
         if pool:
             sinks = self.sink_keys, self.sink_values
