@@ -82,6 +82,7 @@ class H2OSlabLayer(ScoredCache):
         self.unpacked = 0
         self._mask = None  # this step's `held` per query head, [rows, q_heads, 1, slots]
         self._full = False  # some row holds more than its slot budget: it evicts this step
+        self._pool_shape = self._pool_masks_of = None  # `_pool_masks`, and the shape it fits
 
     @property
     def rows(self) -> int:
@@ -144,27 +145,29 @@ class H2OSlabLayer(ScoredCache):
         self.keys, self.values = tree_map(put, self.keys, keys), tree_map(put, self.values, values)
 
     def kv_segments(self, keys, values) -> list:
-        """Every slot of every row; a packed row's dense sink pool shadows its first slots,
-        its dense tail (the last part) the slots its newest tokens fill."""
+        """Every slot of every row; a packed row's dense sink pool (the first part) shadows
+        its first slots (read whole, masked: no slice per buffer and step), its dense tail
+        (the last part) the slots its newest tokens fill."""
         fmt = self._caches()[0].kv_format
         if self.sink_keys is None:
             return [(keys, values, fmt)]
-        pool = self.sink_keys.shape[2]
-        keys, values = (tree_map(lambda a: a[:, :, pool:], x) for x in (keys, values))
         parts = [(self.sink_keys, self.sink_values, DENSE), (keys, values, fmt)]
         if self.tail_keys is not None:
             parts.append((self.tail_keys, self.tail_values, DENSE))
         return parts
 
     def attention_mask(self, n_heads: int, n_queries: int, mask=None) -> mx.array:
-        """The slots each query head's KV head holds (the sink pool's are always held), but
-        for the tail tokens' packed copies; then the tail, all of it."""
+        """The sink pool, all of it; the slots each query head's KV head holds, but for the
+        packed copies the pools serve (the sinks', the tail tokens'); then the tail."""
         if self._mask is None:
-            visible = self.held
+            visible, front = self.held, self._front()
             if self.tail_keys is not None:
-                copies = mx.put_along_axis(self.held, self.tail_slots, mx.array(False), axis=2)
-                tail = mx.ones(self.tail_slots.shape, dtype=mx.bool_)
-                visible = mx.concatenate([copies, tail], axis=2)
+                visible = mx.put_along_axis(visible, self.tail_slots, mx.array(False), axis=2)
+            if front or self.tail_keys is not None:
+                past_front, pools, tail = self._pool_masks(front)
+                if front:
+                    visible = visible & past_front
+                visible = mx.concatenate([*pools, visible, *tail], axis=2)
             group = n_heads // self.held.shape[1]
             self._mask = mx.repeat(visible[:, :, None], group, axis=1)
         return self._mask
@@ -176,7 +179,8 @@ class H2OSlabLayer(ScoredCache):
         """Accumulate every row's scores at once, then evict the rows that overflow."""
         caches = self._caches()
         rule, n_kv = caches[0].score_rule, self.positions.shape[1]
-        self.scores = scored(rule, n_kv, self.scores, [self.held], logits, probs, self._tail())
+        tail, front = self._tail(), self._front()
+        self.scores = scored(rule, n_kv, self.scores, [self.held], logits, probs, tail, front)
         self._evict_overflowing(caches)
 
     fused_decode = True  # the slots' shapes stay fixed while the rows do
@@ -191,10 +195,31 @@ class H2OSlabLayer(ScoredCache):
         rule, n_kv = caches[0].score_rule, self.positions.shape[1]
         out, self.scores = attended_and_scored(
             queries, parts, scale, mask, attend, how, rule, n_kv, self.scores, [self.held],
-            self._tail(),
+            self._tail(), self._front(),
         )  # fmt: skip
         self._evict_overflowing(caches)
         return out
+
+    def _pool_masks(self, front: int) -> tuple:
+        """(slots past the sink pool [slots], [the pool, all visible], [the tail, all
+        visible]): built and evaluated once per shape, so no step builds them."""
+        rows, heads, slots = self.held.shape
+        tail = 0 if self.tail_slots is None else self.tail_slots.shape[2]
+        shape = (rows, heads, slots, front, tail)
+        if self._pool_shape != shape:
+            ones = partial(mx.ones, dtype=mx.bool_)
+            self._pool_masks_of = (
+                mx.arange(slots) >= front,
+                [ones((rows, heads, front))] if front else [],
+                [ones((rows, heads, tail))] if tail else [],
+            )
+            mx.eval(self._pool_masks_of)
+            self._pool_shape = shape
+        return self._pool_masks_of
+
+    def _front(self) -> int:
+        """The dense sink pool's tokens, read before every slot (cache/compiled_decode.py)."""
+        return 0 if self.sink_keys is None else self.sink_keys.shape[2]
 
     def _tail(self) -> list:
         """[the slot each tail token fills] for a layout with a dense tail, else []."""
