@@ -42,6 +42,7 @@ from kernels import (
     select_backend,
     select_kvarn_backend,
     select_prompt_backend,
+    select_weights_backend,
 )
 from kernels.hadamard import rotate
 from kernels.kvarn import TileFormat, dequantize_storage, kvarn_sdpa_with_probs
@@ -151,7 +152,8 @@ class ScoredAttention:
                 return self._fused_prompt(queries, parts[0], cache, scale, mask, kernel)
         if L <= self.block:
             out, logits, probs = self.attend_parts(queries, parts, scale, mask, bias)
-            cache.update_scores(logits, probs)
+            if not self._decode_weights(cache, logits, probs):
+                cache.update_scores(logits, probs)
             if self.eager_scores:
                 start_scores(cache)
             return self._with_archive(queries, out, logits, archive, scale)
@@ -182,7 +184,11 @@ class ScoredAttention:
         (`attend_decode`: an H2O slab's rows): where every part is dense or
         mx.quantize-packed and the reference kernel serves it (a GPU kernel is one launch)."""
         wanted = self.compiled_decode and cache.fused_decode
-        return wanted and self._on_reference(queries, parts, mask)
+        # The mask spans every part: a part alone is probed without it (the GPU kernels
+        # take any decode mask of the whole call), or a packed cache's pools and slots, one
+        # GPU kernel call (`_packed_with_pools`), would be compiled as the reference's.
+        probe = mask if len(parts) == 1 else None
+        return wanted and self._on_reference(queries, parts, probe)
 
     def _fuses_prefill(self) -> bool:
         if self.fused_prefill is not None:
@@ -222,6 +228,18 @@ class ScoredAttention:
             return None
         name = select_prompt_backend(self.backend, queries, keys, mask, cache.scores)
         return None if name == "reference" else get_backend(name).prompt_weights
+
+    def _decode_weights(self, cache, logits: mx.array, probs) -> bool:
+        """A GPU decode's scores in one launch of the kernel that adds its key weights to the
+        held scores (kernels/src/decode_weights.body), instead of the rule's softmax, sums
+        and accumulation, where the cache's rule sums them; False: `update_scores`."""
+        if probs is not None or not cache.sums_probabilities:
+            return False  # the reference's own probabilities serve the rule
+        name = select_weights_backend(self.backend, logits, cache.scores)  # decode shapes
+        if name == "reference":
+            return False
+        kernel = get_backend(name).decode_weights
+        return cache.update_weights(functools.partial(kernel, logits))
 
     def _with_archive(self, queries, out, logits, archive, scale: float) -> mx.array:
         """`out` merged with attention over `archive` (keys, values, format), every key of

@@ -145,6 +145,14 @@ class ScoredCache(LayerCache):
         self.add_scores(logits, probs)
         self.evict_if_full()
 
+    def update_weights(self, weights: Callable[[mx.array], mx.array]) -> bool:
+        """A decode step's scores from a GPU kernel: `weights(scores)` is `scores` plus each
+        key's softmax weight, summed over the query rows of its KV head, from the logits
+        just attended (kernels/src/decode_weights.body). Take them and evict, where that is
+        exactly this cache's update (its rule sums probabilities; the logits cover its
+        slots in order); False leaves the step's logits to `update_scores`."""
+        return False
+
     def add_scores(self, logits: mx.array, probs: mx.array | None = None) -> None:
         """Accumulate the logits of a block of queries without evicting yet."""
 

@@ -229,6 +229,17 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         self.evict_if_full()
         return out
 
+    def update_weights(self, weights: Callable[[mx.array], mx.array]) -> bool:
+        """Its slots one per token and KV head (`slab_rows` layouts), the logits in slot
+        order unless a decode that read every slot moves pools' logits (`_front`, `_tail`)."""
+        every_slot = self.fused_decode and (self._front() or self._tail())
+        if not (self.slab_rows and self.sums_probabilities) or every_slot:
+            return False
+        self.fused_decode = False  # the step ends here
+        self.scores = weights(self.scores)
+        self.evict_if_full()
+        return True
+
     def add_scores(self, scores: mx.array, probs: mx.array | None = None) -> None:
         """Accumulate logits of some query rows (in order) without evicting yet.
 

@@ -183,6 +183,20 @@ class H2OSlabLayer(ScoredCache):
         self.scores = scored(rule, n_kv, self.scores, [self.held], logits, probs, tail, front)
         self._evict_overflowing(caches)
 
+    @property
+    def sums_probabilities(self) -> bool:
+        return self._caches()[0].sums_probabilities  # every row's rule is the same
+
+    def update_weights(self, weights: Callable[[mx.array], mx.array]) -> bool:
+        """Dense rows (no pools whose logits move); a free slot's logit is masked and its
+        score 0, so held + weights needs no `held` select."""
+        pools = self.sink_keys is not None or self.tail_keys is not None
+        if pools or not self.sums_probabilities:
+            return False
+        self.scores = weights(self.scores)
+        self._evict_overflowing(self._caches())
+        return True
+
     fused_decode = True  # the slots' shapes stay fixed while the rows do
 
     def attend_decode(

@@ -19,6 +19,7 @@ from kernels.dispatch import (
     select_backend,
     select_kvarn_backend,
     select_prompt_backend,
+    select_weights_backend,
 )
 
 __all__ = [
@@ -32,4 +33,5 @@ __all__ = [
     "select_backend",
     "select_kvarn_backend",
     "select_prompt_backend",
+    "select_weights_backend",
 ]

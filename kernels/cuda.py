@@ -29,3 +29,5 @@ supports_kvarn = launch.supports_kvarn
 kvarn_sdpa_with_scores = _kernels.kvarn  # KVarN storage: [front, tiles, tail] per side
 supports_prompt = launch.supports_prompt
 prompt_weights = _kernels.prompt_weights  # a prompt's key weights in two passes over K
+supports_decode_weights = launch.supports_decode_weights
+decode_weights = _kernels.decode_weights  # a decode's key weights from its logits

@@ -42,6 +42,11 @@ class Backend:
     # block's summed softmax weight per key added to the held scores (no logits returned).
     supports_prompt: Callable[..., bool]
     prompt_weights: Callable[..., mx.array]
+    # supports_decode_weights(scores, held), decode_weights(scores, held): a decode step's
+    # summed softmax weight per key, from the logits its attention exported, added to the
+    # held scores in one launch.
+    supports_decode_weights: Callable[..., bool]
+    decode_weights: Callable[..., mx.array]
 
 
 def _reference_kvarn(q, keys, values, scale: float, mask: Mask, fmt: TileFormat):
@@ -59,6 +64,8 @@ _BACKENDS: dict[str, Backend] = {
             gpu.kvarn_sdpa_with_scores,
             gpu.supports_prompt,
             gpu.prompt_weights,
+            gpu.supports_decode_weights,
+            gpu.decode_weights,
         )
         for name, gpu in (("metal", metal), ("cuda", cuda))
     },
@@ -71,6 +78,8 @@ _BACKENDS: dict[str, Backend] = {
         _reference_kvarn,
         lambda *args, **kwargs: True,
         reference.prompt_weights,
+        lambda *args, **kwargs: True,
+        reference.decode_weights,
     ),
 }
 BACKEND_NAMES = (AUTO, *_BACKENDS)
@@ -141,14 +150,26 @@ def select_prompt_backend(
     return _first(preference, supports, q, "dense (prompt weights)")
 
 
+def select_weights_backend(preference: str, scores: mx.array, held: mx.array) -> str:
+    """The backend that adds a decode step's key weights (from its logits) to `held`: the
+    one whose attention kernel exported them, where it takes them (any decode shape it
+    attends), else the reference (the attention's fallback already said so)."""
+    supports = lambda b: b.supports_decode_weights(scores, held)  # noqa: E731
+    return _preferred(preference, supports) or "reference"
+
+
 def _first(preference: str, supports: Callable[[Backend], bool], q: mx.array, storage: str):
     """The preferred backend (under auto: the first GPU one) present and supporting the
     call, else the reference."""
+    return _preferred(preference, supports) or _fall_back(preference, q, storage)
+
+
+def _preferred(preference: str, supports: Callable[[Backend], bool]) -> str | None:
     candidates = [n for n in _BACKENDS if n != "reference"] if preference == AUTO else [preference]
     for name in candidates:
         if _is_available(name) and supports(_BACKENDS[name]):
             return name
-    return _fall_back(preference, q, storage)
+    return None
 
 
 def _fall_back(preference: str, q: mx.array, storage: str) -> str:

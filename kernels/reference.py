@@ -92,6 +92,20 @@ def prompt_weights(q: mx.array, k: mx.array, scale: float, mask: Mask, held: mx.
     return mx.concatenate([held[..., :L_k] + sums, held[..., L_k:]], axis=-1)
 
 
+def decode_weights(scores: mx.array, held: mx.array) -> mx.array:
+    """`held` [B, n_kv, n >= L_k] plus each key's softmax weight summed over the query rows
+    of its KV head, from a decode's logits `scores` [B, n_q, L_q, L_k] (masked -inf): the
+    `attn` rule's update, which the GPU kernels take from the decode kernel's logits in
+    one launch (kernels/src/decode_weights.body)."""
+    B, n_q, L_q, L_k = scores.shape
+    n_kv = held.shape[1]
+    probs = mx.softmax(scores.astype(mx.float32), axis=-1, precise=True)
+    sums = probs.reshape(B, n_kv, (n_q // n_kv) * L_q, L_k).sum(axis=2)
+    if held.shape[-1] == L_k:
+        return held + sums
+    return mx.concatenate([held[..., :L_k] + sums, held[..., L_k:]], axis=-1)
+
+
 def _grouped_probs(q, k, scale: float, mask: Mask, bias) -> tuple[mx.array, mx.array]:
     """float32 logits and softmax laid out [B, n_kv, rep * L_q, L_k]."""
     B, n_q, L_q, D = q.shape

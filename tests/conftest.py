@@ -108,6 +108,8 @@ def emulated_gpu(monkeypatch):
         logged("kvarn", kernels.kvarn),
         launch.supports_prompt,
         logged("prompt_weights", kernels.prompt_weights),
+        launch.supports_decode_weights,
+        logged("decode_weights", kernels.decode_weights),
     )
     monkeypatch.setitem(dispatch._BACKENDS, "metal", gpu)
     monkeypatch.setattr(dispatch, "_is_available", lambda name: name in ("metal", "reference"))

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from cache.kvarn_tiles import encode_keys, encode_values
+from cache.scores.base import per_kv_head
 from kernels import cuda, dispatch, metal, reference
 from kernels.kvarn import TileFormat, kvarn_sdpa_with_probs
 from kernels.src import BODIES, EMULATOR_DIALECT, SRC_DIR, assemble, emulator, launch
@@ -221,6 +222,8 @@ EMULATED = SimpleNamespace(
     kvarn_sdpa_with_scores=_emulated_kernels.kvarn,
     supports_prompt=launch.supports_prompt,
     prompt_weights=_emulated_kernels.prompt_weights,
+    supports_decode_weights=launch.supports_decode_weights,
+    decode_weights=_emulated_kernels.decode_weights,
 )
 BACKENDS = {"metal": metal, "cuda": cuda, "emulated": EMULATED}
 SKIP_REASONS = {
@@ -413,6 +416,71 @@ def test_prompt_weights_take_dense_keys_and_no_mask_or_a_causal_one():
     assert not launch.supports_prompt(q, k, "causal", held.astype(mx.float16))
     assert not launch.supports_prompt(q, k[:, :, :4], "causal", held)  # causal: L_k >= L_q
     assert not launch.supports_prompt(mx.zeros((1, 4, 8, 48)), mx.zeros((1, 2, 16, 48)), None, held)
+
+
+# --- a decode's key weights from its logits (kernels/src/decode_weights.body) ------------
+
+EMULATED_DECODE_WEIGHTS = [
+    # L_q, L_k, held width, gqa, masked (every 3rd key), dtype of the attention's K/V
+    (1, 40, 40, 1, False, mx.float32),
+    (1, 129, 129, 4, True, mx.float32),  # a lone cache's slots, the free ones masked
+    (1, 700, 750, 3, True, mx.float32),  # keys past a turn of the threads; held copied
+    (3, 300, 300, 2, False, mx.float32),  # a few query positions per KV head
+    (1, 257, 257, 4, True, mx.float16),  # through the half decode kernel
+]
+
+
+def check_decode_weights(backend, L_q, L_k, width, gqa, masked, dtype, B=2):
+    """held + each key's softmax weight summed over the query rows of its KV head, from
+    the logits the decode kernel exported, against the `attn` rule's update on the
+    reference and a float64 numpy oracle; masked keys get nothing."""
+    rng = np.random.default_rng(L_k * 10 + gqa)
+    n_kv, D = 2, 64
+    q = mx.array(rng.standard_normal((B, n_kv * gqa, L_q, D), dtype=np.float32)).astype(dtype)
+    k = mx.array(rng.standard_normal((B, n_kv, L_k, D), dtype=np.float32)).astype(dtype)
+    mask = mx.array(np.arange(L_k) % 3 != 1) if masked else None
+    _, logits = backend.sdpa_with_scores(q, k, k, D**-0.5, mask)
+    held = mx.array(rng.random((B, n_kv, width), dtype=np.float32))
+    assert backend.supports_decode_weights(logits, held)
+    got = backend.decode_weights(logits, held)
+    assert got.dtype == mx.float32 and got.shape == held.shape
+    want = held[..., :L_k] + per_kv_head(mx.softmax(logits, axis=-1, precise=True), n_kv)
+    want = mx.concatenate([want, held[..., L_k:]], axis=-1)
+    assert_close(got, want, 1e-5 if dtype == mx.float32 else 1e-3, "weights")
+    assert_close(got, reference.decode_weights(logits, held), 1e-5, "weights")
+    x = np.array(logits, dtype=np.float64)
+    probs = np.exp(x - x.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    oracle = np.array(held, dtype=np.float64)
+    oracle[..., :L_k] += probs.reshape(B, n_kv, gqa * L_q, L_k).sum(axis=2)
+    np.testing.assert_allclose(np.array(got), oracle, rtol=1e-5, atol=1e-5)
+    if masked:  # the masked keys' held scores are copied unchanged
+        off = np.arange(L_k) % 3 == 1
+        kept = np.array(held)[..., :L_k][..., off]
+        np.testing.assert_array_equal(np.array(got)[..., :L_k][..., off], kept)
+
+
+@pytest.mark.parametrize(
+    "L_q, L_k, width, gqa, masked, dtype",
+    EMULATED_DECODE_WEIGHTS,
+    ids=case_ids(EMULATED_DECODE_WEIGHTS),
+)
+def test_emulated_decode_weights_match_the_attn_rule(L_q, L_k, width, gqa, masked, dtype):
+    check_decode_weights(kernel_backend("emulated"), L_q, L_k, width, gqa, masked, dtype)
+
+
+@on_backends(GPU_BACKENDS, "L_q, L_k, width, gqa, masked, dtype", EMULATED_DECODE_WEIGHTS)
+def test_gpu_decode_weights_match_the_attn_rule(name, L_q, L_k, width, gqa, masked, dtype):
+    check_decode_weights(kernel_backend(name), L_q, L_k, width, gqa, masked, dtype)
+
+
+def test_decode_weights_take_a_decodes_float32_logits():
+    logits, held = mx.zeros((1, 4, 1, 16)), mx.zeros((1, 2, 16))
+    assert launch.supports_decode_weights(logits, held)
+    assert not launch.supports_decode_weights(logits, held[..., :15])  # fewer slots than keys
+    assert not launch.supports_decode_weights(logits.astype(mx.float16), held)
+    assert not launch.supports_decode_weights(logits, mx.zeros((1, 3, 16)))  # 4 heads over 3
+    assert not launch.supports_decode_weights(mx.zeros((1, 4, 9, 16)), held)  # a prompt chunk
 
 
 # --- packed K/V between dense pools: [front | packed | tail] -----------------------------

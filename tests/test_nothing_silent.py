@@ -49,10 +49,7 @@ def test_a_forced_backend_says_once_what_it_hands_to_the_reference(monkeypatch, 
         lambda: True,
         lambda *a, **k: False,
         *(lambda *a, **k: None,) * 2,
-        lambda *a, **k: False,
-        lambda *a, **k: None,
-        lambda *a, **k: False,
-        lambda *a, **k: None,
+        *(lambda *a, **k: False, lambda *a, **k: None) * 3,
     )
     monkeypatch.setitem(dispatch._BACKENDS, "metal", never)
     monkeypatch.setattr(dispatch, "_is_available", lambda name: name in ("metal", "reference"))

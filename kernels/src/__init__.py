@@ -22,7 +22,7 @@ from pathlib import Path
 SRC_DIR = Path(__file__).parent
 DIALECTS = ("metal", "cuda")  # the GPU backends
 EMULATOR_DIALECT = "host"  # CPU emulation of the same bodies, for tests (emulator.py)
-BODIES = ("decode_attention", "combine_blocks", "prompt_weights")
+BODIES = ("decode_attention", "combine_blocks", "decode_weights", "prompt_weights")
 
 
 @dataclass(frozen=True)

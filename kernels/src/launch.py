@@ -63,6 +63,8 @@ _PROMPT_PASSES = {
     2: (("queries", "keys", "row_max", "row_sum", "held", "scale"), ("weights",)),
 }
 _SPLIT_OUTPUTS = ("scores", "partial_out", "partial_max", "partial_sum")
+WEIGHTS_THREADS = 256  # keys per turn of a decode-weights threadgroup (a power of two)
+MAX_WEIGHT_ROWS = 64  # query rows per KV head it takes (its shared row statistics)
 
 
 def supports(
@@ -112,6 +114,20 @@ def supports_prompt(q: mx.array, k: mx.array, mask: object, held: mx.array) -> b
     rows = (n_q // n_kv) * L_q
     tiles = max(math.ceil(rows / PROMPT_THREADS), math.ceil(held.shape[2] / PROMPT_THREADS))
     return tiles <= MAX_GRID_ROWS and B * n_kv <= MAX_GRID_ROWS
+
+
+def supports_decode_weights(scores: mx.array, held: mx.array) -> bool:
+    """Whether the decode-weights kernel takes this step: float32 logits [B, n_q, L_q, L_k]
+    of a decode (as the decode kernels export them) and float32 held scores [B, n_kv,
+    >= L_k], the query heads grouped over the KV heads."""
+    if scores.ndim != 4 or held.ndim != 3 or mx.float32 != scores.dtype or mx.float32 != held.dtype:
+        return False
+    B, n_q, L_q, L_k = scores.shape
+    n_kv = held.shape[1]
+    if held.shape[0] != B or held.shape[2] < L_k or n_kv < 1 or n_q % n_kv:
+        return False
+    rows = (n_q // n_kv) * L_q
+    return 1 <= L_q <= MAX_QUERY_LEN and rows <= MAX_WEIGHT_ROWS and B * n_kv <= MAX_GRID_ROWS
 
 
 def _decode_query(q: mx.array, batch: int, n_kv: int) -> bool:
@@ -198,6 +214,7 @@ class DecodeKernels:
         self._kernels: dict[tuple[str, bool], Callable] = {}
         self._combine: Callable | None = None
         self._prompt: dict[int, Callable] = {}
+        self._weights: Callable | None = None
 
     def prompt_weights(
         self, q: mx.array, k: mx.array, scale: float, mask: object, held: mx.array
@@ -228,6 +245,32 @@ class DecodeKernels:
             template=constants + _input_dtypes(second),
             grid=(PROMPT_THREADS, math.ceil(held.shape[2] / PROMPT_THREADS), B * n_kv),
             threadgroup=threads,
+            output_shapes=[held.shape],
+            output_dtypes=[mx.float32],
+        )
+        return weights
+
+    def decode_weights(self, scores: mx.array, held: mx.array) -> mx.array:
+        """`held` [B, n_kv, n >= L_k] plus each key's softmax weight summed over the query
+        rows of its KV head, from a decode's exported logits `scores` [B, n_q, L_q, L_k]
+        (masked keys -inf): the `attn` rule's update in one launch."""
+        B, n_q, L_q, _ = scores.shape
+        n_kv = held.shape[1]
+        if self._weights is None:
+            source = assemble("decode_weights", self.dialect)
+            self._weights = self._make_kernel(
+                "h2o_decode_weights", ("scores", "held"), ("weights",), source
+            )
+        inputs = [scores, held]
+        (weights,) = self._weights(
+            inputs=inputs,
+            template=[
+                ("N_THREADS", WEIGHTS_THREADS),
+                ("N_ROWS", (n_q // n_kv) * L_q),
+                *_input_dtypes(inputs),
+            ],
+            grid=(WEIGHTS_THREADS, 1, B * n_kv),
+            threadgroup=(WEIGHTS_THREADS, 1, 1),
             output_shapes=[held.shape],
             output_dtypes=[mx.float32],
         )
