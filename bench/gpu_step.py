@@ -62,6 +62,7 @@ def counting_evals(counter: list[int]):
         counter[0] += primitives(*args)
         real_eval(*args)
 
+    counted.real = real_eval  # for work that must not be counted (gpu_route's stand-ins)
     mx.eval, mx.async_eval = counted, counted
     try:
         yield
@@ -165,25 +166,28 @@ def main(argv: list[str] | None = None) -> int:
             return (lambda: batch_caches([], slab)), [slab], tokens
         return (lambda: batch_caches(made)), made, tokens
 
-    def measure(policy: str | None, rows: int, with_step: bool, count: bool) -> tuple[float, float]:
-        """(ops per step, mean over the steps; host ms to build a step, median)."""
+    def measure(
+        policy: str | None, rows: int, with_step: bool, count: bool, on_gpu: bool = False
+    ) -> tuple[float, float]:
+        """(ops per step, mean over the steps; host ms to build a step, median). `on_gpu`:
+        the ops of a GPU's route (`gpu_route`), nothing timed."""
         caches, held, token = sessions(policy, rows, with_step)
         scored = [c for c in buffers_holders(held)]
         mx.eval(token, buffers(held))
         ops, builds = [0], []
         for _ in range(args.steps if count else 0):  # counted: every evaluation in a step
-            with counting_evals(ops):
+            with counting_evals(ops), gpu_route(ops, on_gpu):
                 logits = model(token, cache=caches())
                 token = mx.argmax(logits[:, -1], axis=-1)[:, None]
                 mx.eval(token, buffers(held))
-        for _ in range(args.steps):  # timed: building the step, nothing else running
+        for _ in range(0 if on_gpu else args.steps):  # timed: building the step alone
             start = time.perf_counter()
             logits = model(token, cache=caches())
             builds.append(time.perf_counter() - start)
             token = mx.argmax(logits[:, -1], axis=-1)[:, None]
             mx.eval(token, step_scores(scored))  # what the server's batcher launches
             mx.eval(buffers(held))
-        return ops[0] / args.steps, statistics.median(builds) * 1e3
+        return ops[0] / args.steps, statistics.median(builds) * 1e3 if builds else 0.0
 
     # No step owner evaluates the scores (a direct model call, make_cache's default):
     # attention starts them layer by layer unless its compiled decode ties them to the output.
@@ -193,12 +197,15 @@ def main(argv: list[str] | None = None) -> int:
         cases.append((no_owner, "h2o"))
     row_counts = sorted({1, args.rows}) if args.steps else []  # --steps 0: the prompt only
     ops, builds = {}, {}  # ops counted once; build ms per round, cases interleaved
+    gpu_ops = {}  # ops on a GPU's route (stand-in kernels counted as their launches)
     for r in range(args.rounds):
         for rows in row_counts:
             for label, policy in cases if r % 2 == 0 else cases[::-1]:
                 n, ms = measure(policy, rows, label != no_owner, count=r == 0)
                 ops.setdefault((label, rows), n)
                 builds.setdefault((label, rows), []).append(ms)
+                if r == 0:
+                    gpu_ops[label, rows] = measure(policy, rows, label != no_owner, True, True)[0]
                 print(f"round {r}: {label} x{rows}: {ms:.2f} ms", file=sys.stderr)
 
     def build_ratio(label: str, rows: int) -> float:
@@ -208,8 +215,11 @@ def main(argv: list[str] | None = None) -> int:
 
     got = {key: (ops[key], statistics.median(builds[key])) for key in ops}
 
-    columns = "cache | rows | ops per step | x stock | build ms per step | x stock | how it batches"
-    lines = [f"| {columns} |", "|---|---|---|---|---|---|---|"] if row_counts else []
+    columns = (
+        "cache | rows | ops per step | x stock | build ms per step | x stock | "
+        "ops, GPU route | x stock | how it batches"
+    )
+    lines = [f"| {columns} |", "|---|---|---|---|---|---|---|---|---|"] if row_counts else []
     for rows in row_counts:
         for label, policy in cases:
             n, ms = got[label, rows]
@@ -217,9 +227,11 @@ def main(argv: list[str] | None = None) -> int:
             if rows > 1 and policy is not None:
                 how = "one H2OSlab" if POLICIES[policy].slab else "a part per session"
                 how = "a part per session" if policy == "rotating" else how
+            on_gpu = gpu_ops[label, rows]
             lines.append(
                 f"| {label} | {rows} | {n:.0f} | {n / ops[STOCK, rows]:.2f}x | {ms:.2f} | "
-                f"{build_ratio(label, rows):.2f}x | {how} |"
+                f"{build_ratio(label, rows):.2f}x | {on_gpu:.0f} | "
+                f"{on_gpu / gpu_ops[STOCK, rows]:.2f}x | {how} |"
             )
     if args.prompt:
         prompt = prompt_section(args, model, vocab, policies)
@@ -231,7 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         f"evict). Ops: MLX primitives evaluated per step (launches on a GPU), the mean over "
         f"the steps (evictions amortized). Build: host ms until the model call returns, the "
         f"median over {args.rounds} interleaved rounds; its ratio is taken within each round, "
-        f"then the median. Machine: {machine()}."
+        f"then the median. GPU route: the ops of the same steps where a GPU backend takes "
+        f"what its kernels take (decode attention over dense and mx.quantize-packed parts, "
+        f"the `attn` rule's key weights: kernels/src), each kernel counted as its launches, "
+        f"their values computed here by the reference outside the count. "
+        f"Machine: {machine()}."
     )
     if not args.steps:
         title = "A scored prompt's ops, stock mlx-lm against bounded policies"
@@ -254,7 +270,7 @@ def prompt_section(args, model, vocab: int, policies: list[str]) -> list[str]:
 
     ids = mx.random.randint(0, vocab, (1, args.prompt), key=mx.random.key(1))
 
-    def prompt_ops(policy: str | None, gpu_route: bool = False) -> int:
+    def prompt_ops(policy: str | None, on_gpu: bool = False) -> int:
         if policy is None:
             uninstall_router(model)
             caches = make_prompt_cache(model)
@@ -262,7 +278,7 @@ def prompt_section(args, model, vocab: int, policies: list[str]) -> list[str]:
             install_router(model)
             caches = make_cache(model, policy, max_kv=args.prompt + 1)  # nothing evicted
         ops = [0]
-        with counting_evals(ops), gpu_prompt_route(ops, gpu_route):
+        with counting_evals(ops), gpu_route(ops, on_gpu):
             logits = model(ids, cache=caches)
             mx.eval(logits, buffers(caches))
         return ops[0]
@@ -283,7 +299,7 @@ def prompt_section(args, model, vocab: int, policies: list[str]) -> list[str]:
     ]
     for policy in [p for p in policies if p in ("h2o", "h2o-q8")]:
         for route in ("here", "GPU"):
-            ops = prompt_ops(policy, gpu_route=route == "GPU")
+            ops = prompt_ops(policy, on_gpu=route == "GPU")
             extra = ops - stock
             lines.append(
                 f"| {policy} | {route} | {ops} | {extra / layers:.1f} | "
@@ -294,41 +310,93 @@ def prompt_section(args, model, vocab: int, policies: list[str]) -> list[str]:
 
 
 @contextmanager
-def gpu_prompt_route(counter: list[int], on: bool):
-    """Within: prompts take the GPU's route (ATTENTION.fused_prefill), and a stand-in GPU
-    backend takes the prompt-weights calls, adding the kernel's two launches to `counter`
-    (its values from the reference, evaluated outside the count). Nothing else goes to it."""
+def gpu_route(counter: list[int], on: bool):
+    """Within: attention takes a GPU's route. A stand-in GPU backend takes the calls a GPU
+    kernel would (decode attention over dense and mx.quantize-packed parts with their
+    pools, a decode's key weights, a prompt's key weights; prompts fused as on a GPU), and
+    mx.fast's SDPA (stock's attention, and a fused prompt's) is one launch as on a GPU;
+    each adds its launches to `counter`, its values computed by the reference (or MLX's
+    own SDPA) outside the count, after counting the pending ops of its inputs (which that
+    evaluation runs early). KVarN parts stay on the reference."""
     if not on:
         yield
         return
     import mlx.core as mx
 
+    from cache import attention
     from cache.attention import ATTENTION
     from kernels import dispatch, reference
     from kernels.src import launch
 
-    real_eval = mx.eval
+    real_eval = getattr(mx.eval, "real", mx.eval)  # never counted_evals' own count
+
+    def run(inputs: list, compute, launches: int):
+        inputs = [x for x in inputs if isinstance(x, mx.array)]  # a mask may be None or a str
+        counter[0] += primitives(*inputs)
+        real_eval(*inputs)
+        result = compute()
+        real_eval(result)
+        counter[0] += launches
+        return result
+
+    def decode_launches(q: mx.array, L_k: int) -> int:
+        """Pass 1, and the block merge when the keys are split over blocks."""
+        B, n_q, L_q, _ = q.shape
+        return 1 + (launch.choose_blocks(B * n_q * L_q, L_k) > 1)
+
+    def dense(q, k, v, scale, mask=None, n_blocks=None):
+        attend = lambda: reference.sdpa_with_scores(q, k, v, scale, mask)  # noqa: E731
+        return run([q, k, v, mask], attend, decode_launches(q, k.shape[2]))
+
+    def quantized(q, k_q, v_q, scale, mask, group_size, bits, front=None, tail=None):
+        def attend():
+            packed = [mx.dequantize(*x, group_size=group_size, bits=bits) for x in (k_q, v_q)]
+            k, v = (
+                mx.concatenate([p[i] for p in (front, packed, tail) if p is not None], axis=2)
+                for i in (0, 1)
+            )
+            return reference.sdpa_with_scores(q, k, v, scale, mask)
+
+        inputs = [q, *k_q, *v_q, mask, *(front or ()), *(tail or ())]
+        L_k = k_q[0].shape[2] + sum(p[0].shape[2] for p in (front, tail) if p is not None)
+        return run(inputs, attend, decode_launches(q, L_k))
 
     def prompt_weights(q, k, scale, mask, held):
-        weights = reference.prompt_weights(q, k, scale, mask, held)
-        real_eval(weights)
-        counter[0] += 2  # pass 1 (row max and sum), pass 2 (column sums)
-        return weights
+        weights = lambda: reference.prompt_weights(q, k, scale, mask, held)  # noqa: E731
+        return run([q, k, held], weights, 2)  # row max and sum, then column sums
+
+    def decode_weights(scores, held):
+        return run([scores, held], lambda: reference.decode_weights(scores, held), 1)
+
+    real_sdpa = mx.fast.scaled_dot_product_attention
+
+    def fused_sdpa(q, k, v, *, scale: float, mask=None, **kwargs):
+        """One launch on a GPU; on a CPU MLX builds it from several ops (stock's too)."""
+        attend = lambda: real_sdpa(q, k, v, scale=scale, mask=mask, **kwargs)  # noqa: E731
+        return run([q, k, v, mask], attend, 1)
 
     def never(*_, **__) -> bool:
         return False
 
     stand_in = dispatch.Backend(
-        lambda: True, never, None, None, never, None, launch.supports_prompt, prompt_weights
-    )
+        lambda: True, launch.supports, dense, quantized, never, None,
+        launch.supports_prompt, prompt_weights, launch.supports_decode_weights, decode_weights,
+    )  # fmt: skip
     saved = dispatch._BACKENDS["metal"], ATTENTION.fused_prefill
+
+    def forget_devices() -> None:
+        dispatch._is_available.cache_clear()
+        attention._reference_only.cache_clear()
+
     dispatch._BACKENDS["metal"], ATTENTION.fused_prefill = stand_in, True
-    dispatch._is_available.cache_clear()
+    mx.fast.scaled_dot_product_attention = fused_sdpa
+    forget_devices()
     try:
         yield
     finally:
         dispatch._BACKENDS["metal"], ATTENTION.fused_prefill = saved
-        dispatch._is_available.cache_clear()
+        mx.fast.scaled_dot_product_attention = real_sdpa
+        forget_devices()
 
 
 if __name__ == "__main__":
