@@ -18,10 +18,13 @@ than the model was trained on; `offset` then runs `shift` behind `seen`.
 Eviction runs after scoring, when the cache holds more than max_size tokens.
 It drops the lowest-scored middle tokens (neither sink nor recent) per head,
 down to max_size + 1 - evict_batch, with one argpartition and one gather into
-buffers of max_size + 1 slots (a decode's eviction, whose shapes repeat, as one
-compiled call). The next evict_batch - 1 decode steps only
-append (two slice writes, like mlx-lm's KVCache), so the gather is amortized;
-evict_batch=1 is H2O evicting one token per step. Free slots always hold
+buffers of max_size + 1 slots. A decode's eviction (the buffers at that final
+size, its shapes the same every time) is one compiled call and moves only what
+must move: the kept tokens among the newest slots fill the slots the leavers
+left (`_fill_holes`), so slots are not in position order. The next
+evict_batch - 1 decode steps only append (two slice writes, like mlx-lm's
+KVCache), so an eviction is amortized; evict_batch=1 is H2O evicting one token
+per step. Free slots always hold
 score 0 and the position the next appended token will have, so appending
 writes keys and values only.
 
@@ -36,6 +39,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable, Hashable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -43,7 +47,7 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.base import create_causal_mask
 
 from cache.budget import H2O_BOOKKEEPING
-from cache.compiled_decode import attended_and_scored, scored
+from cache.compiled_decode import attended_and_scored, scatter_write, scored
 from cache.contents import LayerContents, scored_contents
 from cache.contract import LayerCache, ScoredCache
 from cache.heavy_hitters import HeavyHitters, segment_knobs
@@ -569,8 +573,41 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         if self._evicts_at_final_size() and (compiled := _compiled_eviction(self)):
             self._evict_compiled(compiled)
             return
+        self._evict_ops()
+
+    def _evict_ops(self) -> None:
+        """`_evict` op by op (what `_compiled_eviction` traces)."""
         kept, _ = self._eviction_split()
-        self._gather(kept, capacity=self.max_size + 1)
+        if self._evicts_at_final_size() and self.fills_holes:
+            self._fill_holes(kept)
+        else:
+            self._gather(kept, capacity=self.max_size + 1)
+
+    # Whether a decode's eviction may leave slots out of position order (`_fill_holes`): a
+    # dense tail needs the newest tokens in the last slots (cache/quantized.py).
+    fills_holes: bool = True
+
+    def _fill_holes(self, kept: mx.array) -> None:
+        """Eviction that moves only what must move: the kept tokens among the slots past
+        `keep` (at most used - keep per head: the newest) go into the slots the leavers
+        left below it, every other token stays where it is. A gather would rewrite every
+        slot of K/V; this writes used - keep per head (the lone cache's twin of a slab's
+        freed slots, with its slots still [0, used) for the next tokens' slice writes)."""
+        n, keep = self.used, kept.shape[-1]
+        lead = self.positions.shape[:2]
+        is_kept = mx.put_along_axis(mx.zeros((*lead, n), mx.bool_), kept, mx.array(True), -1)
+        below = mx.arange(keep, dtype=mx.int32)
+        # Each head's holes below `keep`, ascending (as many as it keeps past it), then n.
+        holes = mx.sort(mx.where(is_kept[..., :keep], n, below), axis=-1)[..., : n - keep]
+        movers = is_kept[..., keep:]
+        rank = mx.maximum(mx.cumsum(movers.astype(mx.int32), axis=-1) - 1, 0)
+        past = mx.arange(keep, n, dtype=mx.int32)
+        dest = mx.where(movers, mx.take_along_axis(holes, rank, axis=-1), past)  # else: stays
+        move = partial(_moved_slots, dest, keep, n)
+        self.keys, self.values = tree_map(move, (self.keys, self.values))
+        self.scores, self.positions = move(self.scores), move(self.positions)
+        self.used = keep
+        self.reset_free_slots()
 
     def _evicts_at_final_size(self) -> bool:
         """A decode's eviction: every slot of buffers at their final size full, so its shapes
@@ -622,12 +659,17 @@ def _compiled_eviction(cache: H2OKVCache) -> Callable | None:
             view = copy.copy(template)
             view.__dict__.update(buffers)
             view.seen, view.used = seen, buffers["positions"].shape[-1]
-            kept, _ = view._eviction_split()
-            view._gather(kept, capacity=view.max_size + 1)
+            view._evict_ops()
             return {name: getattr(view, name) for name in SLOT_BUFFERS}
 
         _EVICTIONS[key] = mx.compile(evict)
     return _EVICTIONS[key]
+
+
+def _moved_slots(dest: mx.array, start: int, stop: int, buf: mx.array) -> mx.array:
+    """`buf` [B, H, slots, ...] with its slots [start, stop) written to slots `dest`
+    [B, H, stop - start] (a slot's own index where it stays)."""
+    return scatter_write(dest, buf, buf[:, :, start:stop])
 
 
 def gather_slots(buf: mx.array, idx: mx.array, capacity: int) -> mx.array:

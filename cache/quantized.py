@@ -167,6 +167,11 @@ class QuantizedH2OKVCache(H2OKVCache):
     dense_sinks = dense_tail = True
     slab_rows = True
 
+    @property
+    def fills_holes(self) -> bool:
+        """Not with a dense tail: it serves the last slots (sinks never move: they stay)."""
+        return not self.tail
+
     # ------------------------------------------------------------ building, pricing
 
     @classmethod

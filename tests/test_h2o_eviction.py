@@ -315,3 +315,43 @@ def test_a_decode_eviction_is_one_compiled_call_with_the_same_result(make, monke
         a, b = tree_flatten(getattr(fused, name)), tree_flatten(getattr(plain, name))
         for (_, x), (_, y) in zip(a, b, strict=True):
             np.testing.assert_array_equal(np.array(x), np.array(y), err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: H2OKVCache(24, 2, 10, 12, "attn", evict_batch=4),
+        lambda: QuantizedH2OKVCache(24, sink=2, heavy=10, recent=12, bits=8, evict_batch=4),
+    ],
+    ids=["dense", "q8"],
+)
+def test_a_decode_eviction_moves_only_the_kept_newest_tokens(make):
+    """At the final size the kept tokens below `keep` stay in their slots; only the kept
+    ones among the newest slots move, into the slots the leavers left: at most evict_batch
+    slots of K/V written per head, not the whole buffer. Every kept token keeps its K/V."""
+    rng = np.random.default_rng(9)
+    c = _twin_decode(make, 20, rng)  # past its first decode evictions
+    evictions = 0
+    for _ in range(12):
+        k = mx.array(rng.standard_normal((B, N_KV, 1, 64)).astype(np.float32))
+        c.update_and_fetch(k, k * 0.5)
+        before_pos = np.array(c.positions)
+        before_keys = [np.array(a) for _, a in tree_flatten(c.keys)]
+        n = c.used
+        logits = rng.standard_normal((B, N_Q, 1, n)).astype(np.float32) * 3
+        c.update_scores(mx.array(logits))
+        if c.used == n:
+            continue
+        evictions += 1
+        keep, after_pos = c.used, np.array(c.positions)
+        after_keys = [np.array(a) for _, a in tree_flatten(c.keys)]
+        for h in range(N_KV):
+            kept = set(after_pos[0, h, :keep].tolist())
+            stayed = [s for s in range(keep) if before_pos[0, h, s] in kept]
+            assert (after_pos[0, h, stayed] == before_pos[0, h, stayed]).all()
+            assert keep - len(stayed) <= c.evict_batch  # the holes the movers filled
+            for s in range(keep):  # each kept token's K/V, wherever it sits now
+                was = int(np.nonzero(before_pos[0, h, :n] == after_pos[0, h, s])[0][0])
+                for b, a in zip(before_keys, after_keys, strict=True):
+                    np.testing.assert_array_equal(a[0, h, s], b[0, h, was])
+    assert evictions >= 2
