@@ -36,7 +36,7 @@ run)
     # NVRTC compiles every kernel variant on first use (1-8 s each, CPU-bound): pytest-xdist
     # (in the machine's image) spreads them over 8 workers, and TESTS picks a group (the
     # dense kernel's 120 cases passed on 2026-11-25 and are left out by default).
-    tests=${TESTS:-"(quantized or half or packed_matmul or float64 or kvarn or prompt) and not emulated"}
+    tests=${TESTS:-"(quantized or half or packed_matmul or float64 or kvarn or prompt or decode_weights) and not emulated"}
     timeout -s INT 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels.py \
         -k "$tests" >"$OUT/tests.txt" 2>&1
     tail -3 "$OUT/tests.txt"
