@@ -168,26 +168,29 @@ def main(argv: list[str] | None = None) -> int:
 
     def measure(
         policy: str | None, rows: int, with_step: bool, count: bool, on_gpu: bool = False
-    ) -> tuple[float, float]:
-        """(ops per step, mean over the steps; host ms to build a step, median). `on_gpu`:
-        the ops of a GPU's route (`gpu_route`), nothing timed."""
+    ) -> tuple[float, float, float]:
+        """(ops per step, mean over the steps; host ms to build a step and the host thread's
+        CPU ms in it, medians). `on_gpu`: the ops of a GPU's route (`gpu_route`), nothing
+        timed."""
         caches, held, token = sessions(policy, rows, with_step)
         scored = [c for c in buffers_holders(held)]
         mx.eval(token, buffers(held))
-        ops, builds = [0], []
+        ops, builds, cpu = [0], [], []
         for _ in range(args.steps if count else 0):  # counted: every evaluation in a step
             with counting_evals(ops), gpu_route(ops, on_gpu):
                 logits = model(token, cache=caches())
                 token = mx.argmax(logits[:, -1], axis=-1)[:, None]
                 mx.eval(token, buffers(held))
         for _ in range(0 if on_gpu else args.steps):  # timed: building the step alone
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             logits = model(token, cache=caches())
             builds.append(time.perf_counter() - start)
+            cpu.append(time.thread_time() - start_cpu)  # what a busy shared machine spares
             token = mx.argmax(logits[:, -1], axis=-1)[:, None]
             mx.eval(token, step_scores(scored))  # what the server's batcher launches
             mx.eval(buffers(held))
-        return ops[0] / args.steps, statistics.median(builds) * 1e3 if builds else 0.0
+        ms = [statistics.median(x) * 1e3 if x else 0.0 for x in (builds, cpu)]
+        return ops[0] / args.steps, *ms
 
     # No step owner evaluates the scores (a direct model call, make_cache's default):
     # attention starts them layer by layer unless its compiled decode ties them to the output.
@@ -196,30 +199,32 @@ def main(argv: list[str] | None = None) -> int:
     if "h2o" in policies:
         cases.append((no_owner, "h2o"))
     row_counts = sorted({1, args.rows}) if args.steps else []  # --steps 0: the prompt only
-    ops, builds = {}, {}  # ops counted once; build ms per round, cases interleaved
+    ops, builds, cpus = {}, {}, {}  # ops counted once; build ms per round, interleaved
     gpu_ops = {}  # ops on a GPU's route (stand-in kernels counted as their launches)
     for r in range(args.rounds):
         for rows in row_counts:
             for label, policy in cases if r % 2 == 0 else cases[::-1]:
-                n, ms = measure(policy, rows, label != no_owner, count=r == 0)
+                n, ms, cpu_ms = measure(policy, rows, label != no_owner, count=r == 0)
                 ops.setdefault((label, rows), n)
                 builds.setdefault((label, rows), []).append(ms)
+                cpus.setdefault((label, rows), []).append(cpu_ms)
                 if r == 0:
                     gpu_ops[label, rows] = measure(policy, rows, label != no_owner, True, True)[0]
                 print(f"round {r}: {label} x{rows}: {ms:.2f} ms", file=sys.stderr)
 
-    def build_ratio(label: str, rows: int) -> float:
+    def build_ratio(label: str, rows: int, times: dict) -> float:
         """Median over rounds of the build time over stock's in the same round."""
-        mine, stock = builds[label, rows], builds[STOCK, rows]
+        mine, stock = times[label, rows], times[STOCK, rows]
         return statistics.median(a / b for a, b in zip(mine, stock, strict=True))
 
     got = {key: (ops[key], statistics.median(builds[key])) for key in ops}
 
     columns = (
         "cache | rows | ops per step | x stock | build ms per step | x stock | "
-        "ops, GPU route | x stock | how it batches"
+        "build CPU x stock | ops, GPU route | x stock | how it batches"
     )
-    lines = [f"| {columns} |", "|---|---|---|---|---|---|---|---|---|"] if row_counts else []
+    rule = "|---" * 10 + "|"
+    lines = [f"| {columns} |", rule] if row_counts else []
     for rows in row_counts:
         for label, policy in cases:
             n, ms = got[label, rows]
@@ -230,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
             on_gpu = gpu_ops[label, rows]
             lines.append(
                 f"| {label} | {rows} | {n:.0f} | {n / ops[STOCK, rows]:.2f}x | {ms:.2f} | "
-                f"{build_ratio(label, rows):.2f}x | {on_gpu:.0f} | "
+                f"{build_ratio(label, rows, builds):.2f}x | "
+                f"{build_ratio(label, rows, cpus):.2f}x | {on_gpu:.0f} | "
                 f"{on_gpu / gpu_ops[STOCK, rows]:.2f}x | {how} |"
             )
     if args.prompt:
@@ -243,10 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         f"evict). Ops: MLX primitives evaluated per step (launches on a GPU), the mean over "
         f"the steps (evictions amortized). Build: host ms until the model call returns, the "
         f"median over {args.rounds} interleaved rounds; its ratio is taken within each round, "
-        f"then the median. GPU route: the ops of the same steps where a GPU backend takes "
-        f"what its kernels take (decode attention over dense and mx.quantize-packed parts, "
-        f"the `attn` rule's key weights: kernels/src), each kernel counted as its launches, "
-        f"their values computed here by the reference outside the count. "
+        f"then the median; build CPU: the same for the host thread's CPU time in the build "
+        f"(less moved by other work on a shared machine). GPU route: the ops of the same "
+        f"steps where a GPU backend takes what its kernels take (decode attention over dense "
+        f"and mx.quantize-packed parts, the `attn` rule's key weights: kernels/src), each "
+        f"kernel counted as its launches, their values computed here outside the count. "
         f"Machine: {machine()}."
     )
     if not args.steps:
