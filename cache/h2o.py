@@ -620,7 +620,7 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         return self.used == slots == self.slot_budget + self._slots_per_token
 
     def _evict_compiled(self, compiled: Callable) -> None:
-        """`_evict`'s ranking, selection and gathers as one compiled call (`seen`, which
+        """`_evict`'s ranking, selection and writes as one compiled call (`seen`, which
         changes every time, is its input): ~40 ops per layer the host would build one by
         one every evict_batch steps."""
         buffers = {name: getattr(self, name) for name in SLOT_BUFFERS}
@@ -644,7 +644,7 @@ _EVICTIONS: dict[Hashable, Callable] = {}  # compiled evictions by configuration
 def _compiled_eviction(cache: H2OKVCache) -> Callable | None:
     """(slot buffers, seen) -> slot buffers after `_evict`, compiled once per configuration:
     it runs `_evict`'s own code on a copy of a cache of that configuration, so its rule,
-    segments and layout (a packed cache sorts the kept slots) are what the trace holds.
+    segments and layout (whether it fills holes or gathers) are what the trace holds.
     None where the configuration has no key (its pools still fill)."""
     key = cache.slab_key()
     if key is None:

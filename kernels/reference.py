@@ -85,11 +85,7 @@ def prompt_weights(q: mx.array, k: mx.array, scale: float, mask: Mask, held: mx.
     the query heads of its KV head: the `attn` rule's update over a prompt block, which
     the GPU kernels compute without the logits (kernels/src/prompt_weights.body)."""
     _, probs = _grouped_probs(q, k, scale, mask, None)
-    sums = probs.sum(axis=2)  # [B, n_kv, L_k]
-    L_k = k.shape[2]
-    if held.shape[-1] == L_k:
-        return held + sums
-    return mx.concatenate([held[..., :L_k] + sums, held[..., L_k:]], axis=-1)
+    return _held_plus(held, probs.sum(axis=2))  # sums [B, n_kv, L_k]
 
 
 def decode_weights(scores: mx.array, held: mx.array) -> mx.array:
@@ -100,7 +96,12 @@ def decode_weights(scores: mx.array, held: mx.array) -> mx.array:
     B, n_q, L_q, L_k = scores.shape
     n_kv = held.shape[1]
     probs = mx.softmax(scores.astype(mx.float32), axis=-1, precise=True)
-    sums = probs.reshape(B, n_kv, (n_q // n_kv) * L_q, L_k).sum(axis=2)
+    return _held_plus(held, probs.reshape(B, n_kv, (n_q // n_kv) * L_q, L_k).sum(axis=2))
+
+
+def _held_plus(held: mx.array, sums: mx.array) -> mx.array:
+    """`held` [B, n_kv, n >= L_k] with `sums` [B, n_kv, L_k] added to its first L_k slots."""
+    L_k = sums.shape[-1]
     if held.shape[-1] == L_k:
         return held + sums
     return mx.concatenate([held[..., :L_k] + sums, held[..., L_k:]], axis=-1)
