@@ -181,8 +181,8 @@ class ScoredAttention:
 
     def _fuses_decode(self, cache, queries: mx.array, parts: list, mask) -> bool:
         """Whether a decode query goes to the cache's own compiled attend-and-score
-        (`attend_decode`: an H2O slab's rows): where every part is dense or
-        mx.quantize-packed and the reference kernel serves it (a GPU kernel is one launch)."""
+        (`attend_decode`: an H2O slab's rows, a lone H2O cache): where the reference kernel
+        serves every part (a GPU kernel is one launch already)."""
         wanted = self.compiled_decode and cache.fused_decode
         # The mask spans every part: a part alone is probed without it (the GPU kernels
         # take any decode mask of the whole call), or a packed cache's pools and slots, one
@@ -308,16 +308,18 @@ class ScoredAttention:
         return self._on_reference(queries, parts, None)
 
     def _on_reference(self, queries: mx.array, parts: list, mask) -> bool:
-        """Whether every part is dense or mx.quantize-packed and the reference kernel serves it."""
-        return all(
-            fmt.tile is None and self._backend(queries, keys, fmt, mask) == "reference"
-            for keys, _, fmt in parts
-        )
+        """Whether the reference kernel (MLX ops, which a compiled call can hold) serves
+        every part."""
+        return all(self._backend(queries, keys, fmt, mask) == "reference" for keys, _, fmt in parts)
 
     def _backend(self, queries: mx.array, keys, fmt: KVFormat, mask) -> str:
-        """The kernel backend for one dense or mx.quantize-packed part."""
+        """The kernel backend for one part: dense, mx.quantize- or KVarN-packed."""
         if self.backend == AUTO and _reference_only():  # asked per part, layer and step
             return "reference"
+        if fmt.tile is not None:
+            if self.quantized_path == "dequantize":
+                return "reference"
+            return select_kvarn_backend(self.backend, queries, keys, mask, fmt.tiles)
         if not fmt.packed:
             return select_backend(self.backend, queries, keys, mask)
         v_bits = fmt.value_bits or fmt.key_bits
@@ -343,11 +345,9 @@ class ScoredAttention:
                 mask = bias_as_mask(mask, bias, queries.shape[1], L_q, L_k)
                 bias = None
         if fmt.tile is not None:  # KVarN: rotates the query in and the output back itself
-            dequantize = self.quantized_path == "dequantize"
-            name = "reference"
-            if not dequantize:
-                name = select_kvarn_backend(self.backend, queries, keys, mask, fmt.tiles)
+            name = self._backend(queries, keys, fmt, mask)
             if name == "reference":
+                dequantize = self.quantized_path == "dequantize"
                 return kvarn_sdpa_with_probs(
                     queries, keys, values, scale, mask, fmt.tiles, dequantize
                 )

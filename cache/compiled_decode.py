@@ -21,10 +21,12 @@ Both callers speak the same two bodies; their arguments differ in what they hold
 
 from __future__ import annotations
 
+import copy
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 
 def updated_scores(
@@ -111,3 +113,24 @@ def scatter_write(at: mx.array, buf: mx.array, new: mx.array) -> mx.array:
     """`buf` [B, H, slots, ...] with `new` [B, H, n, ...] in slots `at` [B, H, n]."""
     where = mx.broadcast_to(at.reshape(*at.shape, *[1] * (new.ndim - 3)), new.shape)
     return mx.put_along_axis(buf, where, new, axis=2)
+
+
+def compiled_on_template(cache, step: Callable, outputs: Sequence[str]) -> Callable:
+    """(buffers, scalars) -> the `outputs` attributes after `step(view)`, compiled: `view`
+    is a copy of `cache` holding no array of its own (a template keeps no session's
+    memory) given `buffers` and `scalars` (host numbers that change from call to call,
+    passed as arrays so that one trace serves them all). So an eviction's own code, run
+    once, is what the trace holds; its host-side counters are the caller's to update."""
+    template = copy.copy(cache)
+    for name, value in vars(cache).items():
+        if any(isinstance(a, mx.array) for _, a in tree_flatten(value)):
+            setattr(template, name, None)
+
+    def run(buffers: dict, scalars: dict) -> dict:
+        view = copy.copy(template)
+        view.__dict__.update(buffers)
+        view.__dict__.update(scalars)
+        step(view)
+        return {name: getattr(view, name) for name in outputs}
+
+    return mx.compile(run)

@@ -36,7 +36,6 @@ with the sequence on axis 2, so scoring and eviction never look inside them.
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Callable, Hashable
 from functools import partial
@@ -47,7 +46,12 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.base import create_causal_mask
 
 from cache.budget import H2O_BOOKKEEPING
-from cache.compiled_decode import attended_and_scored, scatter_write, scored
+from cache.compiled_decode import (
+    attended_and_scored,
+    compiled_on_template,
+    scatter_write,
+    scored,
+)
 from cache.contents import LayerContents, scored_contents
 from cache.contract import LayerCache, ScoredCache
 from cache.heavy_hitters import HeavyHitters, segment_knobs
@@ -625,7 +629,7 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         one every evict_batch steps."""
         buffers = {name: getattr(self, name) for name in SLOT_BUFFERS}
         seen = mx.array(self.seen, dtype=mx.int32)
-        self.__dict__.update(compiled(buffers, seen))
+        self.__dict__.update(compiled(buffers, {"seen": seen}))
         self.evicted += self.used - self.keep
         self.used = self.keep
 
@@ -642,27 +646,20 @@ _EVICTIONS: dict[Hashable, Callable] = {}  # compiled evictions by configuration
 
 
 def _compiled_eviction(cache: H2OKVCache) -> Callable | None:
-    """(slot buffers, seen) -> slot buffers after `_evict`, compiled once per configuration:
-    it runs `_evict`'s own code on a copy of a cache of that configuration, so its rule,
+    """(slot buffers, {"seen"}) -> slot buffers after `_evict`, compiled once per
+    configuration: `_evict`'s own code on a template of that configuration, so its rule,
     segments and layout (whether it fills holes or gathers) are what the trace holds.
     None where the configuration has no key (its pools still fill)."""
     key = cache.slab_key()
     if key is None:
         return None
     if key not in _EVICTIONS:
-        template = copy.copy(cache)
-        for name, value in vars(cache).items():  # the trace gets its arrays as inputs
-            if any(isinstance(a, mx.array) for _, a in tree_flatten(value)):
-                setattr(template, name, None)  # and a template keeps no session's memory
 
-        def evict(buffers: dict, seen: mx.array) -> dict:
-            view = copy.copy(template)
-            view.__dict__.update(buffers)
-            view.seen, view.used = seen, buffers["positions"].shape[-1]
+        def evict(view: H2OKVCache) -> None:
+            view.used = view.positions.shape[-1]
             view._evict_ops()
-            return {name: getattr(view, name) for name in SLOT_BUFFERS}
 
-        _EVICTIONS[key] = mx.compile(evict)
+        _EVICTIONS[key] = compiled_on_template(cache, evict, SLOT_BUFFERS)
     return _EVICTIONS[key]
 
 

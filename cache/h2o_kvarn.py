@@ -30,15 +30,17 @@ k4v2 is now +1.0-1.5% over dense h2o on three window sets.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import mlx.core as mx
 
 from cache.budget import H2O_BOOKKEEPING, kvarn_layer_bytes, value_group
+from cache.compiled_decode import attended_and_scored, compiled_on_template
 from cache.contents import LayerContents, scored_contents
 from cache.heavy_hitters import HeavyHitters, segment_knobs
 from cache.kvarn import KVarNCache
 from cache.kvarn import check_head_dim as check_kvarn_head_dim
-from cache.kvarn_tiles import SINKHORN_ITERS, encode_keys, encode_values
+from cache.kvarn_tiles import SINKHORN_ITERS, encode_tiles
 from cache.scores import ScoreRule
 from config.cache_spec import (
     DEFAULT_SCORE,
@@ -141,11 +143,27 @@ class H2OKVarNCache(HeavyHitters, KVarNCache):
         else:  # new slots score 0
             self.scores = mx.pad(self.scores, [(0, 0), (0, 0), (0, n)])
             self.positions = mx.concatenate([self.positions, pos], axis=-1)
+        self.fused_decode = n == 1  # until the step ends: attend_decode or update_scores
         return super().update_and_fetch(keys, values)
+
+    def attend_decode(
+        self, queries: mx.array, parts: list, scale: float, mask, attend: Callable, how: tuple
+    ) -> mx.array:
+        """A decode's attention over the front, tiles and tail and its score update in one
+        compiled call (cache/compiled_decode.py; a trace per tail length, replayed from one
+        tile to the next), then any eviction."""
+        rule, n_kv = self.score_rule, self.scores.shape[1]
+        out, self.scores = attended_and_scored(
+            queries, parts, scale, mask, attend, how, rule, n_kv, self.scores, [], []
+        )
+        self.fused_decode = False
+        self.evict_if_full()
+        return out
 
     def update_scores(self, scores: mx.array, probs: mx.array | None = None) -> None:
         """Accumulate one attention call's logits [B, n_q_heads, L_q, size], then evict."""
         KVarNCache.update_scores(self, scores)  # checks the length
+        self.fused_decode = False
         self.add_scores(scores, probs)
         self.evict_if_full()
 
@@ -155,8 +173,14 @@ class H2OKVarNCache(HeavyHitters, KVarNCache):
         self.scores = self.score_rule.accumulate(self.scores, scores, n_kv, probs)
 
     def evict_if_full(self) -> None:
-        if self.size() > self.max_size:
-            self._evict_tokens() if self.strategy == "requantize" else self._evict_tiles()
+        if self.size() <= self.max_size:
+            return
+        if self.strategy == "tile":
+            self._evict_tiles()
+        elif self.size() == self.max_size + 1:  # a decode's: the same layout every time
+            self._evict_tokens_compiled()
+        else:
+            self._evict_tokens()
 
     def trim(self, n: int) -> int:
         n = super().trim(n)
@@ -232,6 +256,25 @@ class H2OKVarNCache(HeavyHitters, KVarNCache):
         self.positions = mx.take_along_axis(self.positions, order, axis=-1)
         self._rebuild(order, intact)
 
+    def _evict_tokens_compiled(self) -> None:
+        """`_evict_tokens` as one compiled call (`offset` its input): a decode meets the same
+        layout at every eviction (the tail's length is the same modulo a tile), so one
+        trace per configuration serves them all, where the host would build ~400 ops per
+        layer one by one (the ranking, the damaged tiles' dequantization and re-packing)."""
+        meta = json.loads(self.meta_state[0])
+        del meta["offset"], meta["evicted"]  # what changes between evictions
+        key = json.dumps(meta, sort_keys=True)
+        if key not in _EVICTIONS:
+            _EVICTIONS[key] = compiled_on_template(
+                self, H2OKVarNCache._evict_tokens, ("tiles", "tail", "scores", "positions")
+            )
+        buffers = {name: getattr(self, name) for name in ("front", "tiles", "tail")}
+        buffers.update(scores=self.scores, positions=self.positions)
+        offset, size = mx.array(self.offset, dtype=mx.int32), self.size()
+        self.__dict__.update(_EVICTIONS[key](buffers, {"offset": offset}))
+        self.evicted += size - self.keep
+        self.n_tail = (self.keep - self.n_front) % self.tile  # as _rebuild leaves it
+
     def _rebuild(self, order: mx.array, intact: mx.array) -> None:
         """Lay the kept slots (`order`, into the old slots) out as [front | tiles | tail]."""
         F, t, n, fmt = self.n_front, self.tile, self.n_tiles(), self.fmt
@@ -245,10 +288,7 @@ class H2OKVarNCache(HeavyHitters, KVarNCache):
             # a sync per layer that stalls a pipelined (or GPU) decode at every eviction.
             shape = (B, H, n_new, t, D)
             k_new, v_new = (x[:, :, : n_new * t].reshape(shape) for x in dense)
-            fresh = [
-                encode_keys(k_new, fmt, self.repack_sinkhorn_iters),
-                encode_values(v_new, fmt, self.repack_sinkhorn_iters),
-            ]
+            fresh = encode_tiles(k_new, v_new, fmt, self.repack_sinkhorn_iters)
             if n:
                 # New tile j is the head's j-th intact old tile while j < its intact count.
                 ids = mx.argsort(mx.where(intact, 0, n) + mx.arange(n), axis=-1)
@@ -324,6 +364,9 @@ class H2OKVarNCache(HeavyHitters, KVarNCache):
                 ]
                 for side in self.tiles
             ]
+
+
+_EVICTIONS: dict[str, Callable] = {}  # compiled decode evictions by configuration and layout
 
 
 def _pick(old: mx.array, fresh: mx.array, ids: mx.array, use_old: mx.array) -> mx.array:

@@ -31,7 +31,7 @@ from cache.attention import KVFormat
 from cache.budget import kvarn_layer_bytes, value_group
 from cache.contents import LayerContents, every_token
 from cache.contract import ScoredCache
-from cache.kvarn_tiles import SINKHORN_ITERS, encode_keys, encode_values
+from cache.kvarn_tiles import SINKHORN_ITERS, encode_tiles
 from config.cache_spec import KVARN_PRESETS, KVARN_SINK, KVARN_TILE, QUANT_GROUP_SIZES, CacheSpec
 from config.policies import KVARN
 from kernels.hadamard import hadamard_block, rotate
@@ -271,11 +271,7 @@ class KVarNCache(ScoredCache):
     def _append_tiles(self, k: mx.array, v: mx.array) -> None:
         B, H, n, D = k.shape
         shape = (B, H, n // self.tile, self.tile, D)
-        fmt = self.fmt
-        new = [
-            encode_keys(k.reshape(shape), fmt, self.sinkhorn_iters),
-            encode_values(v.reshape(shape), fmt, self.sinkhorn_iters),
-        ]
+        new = encode_tiles(k.reshape(shape), v.reshape(shape), self.fmt, self.sinkhorn_iters)
         if self.tiles is None:
             self.tiles = new
         else:

@@ -17,11 +17,20 @@ import cache  # noqa: F401  (registers the cache classes with mlx-lm)
 from cache import ATTENTION, H2OKVarNCache, H2OKVCache, KVarNCache, QuantizedH2OKVCache, make_cache
 from cache.attention import ScoredAttention
 from cache.budget import ModelShape, cache_bytes, max_kv_within
-from cache.kvarn_tiles import SINKHORN_ITERS, fit_quantize, imbalance, pack_codes, sinkhorn
+from cache.kvarn_tiles import (
+    SINKHORN_ITERS,
+    encode_keys,
+    encode_tiles,
+    encode_values,
+    fit_quantize,
+    imbalance,
+    pack_codes,
+    sinkhorn,
+)
 from cache.router import uninstall_router
 from config.cache_spec import H2O_KVARN_VALUE_GROUP, KVARN_PRESETS
 from kernels.hadamard import hadamard_block, rotate, rotation_matrix
-from kernels.kvarn import dequantize_storage, kvarn_sdpa_with_probs
+from kernels.kvarn import TileFormat, dequantize_storage, kvarn_sdpa_with_probs
 from kernels.reference import sdpa_with_scores
 from kernels.src import EMULATOR_DIALECT, emulator, launch
 
@@ -90,6 +99,18 @@ def test_sinkhorn_reduces_tile_imbalance():
     y = mx.array(rng.standard_normal((5, 64, 128)).astype(np.float32))
     r, c = sinkhorn(y)
     assert np.all(np.array(imbalance(y / r / c)) <= np.array(imbalance(y)) + 1e-6)
+
+
+@pytest.mark.parametrize("iters", [0, SINKHORN_ITERS])
+def test_compiled_tile_encoding_equals_the_encoding_op_by_op(iters):
+    """encode_tiles (one compiled call) packs exactly what encode_keys/encode_values do."""
+    rng = np.random.default_rng(16)
+    k, v = (x.reshape(B, N_KV, 2, 32, D) for x in random_kv(rng, 64))
+    fmt = TileFormat(32, 4, 2, 32)
+    got = encode_tiles(k, v, fmt, iters)
+    want = [encode_keys(k, fmt, iters), encode_values(v, fmt, iters)]
+    for a, b in zip(sum(got, []), sum(want, []), strict=True):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -424,6 +445,38 @@ def test_h2o_kvarn_eviction_keeps_intact_tiles_bit_for_bit():
         np.testing.assert_array_equal(new[:, :, 0], old[:, :, 0])  # tile 0 untouched
 
 
+@pytest.mark.parametrize("score", ["mean", "tova"])
+def test_a_decode_eviction_is_one_compiled_call_with_the_same_result(score, monkeypatch):
+    """A decode's eviction (the cache one token over max_size) runs `_evict_tokens` as one
+    compiled call: the same tiles, tail, scores, positions and counters as op by op, at
+    every eviction of a long decode (the tail at another length each time it packs)."""
+    rng = np.random.default_rng(15)
+    make = lambda: H2OKVarNCache(96, **SEGMENTS, tile=32, score=score, head_dim=D)  # noqa: E731
+    compiled, by_ops = make(), make()
+    by_ops._evict_tokens_compiled = by_ops._evict_tokens
+    calls = []
+    run = H2OKVarNCache._evict_tokens_compiled
+    monkeypatch.setattr(
+        H2OKVarNCache, "_evict_tokens_compiled", lambda c: calls.append(1) or run(c)
+    )
+    for n_new in [80, *[1] * 100]:
+        k, v = random_kv(rng, n_new)
+        table = rng.standard_normal((N_Q, n_new, compiled.offset + n_new)).astype(np.float32)
+        for c in (compiled, by_ops):
+            c.update_and_fetch(k, v)
+            feed_scores(c, table, n_new)
+        assert (compiled.n_tail, compiled.evicted, compiled.size()) == (
+            by_ops.n_tail, by_ops.evicted, by_ops.size(),
+        )  # fmt: skip
+        for got, want in zip(
+            [compiled.scores, compiled.positions, *compiled.tail, *sum(compiled.tiles, [])],
+            [by_ops.scores, by_ops.positions, *by_ops.tail, *sum(by_ops.tiles, [])],
+            strict=True,
+        ):
+            np.testing.assert_array_equal(np.array(got), np.array(want))
+    assert len(calls) >= 3 and compiled.evicted > 90
+
+
 def test_h2o_kvarn_heads_keep_their_own_intact_tiles():
     """Heads that lose tokens from different tiles: a head whose tile lost nothing keeps
     its bytes, a head whose tiles all lost tokens re-packs its survivors, in position order."""
@@ -547,6 +600,39 @@ def test_tiny_model_decodes_through_kvarn_caches(policy):
         else:  # nothing evicted: close to the full cache
             p, q = (mx.softmax(logits[n], axis=-1) for n in ("full", policy))
             assert float((p * (mx.log(p) - mx.log(q))).sum(-1).max()) < 0.01
+    finally:
+        uninstall_router(model)
+
+
+@pytest.mark.parametrize("score", ["mean", "attn"])
+def test_a_compiled_decode_attends_and_scores_as_op_by_op(monkeypatch, score):
+    """h2o-kvarn's decode attends its front, tiles and tail and scores them in one compiled
+    call (`attend_decode`, a trace per tail length): the same logits, scores, positions
+    and evictions as op by op, across tiles packed and evictions re-packed."""
+    model = tiny_llama(64)
+    calls = []
+    real = H2OKVarNCache.attend_decode
+    monkeypatch.setattr(
+        H2OKVarNCache, "attend_decode", lambda self, *a: calls.append(1) or real(self, *a)
+    )
+    try:
+        prompt = mx.random.randint(0, 128, (1, 150), key=mx.random.key(2))
+        runs = {}
+        for compiled in (True, False):
+            monkeypatch.setattr(ATTENTION, "compiled_decode", compiled)
+            caches = make_cache(model, policy="h2o-kvarn", max_kv=128, score=score)
+            steps = [model(prompt[:, :100], cache=caches)[:, -1]]
+            steps += [model(prompt[:, t : t + 1], cache=caches)[:, -1] for t in range(100, 150)]
+            runs[compiled] = np.array(mx.stack(steps)), caches
+            assert (len(calls) == 2 * 50) == compiled  # every layer's every decode step
+            calls.clear()
+        np.testing.assert_allclose(runs[True][0], runs[False][0], atol=1e-5, rtol=1e-5)
+        for mine, theirs in zip(runs[True][1], runs[False][1], strict=True):
+            assert mine.evicted == theirs.evicted > 0 and mine.n_tiles() >= 2
+            np.testing.assert_array_equal(np.array(mine.positions), np.array(theirs.positions))
+            np.testing.assert_allclose(
+                np.array(mine.scores), np.array(theirs.scores), atol=1e-5, rtol=1e-5
+            )
     finally:
         uninstall_router(model)
 
