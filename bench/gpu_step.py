@@ -89,6 +89,13 @@ def buffers(obj, seen: set | None = None) -> list:
     return found
 
 
+def tree_flatten_arrays(tree) -> list:
+    """The MLX arrays in a nested list (None leaves skipped)."""
+    from mlx.utils import tree_flatten
+
+    return [a for _, a in tree_flatten(tree) if a is not None]
+
+
 def buffers_holders(held: list) -> list:
     """The layer caches (or slab layers) a session list or slab holds."""
     out = []
@@ -251,9 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         f"median over {args.rounds} interleaved rounds; its ratio is taken within each round, "
         f"then the median; build CPU: the same for the host thread's CPU time in the build "
         f"(less moved by other work on a shared machine). GPU route: the ops of the same "
-        f"steps where a GPU backend takes what its kernels take (decode attention over dense "
-        f"and mx.quantize-packed parts, the `attn` rule's key weights: kernels/src), each "
-        f"kernel counted as its launches, their values computed here outside the count. "
+        f"steps where a GPU backend takes what its kernels take (decode attention over dense, "
+        f"mx.quantize- and KVarN-packed parts, the `attn` rule's key weights: kernels/src), "
+        f"each kernel counted as its launches, their values computed here outside the count. "
         f"Machine: {machine()}."
     )
     if not args.steps:
@@ -321,11 +328,11 @@ def prompt_section(args, model, vocab: int, policies: list[str]) -> list[str]:
 def gpu_route(counter: list[int], on: bool):
     """Within: attention takes a GPU's route. A stand-in GPU backend takes the calls a GPU
     kernel would (decode attention over dense and mx.quantize-packed parts with their
-    pools, a decode's key weights, a prompt's key weights; prompts fused as on a GPU), and
-    mx.fast's SDPA (stock's attention, and a fused prompt's) is one launch as on a GPU;
-    each adds its launches to `counter`, its values computed by the reference (or MLX's
-    own SDPA) outside the count, after counting the pending ops of its inputs (which that
-    evaluation runs early). KVarN parts stay on the reference."""
+    pools and over KVarN's tiles, a decode's key weights, a prompt's key weights; prompts
+    fused as on a GPU), and mx.fast's SDPA (stock's attention, and a fused prompt's) is one
+    launch as on a GPU; each adds its launches to `counter`, its values computed by the
+    reference (or MLX's own SDPA) outside the count, after counting the pending ops of its
+    inputs (which that evaluation runs early)."""
     if not on:
         yield
         return
@@ -369,6 +376,16 @@ def gpu_route(counter: list[int], on: bool):
         L_k = k_q[0].shape[2] + sum(p[0].shape[2] for p in (front, tail) if p is not None)
         return run(inputs, attend, decode_launches(q, L_k))
 
+    def kvarn(q, keys, values, scale, mask, fmt):
+        """The query rotated in, the decode kernel over [front, tiles, tail], the output
+        rotated back: the kernel's launches plus the two rotations."""
+        from kernels.kvarn import kvarn_sdpa_with_probs
+
+        attend = lambda: kvarn_sdpa_with_probs(q, keys, values, scale, mask, fmt)[:2]  # noqa: E731
+        inputs = [q, mask, *tree_flatten_arrays(keys), *tree_flatten_arrays(values)]
+        L_k = launch.kvarn_length(keys, fmt.tile)
+        return run(inputs, attend, decode_launches(q, L_k) + 2)
+
     def prompt_weights(q, k, scale, mask, held):
         weights = lambda: reference.prompt_weights(q, k, scale, mask, held)  # noqa: E731
         return run([q, k, held], weights, 2)  # row max and sum, then column sums
@@ -387,7 +404,7 @@ def gpu_route(counter: list[int], on: bool):
         return False
 
     stand_in = dispatch.Backend(
-        lambda: True, launch.supports, dense, quantized, never, None,
+        lambda: True, launch.supports, dense, quantized, launch.supports_kvarn, kvarn,
         launch.supports_prompt, prompt_weights, launch.supports_decode_weights, decode_weights,
     )  # fmt: skip
     saved = dispatch._BACKENDS["metal"], ATTENTION.fused_prefill
