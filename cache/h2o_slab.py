@@ -37,7 +37,6 @@ nearing its model's context must leave first (`near_wall`): re-indexing runs alo
 
 from __future__ import annotations
 
-import copy
 import functools
 from collections.abc import Callable, Hashable
 from functools import partial
@@ -46,7 +45,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
 from cache.attention import DENSE
-from cache.compiled_decode import attended_and_scored, scatter_write, scored, select_write
+from cache.compiled_decode import (
+    attended_and_scored,
+    compiled_on_template,
+    scatter_write,
+    scored,
+    select_write,
+)
 from cache.contract import LayerCache, ScoredCache
 from cache.h2o import SLOT_BUFFERS as SLOTS
 from cache.h2o import H2OKVCache
@@ -247,19 +252,17 @@ class H2OSlabLayer(ScoredCache):
     def _evict(self, full: tuple[bool, ...], caches: list[H2OKVCache]) -> None:
         """Rows that overflow free their leaving slots, ranked as alone (their cache's rule,
         their own tokens seen), and the next tokens fill them: no K/V moves. A full row
-        holds every slot, so one ranking over the slab serves every row that evicts."""
-        view = copy.copy(caches[0])
-        view.scores, view.positions, view.used = self.scores, self.positions, self.size()
-        view.seen = (self.slab.seen_at_start() + 1).reshape(-1, 1, 1)  # this token's counted
-        ranked = view.eviction_ranks(self.positions)
-        keep = view.max_size + 1 - view.evict_batch
-        leaving = mx.argpartition(-ranked, kth=keep - 1, axis=-1)[..., keep:]
-        freed = mx.put_along_axis(self.held, leaving, mx.array(False), axis=2)
-        if not all(full):
-            evicting = mx.array(full)
-            freed = mx.where(evicting[:, None, None], freed, self.held)
-        self.held, self._mask = freed, None
-        self.scores = mx.where(freed, self.scores, 0.0)
+        holds every slot, so one ranking over the slab serves every row that evicts; it is
+        one compiled call (rows evict on their own schedules, so most steps have one)."""
+        key = self.slab.key[self.index]
+        if key not in _EVICTIONS:
+            _EVICTIONS[key] = compiled_on_template(caches[0], _free_leaving, ("held", "scores"))
+        buffers = {"scores": self.scores, "positions": self.positions, "held": self.held}
+        seen = (self.slab.seen_at_start() + 1).reshape(-1, 1, 1)  # this token's counted
+        scalars = {"seen": seen, "evicting": mx.array(full)}
+        out = _EVICTIONS[key](buffers, scalars)
+        self.held, self.scores, self._mask = out["held"], out["scores"], None
+        keep = caches[0].keep
         for c, evicts in zip(caches, full, strict=True):
             if evicts:
                 c.evicted += c.used - keep
@@ -401,6 +404,21 @@ class H2OSlab:
                 for name in layer.names:
                     setattr(c, name, None)
         self._lent = []
+
+
+_EVICTIONS: dict[Hashable, Callable] = {}  # compiled slab evictions by layer configuration
+
+
+def _free_leaving(view: H2OKVCache) -> None:
+    """On a row cache's template given the slab's `scores`, `positions`, `held`, `seen`
+    [rows, 1, 1] and `evicting` [rows]: free each evicting row's leaving slots, ranked by
+    the rule as alone, and zero the scores of every slot a row does not hold."""
+    view.used = view.positions.shape[-1]
+    ranked = view.eviction_ranks(view.positions)
+    leaving = mx.argpartition(-ranked, kth=view.keep - 1, axis=-1)[..., view.keep :]
+    freed = mx.put_along_axis(view.held, leaving, mx.array(False), axis=2)
+    view.held = mx.where(view.evicting[:, None, None], freed, view.held)
+    view.scores = mx.where(view.held, view.scores, 0.0)
 
 
 @functools.cache
