@@ -98,7 +98,7 @@ class H2OSlabLayer(ScoredCache):
         self._mask = None
 
     def _caches(self) -> list[H2OKVCache]:
-        return [caches[self.index] for caches in self.slab.caches]
+        return self.slab.layer_caches[self.index]
 
     @property
     def offset(self) -> mx.array:
@@ -131,12 +131,10 @@ class H2OSlabLayer(ScoredCache):
         else:
             self.keys, self.values = stored
         self._mask = None
-        full = False
         for c in caches:  # members are never re-indexed: offset += 1 is seen += 1
             c.used += 1
             c.seen += 1
-            full = full or c.used > c.slot_budget
-        self._full = full
+        self._full = max(c.used for c in caches) > caches[0].slot_budget  # rows alike
         return self.keys, self.values
 
     def pack_pending(self) -> None:
@@ -293,6 +291,7 @@ class H2OSlab:
         self.key = key
         self.members: list[Hashable] = []  # row order
         self.caches: list[list[H2OKVCache]] = []  # each member's caches, row order
+        self.layer_caches: list[list[H2OKVCache]] = []  # the same per layer (every step's)
         self.layers: list[H2OSlabLayer] = []
         self._lent: list[list[H2OKVCache]] = []
         self._seen: mx.array | None = None  # seen_at_start, for the step under way
@@ -359,6 +358,7 @@ class H2OSlab:
             for layer, c in zip(self.layers, caches, strict=True):
                 for name in layer.names:
                     setattr(c, name, None)
+        self.layer_caches = [list(layer) for layer in zip(*self.caches, strict=True)]
 
     def leave(self, member: Hashable, caches: list[H2OKVCache] | None) -> None:
         """Take a member's row out; write it back into its caches (None: drop it)."""
@@ -366,6 +366,7 @@ class H2OSlab:
         self.pack_pending()
         i = self.members.index(member)
         del self.members[i], self.caches[i]
+        self.layer_caches = [list(layer) for layer in zip(*self.caches, strict=True)]
         written = []
         for n, layer in enumerate(self.layers):
             if caches is not None:
