@@ -96,6 +96,19 @@ def tree_flatten_arrays(tree) -> list:
     return [a for _, a in tree_flatten(tree) if a is not None]
 
 
+def eviction_period(model, spec) -> int:
+    """Decode steps after which a policy's evictions repeat, and its packing: a dense
+    tail's (packed every `tail` steps, cache/quantized.py), KVarN's tiles."""
+    import math
+
+    from cache import make_cache
+
+    c = make_cache(model, spec)[0]
+    tail = getattr(c, "tail", None)
+    packs = tail if isinstance(tail, int) and tail else getattr(c, "tile", None) or 1
+    return math.lcm(getattr(c, "evict_batch", 1), packs)
+
+
 def buffers_holders(held: list) -> list:
     """The layer caches (or slab layers) a session list or slab holds."""
     out = []
@@ -225,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(a / b for a, b in zip(mine, stock, strict=True))
 
     got = {key: (ops[key], statistics.median(builds[key])) for key in ops}
+    periods = {p: eviction_period(model, CacheSpec(p, args.max_kv)) for p in policies}
+    uneven = [p for p, n in periods.items() if args.steps % n]
+    period_note = ", ".join(f"{p} {n}" for p, n in periods.items())
+    uneven_note = f"; not whole for {', '.join(uneven)}" if uneven else ""
 
     columns = (
         "cache | rows | ops per step | x stock | build ms per step | x stock | "
@@ -254,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{about}; {args.context}-token prompts, max_kv {args.max_kv}, {args.steps} decode "
         f"steps counted and {args.steps} timed per case (after the prompt, so bounded caches "
         f"evict). Ops: MLX primitives evaluated per step (launches on a GPU), the mean over "
-        f"the steps (evictions amortized). Build: host ms until the model call returns, the "
+        f"the steps (evictions amortized over whole periods of steps: {period_note}"
+        f"{uneven_note}). Build: host ms until "
+        f"the model call returns, the "
         f"median over {args.rounds} interleaved rounds; its ratio is taken within each round, "
         f"then the median; build CPU: the same for the host thread's CPU time in the build "
         f"(less moved by other work on a shared machine). GPU route: the ops of the same "
