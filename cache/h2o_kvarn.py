@@ -306,11 +306,11 @@ class H2OKVarNCache(HeavyHitters, KVarNCache):
     def _dense_slots(self, parts: list, order: mx.array) -> mx.array:
         """[front, tiles, tail] as one dense float32 [B, H, size, D], gathered at `order`."""
         front, tiles, tail = parts
-        B, H, _, D = front.shape
-        seq = [front]
+        seq = [] if front is None else [front]  # None: no sinks (sink=0)
         if tiles is not None:
             dequantize = dequantize_keys if tiles is self.tiles[0] else dequantize_values
-            seq.append(dequantize(tiles, self.fmt).reshape(B, H, -1, D))
+            x = dequantize(tiles, self.fmt)  # [B, H, n, tile, D]
+            seq.append(x.reshape(*x.shape[:2], -1, x.shape[-1]))
         if tail is not None:
             seq.append(tail)
         whole = mx.concatenate([x.astype(mx.float32) for x in seq], axis=2)

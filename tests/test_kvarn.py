@@ -224,11 +224,15 @@ def test_h2o_kvarn_bytes_peak_at_the_budget_formula(max_kv, tile):
 SEGMENTS = {"sink": 4, "heavy": 72, "recent": 20}  # max_size 96
 
 
-@pytest.mark.parametrize("evict_batch", [1, 8])
-def test_h2o_kvarn_keeps_dense_h2o_positions(evict_batch):
+@pytest.mark.parametrize(
+    "evict_batch, segments",
+    [(1, SEGMENTS), (8, SEGMENTS), (8, {"sink": 0, "heavy": 76, "recent": 20})],
+    ids=["batch 1", "batch 8", "no sinks"],
+)
+def test_h2o_kvarn_keeps_dense_h2o_positions(evict_batch, segments):
     rng = np.random.default_rng(6)
-    dense = H2OKVCache(96, **SEGMENTS, evict_batch=evict_batch)
-    kvarn = H2OKVarNCache(96, **SEGMENTS, tile=32, evict_batch=evict_batch, head_dim=D)
+    dense = H2OKVCache(96, **segments, evict_batch=evict_batch)
+    kvarn = H2OKVarNCache(96, **segments, tile=32, evict_batch=evict_batch, head_dim=D)
     for n_new in [60, *[1] * 70, 40, *[1] * 30]:  # prefill, decode, a chunk
         k, v = random_kv(rng, n_new)
         table = rng.standard_normal((N_Q, n_new, dense.offset + n_new)).astype(np.float32) * 3
