@@ -89,13 +89,6 @@ def buffers(obj, seen: set | None = None) -> list:
     return found
 
 
-def tree_flatten_arrays(tree) -> list:
-    """The MLX arrays in a nested list (None leaves skipped)."""
-    from mlx.utils import tree_flatten
-
-    return [a for _, a in tree_flatten(tree) if a is not None]
-
-
 def eviction_period(model, spec) -> int:
     """Decode steps after which a policy's evictions repeat, and its packing: a dense
     tail's (packed every `tail` steps, cache/quantized.py), KVarN's tiles."""
@@ -272,9 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         f"steps counted and {args.steps} timed per case (after the prompt, so bounded caches "
         f"evict). Ops: MLX primitives evaluated per step (launches on a GPU), the mean over "
         f"the steps (evictions amortized over whole periods of steps: {period_note}"
-        f"{uneven_note}). Build: host ms until "
-        f"the model call returns, the "
-        f"median over {args.rounds} interleaved rounds; its ratio is taken within each round, "
+        f"{uneven_note}). Build: host ms until the model call returns, the median over "
+        f"{args.rounds} interleaved rounds; its ratio is taken within each round, "
         f"then the median; build CPU: the same for the host thread's CPU time in the build "
         f"(less moved by other work on a shared machine). GPU route: the ops of the same "
         f"steps where a GPU backend takes what its kernels take (decode attention over dense, "
@@ -356,6 +348,7 @@ def gpu_route(counter: list[int], on: bool):
         yield
         return
     import mlx.core as mx
+    from mlx.utils import tree_flatten
 
     from cache import attention
     from cache.attention import ATTENTION
@@ -365,7 +358,8 @@ def gpu_route(counter: list[int], on: bool):
     real_eval = getattr(mx.eval, "real", mx.eval)  # never counted_evals' own count
 
     def run(inputs: list, compute, launches: int):
-        inputs = [x for x in inputs if isinstance(x, mx.array)]  # a mask may be None or a str
+        # Nested parts ([front, tiles, tail]); a mask may be None or a str.
+        inputs = [x for _, x in tree_flatten(inputs) if isinstance(x, mx.array)]
         counter[0] += primitives(*inputs)
         real_eval(*inputs)
         result = compute()
@@ -401,7 +395,7 @@ def gpu_route(counter: list[int], on: bool):
         from kernels.kvarn import kvarn_sdpa_with_probs
 
         attend = lambda: kvarn_sdpa_with_probs(q, keys, values, scale, mask, fmt)[:2]  # noqa: E731
-        inputs = [q, mask, *tree_flatten_arrays(keys), *tree_flatten_arrays(values)]
+        inputs = [q, mask, keys, values]
         L_k = launch.kvarn_length(keys, fmt.tile)
         return run(inputs, attend, decode_launches(q, L_k) + 2)
 
