@@ -129,6 +129,11 @@ class ScoredAttention:
         additive logit per stored key, [B, n_kv_heads, keys] (cache/merging.py).
         """
         L = queries.shape[2]
+        if cache.pending_store is not None:  # update_and_fetch left the token to this call
+            if L == 1 and bias is None:
+                how = (self.backend, self.quantized_path)  # what `attend_parts` reads
+                return cache.store_and_attend(queries, scale, mask, self.attend_parts, how)
+            keys, values = cache.store_pending()
         mask = cache.attention_mask(queries.shape[1], L, mask)  # its slots may need their own
         archive = cache.archive_part(L)  # cache/recall.py: a prompt reads evicted tokens
         cache.observe(queries, scale)
@@ -178,6 +183,16 @@ class ScoredAttention:
             outs.append(out)
         cache.evict_if_full()
         return mx.concatenate(outs, axis=2)
+
+    def stores_with_decode(self, cache) -> bool:
+        """Whether a cache with a fixed-shape decode leaves its token's store to the compiled
+        call that attends and scores (`store_and_attend`): where its step's owner runs the
+        model whole (`scores_with_step`: nothing reads what update_and_fetch returned but
+        this attention) and the reference kernel serves every decode (a GPU kernel attends
+        in one launch; its store stays a call of its own)."""
+        if not (self.compiled_decode and cache.scores_with_step):
+            return False
+        return self.backend == "reference" or (self.backend == AUTO and _reference_only())
 
     def _fuses_decode(self, cache, queries: mx.array, parts: list, mask) -> bool:
         """Whether a decode query goes to the cache's own compiled attend-and-score
@@ -251,6 +266,8 @@ class ScoredAttention:
 
     def attend(self, queries: mx.array, keys, values, cache, scale: float, mask=None, bias=None):
         """(out, float32 logits [B, n_q, L_q, L_k], probs or None) over the cache's parts."""
+        if cache.pending_store is not None:  # `keys`, `values` are from before the store
+            keys, values = cache.store_pending()
         mask = cache.attention_mask(queries.shape[1], queries.shape[2], mask)
         return self.attend_parts(queries, cache.kv_segments(keys, values), scale, mask, bias)
 

@@ -117,9 +117,10 @@ class ScoredCache(LayerCache):
 
     scores: mx.array | None = None  # accumulated importance per slot, when it keeps any
     kv_format: ClassVar[KVFormat] = DENSE
-    # Whoever runs the decode step evaluates `scores` with it (the server's batcher:
-    # `step_scores`), so attention does not start them layer by layer, which blocks the
-    # host once per layer (cache/attention.py start_scores). False: attention starts them.
+    # Whoever runs the decode step runs the model whole and evaluates `scores` with it (the
+    # server's batcher: `step_scores`), so attention does not start them layer by layer,
+    # which blocks the host once per layer (cache/attention.py start_scores), and a decode
+    # token's store may wait for its attention call (`pending_store`). False: neither.
     scores_with_step: bool = False
 
     # Whether `attend_decode` serves this decode query (fixed shapes: an H2O slab's rows, a
@@ -134,6 +135,25 @@ class ScoredCache(LayerCache):
         router's attention; `how`: its settings), its scores accumulated and any eviction
         done, in one compiled call (only where `fused_decode`)."""
         raise NotImplementedError(f"{type(self).__name__} has no fused decode")
+
+    # A decode token whose store `update_and_fetch` left to the step's compiled call
+    # (`store_and_attend`), or None: only under a step owner (`scores_with_step`) where the
+    # router's compiled decode serves the query (`ScoredAttention.stores_with_decode`).
+    # While it waits, what update_and_fetch returned is the buffers before it; attention
+    # called otherwise writes it first (`store_pending`).
+    pending_store: object | None = None
+
+    def store_and_attend(
+        self, queries: mx.array, scale: float, mask, attend: Callable, how: tuple
+    ) -> mx.array:
+        """`attend_decode` with the pending token written first, in the same compiled call:
+        what a GPU kernel that stores, attends and scores does."""
+        raise NotImplementedError(f"{type(self).__name__} leaves no store pending")
+
+    def store_pending(self) -> tuple:
+        """Write the pending decode token now; what `update_and_fetch` returns with none
+        pending (the keys and values it returned while pending are the ones before it)."""
+        raise NotImplementedError(f"{type(self).__name__} leaves no store pending")
 
     def kv_segments(self, keys, values) -> list[tuple[Any, Any, KVFormat]]:
         """What update_and_fetch returned, as (keys, values, format) parts for attention."""

@@ -51,6 +51,7 @@ from cache.compiled_decode import (
     compiled_on_template,
     scatter_write,
     scored,
+    stored_attended_and_scored,
 )
 from cache.contents import LayerContents, scored_contents
 from cache.contract import LayerCache, ScoredCache
@@ -236,6 +237,37 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         self.fused_decode = False  # the step ends here: readers get the held slots again
         self.evict_if_full()
         return out
+
+    def store_and_attend(
+        self, queries: mx.array, scale: float, mask, attend: Callable, how: tuple
+    ) -> mx.array:
+        """`attend_decode` with the pending token's store first, in the same compiled call."""
+        store, names, new = self.pending_store
+        self.pending_store = None
+        mask = self.attention_mask(queries.shape[1], 1, mask)
+        parts = self.kv_segments(*self._fetch())  # what the store rewrites, read as written
+        rule, n_kv = self.score_rule, self.positions.shape[1]
+        stored = [getattr(self, name) for name in names]
+        out, self.scores, written = stored_attended_and_scored(
+            store, stored, new, queries, parts, scale, mask, attend, how, rule, n_kv,
+            self.scores, [], self._tail(), self._front(),
+        )  # fmt: skip
+        for name, array in zip(names, written, strict=True):
+            setattr(self, name, array)
+        self.fused_decode = False  # the step ends here: readers get the held slots again
+        self.evict_if_full()
+        return out
+
+    def store_pending(self) -> tuple:
+        self._store_now(*self.pending_store)
+        self.pending_store = None
+        return self._fetch()
+
+    def _store_now(self, store: Callable, names: tuple[str, ...], new: list) -> None:
+        """`store(*buffers named, *new)`: the named buffers written."""
+        written = store(*(getattr(self, name) for name in names), *new)
+        for name, array in zip(names, written, strict=True):
+            setattr(self, name, array)
 
     def update_weights(self, weights: Callable[[mx.array], mx.array]) -> bool:
         """Its slots one per token and KV head (`slab_rows` layouts), the logits in slot

@@ -44,18 +44,19 @@ from functools import partial
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
-from cache.attention import DENSE
+from cache.attention import ATTENTION, DENSE, KVFormat
 from cache.compiled_decode import (
     attended_and_scored,
     compiled_on_template,
     scatter_write,
     scored,
     select_write,
+    updated_scores,
 )
 from cache.contract import LayerCache, ScoredCache
 from cache.h2o import SLOT_BUFFERS as SLOTS
 from cache.h2o import H2OKVCache
-from cache.quantized import shifted_in
+from cache.quantized import encoded, shifted_in
 
 
 def slab_key(caches: list) -> tuple | None:
@@ -106,36 +107,64 @@ class H2OSlabLayer(ScoredCache):
         return self.slab.seen_at_start()  # members are never re-indexed: offset == seen
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple:
-        """Store one new token per row and head in its first free slot; return whole buffers."""
+        """Store one new token per row and head in its first free slot; return whole buffers.
+        Where the router's compiled decode serves the step, the store waits for it
+        (`pending_store`): written, attended and scored in one compiled call."""
         if keys.shape[2] != 1:
             raise ValueError("an H2O slab decodes one token per row; prefill runs alone")
         caches = self._caches()
         seen = self.slab.seen_at_start()  # this layer's caches, before this token
-        if self.key_center is not None:  # packed rows store keys centred (cache/quantized.py)
-            keys = keys - self.key_center
-        tail = self.tail_keys is not None
-        kv = []  # with a tail, the newest tokens' packed copies wait (below)
-        if not tail:
-            kv = [self.keys, self.values, *caches[0].encode(keys, values)]  # rows alike
-        store = _store(self.slab.select_writes)
-        self.held, self.positions, at, stored = store(self.held, self.positions, seen, kv)
-        if tail:
-            self.tail_keys = shifted_in(self.tail_keys, keys)
-            self.tail_values = shifted_in(self.tail_values, values)
-            self.tail_slots = shifted_in(self.tail_slots, at.astype(mx.int32))
-            # Its packed copy is masked while the tail serves it: packed with the tail's
-            # others once every `tail` steps (as a lone cache does), not encoded now.
-            self.unpacked += 1
-            if self.unpacked == self.tail_slots.shape[2]:
-                self.pack_pending()
+        if ATTENTION.stores_with_decode(self):
+            self.pending_store = (keys, values, seen)
         else:
-            self.keys, self.values = stored
-        self._mask = None
+            write = _compiled_write(self.slab.select_writes, caches[0].kv_format)
+            self._stored(write(self._arrays(), keys, values, seen))
         for c in caches:  # members are never re-indexed: offset += 1 is seen += 1
             c.used += 1
             c.seen += 1
         self._full = max(c.used for c in caches) > caches[0].slot_budget  # rows alike
         return self.keys, self.values
+
+    def store_pending(self) -> tuple:
+        """Write the step's token now (a reader other than the compiled decode came)."""
+        keys, values, seen = self.pending_store
+        self.pending_store = None
+        write = _compiled_write(self.slab.select_writes, self._caches()[0].kv_format)
+        self._stored(write(self._arrays(), keys, values, seen))
+        return self.keys, self.values
+
+    def store_and_attend(self, queries, scale: float, mask, attend: Callable, how) -> mx.array:
+        """The step's token written, every row attended over its slots and its scores
+        accumulated, in one compiled call (what a GPU kernel that stores, attends and
+        scores does); then the rows that overflow evict. `mask` (a decode query's) hides
+        nothing: the held slots are the mask."""
+        keys, values, seen = self.pending_store
+        self.pending_store = None
+        caches = self._caches()
+        front, fmt = self._front(), caches[0].kv_format
+        group = queries.shape[1] // self.held.shape[1]
+        rule, n_kv = caches[0].score_rule, self.positions.shape[1]
+        select = self.slab.select_writes
+        step = _decode_step(select, fmt, group, front, rule, n_kv, scale, attend, how)
+        out, arrays = step(self._arrays(), self._pool_masks(front), queries, keys, values, seen)
+        self._stored(arrays)
+        self._evict_overflowing(caches)
+        return out
+
+    def _arrays(self) -> dict:
+        """The buffers a step reads and writes, by name (those this layout has)."""
+        arrays = {name: getattr(self, name) for name in _STEP_ARRAYS}
+        return {name: a for name, a in arrays.items() if a is not None}
+
+    def _stored(self, arrays: dict) -> None:
+        """Take a step's written buffers; with a dense tail, its packed copy waits: packed
+        with the tail's others once every `tail` steps (as a lone cache does)."""
+        self.__dict__.update(arrays)
+        self._mask = None
+        if self.tail_keys is not None:
+            self.unpacked += 1
+            if self.unpacked == self.tail_slots.shape[2]:
+                self.pack_pending()
 
     def pack_pending(self) -> None:
         """Write the packed copies the newest tail tokens wait for, every row's at once."""
@@ -152,27 +181,14 @@ class H2OSlabLayer(ScoredCache):
         its first slots (read whole, masked: no slice per buffer and step), its dense tail
         (the last part) the slots its newest tokens fill."""
         fmt = self._caches()[0].kv_format
-        if self.sink_keys is None:
-            return [(keys, values, fmt)]
-        parts = [(self.sink_keys, self.sink_values, DENSE), (keys, values, fmt)]
-        if self.tail_keys is not None:
-            parts.append((self.tail_keys, self.tail_values, DENSE))
-        return parts
+        return _parts(self._arrays() | {"keys": keys, "values": values}, fmt)
 
     def attention_mask(self, n_heads: int, n_queries: int, mask=None) -> mx.array:
         """The sink pool, all of it; the slots each query head's KV head holds, but for the
         packed copies the pools serve (the sinks', the tail tokens'); then the tail."""
         if self._mask is None:
-            visible, front = self.held, self._front()
-            if self.tail_keys is not None:
-                visible = mx.put_along_axis(visible, self.tail_slots, mx.array(False), axis=2)
-            if front or self.tail_keys is not None:
-                past_front, pools, tail = self._pool_masks(front)
-                if front:
-                    visible = visible & past_front
-                visible = mx.concatenate([*pools, visible, *tail], axis=2)
-            group = n_heads // self.held.shape[1]
-            self._mask = mx.repeat(visible[:, :, None], group, axis=1)
+            front, group = self._front(), n_heads // self.held.shape[1]
+            self._mask = _visible(self._arrays(), self._pool_masks(front), group)
         return self._mask
 
     def size(self) -> int:
@@ -422,27 +438,91 @@ def _free_leaving(view: H2OKVCache) -> None:
     view.scores = mx.where(view.held, view.scores, 0.0)
 
 
+# What a step reads and writes of a layer, by name (cache/compiled_decode.py's inputs).
+_STEP_ARRAYS = (
+    "held", "positions", "keys", "values", "scores", "key_center", "sink_keys", "sink_values",
+    "tail_keys", "tail_values", "tail_slots",
+)  # fmt: skip
+
+
+def _written(select: bool, fmt: KVFormat, arrays: dict, keys, values, seen) -> dict:
+    """A step's token per row in each head's first free slot: the `arrays` it changes
+    (held, positions, and K/V, or with a dense tail the tail and the slots its tokens fill:
+    the packed copy waits). `seen` [rows]: each row's tokens before this one."""
+    held = arrays["held"]
+    B, H = held.shape[:2]
+    at = mx.argmax(~held, axis=-1).reshape(B, H, 1)  # a row holds max_kv slots at most
+    if select:  # on a GPU one select over the buffers costs less than a scatter launch
+        taken = mx.arange(held.shape[-1], dtype=at.dtype) == at  # [B, H, slots]
+        put, held = partial(select_write, taken), held | taken
+    else:
+        put, held = partial(scatter_write, at), mx.put_along_axis(held, at, mx.array(True), 2)
+    seen = mx.broadcast_to(seen.reshape(B, 1, 1), (B, H, 1))
+    written = {"held": held, "positions": put(arrays["positions"], seen)}
+    if "key_center" in arrays:  # packed rows store keys centred (cache/quantized.py)
+        keys = keys - arrays["key_center"]
+    if "tail_keys" in arrays:
+        written["tail_keys"] = shifted_in(arrays["tail_keys"], keys)
+        written["tail_values"] = shifted_in(arrays["tail_values"], values)
+        written["tail_slots"] = shifted_in(arrays["tail_slots"], at.astype(mx.int32))
+    else:
+        new_keys, new_values = encoded(fmt, keys, values)
+        written["keys"] = tree_map(put, arrays["keys"], new_keys)
+        written["values"] = tree_map(put, arrays["values"], new_values)
+    return written
+
+
+def _visible(arrays: dict, pool_masks: tuple, group: int) -> mx.array:
+    """The step's mask [rows, q_heads, 1, keys] over `_parts`: the sink pool, the held
+    slots but the packed copies a pool serves (the sinks', the tail tokens'), the tail."""
+    visible = arrays["held"]
+    past_front, pools, tail = pool_masks
+    if "tail_slots" in arrays:
+        visible = mx.put_along_axis(visible, arrays["tail_slots"], mx.array(False), axis=2)
+    if pools or tail:
+        if pools:
+            visible = visible & past_front
+        visible = mx.concatenate([*pools, visible, *tail], axis=2)
+    return mx.repeat(visible[:, :, None], group, axis=1)
+
+
+def _parts(arrays: dict, fmt: KVFormat) -> list:
+    """Attention's parts: [dense sink pool |] every slot [| dense tail]."""
+    slots = (arrays["keys"], arrays["values"], fmt)
+    if "sink_keys" not in arrays:
+        return [slots]
+    tail = [(arrays["tail_keys"], arrays["tail_values"], DENSE)] if "tail_keys" in arrays else []
+    return [(arrays["sink_keys"], arrays["sink_values"], DENSE), slots, *tail]
+
+
 @functools.cache
-def _store(select: bool):
-    """A step's writes into every row's first free slot per head, as one compiled call:
-    held, positions and (unless a tail defers them) K/V. Shapes stay fixed while the rows
-    do, so the graph is traced once and replayed, its element-wise ops fused."""
+def _compiled_write(select: bool, fmt: KVFormat) -> Callable:
+    """`_written` as one compiled call: shapes stay fixed while the rows do, so the graph
+    is traced once and replayed, its element-wise ops fused."""
+    return mx.compile(partial(_written, select, fmt))
 
-    def store(held: mx.array, positions: mx.array, seen: mx.array, kv: list) -> tuple:
-        B, H = held.shape[:2]
-        at = mx.argmax(~held, axis=-1).reshape(B, H, 1)  # a row holds max_kv slots at most
-        if select:  # on a GPU one select over the buffers costs less than a scatter launch
-            taken = mx.arange(held.shape[-1], dtype=at.dtype) == at  # [B, H, slots]
-            put, held = partial(select_write, taken), held | taken
-        else:
-            put, held = partial(scatter_write, at), mx.put_along_axis(held, at, mx.array(True), 2)
-        positions = put(positions, mx.broadcast_to(seen.reshape(B, 1, 1), (B, H, 1)))
-        if kv:
-            keys, values, new_keys, new_values = kv
-            kv = [tree_map(put, keys, new_keys), tree_map(put, values, new_values)]
-        return held, positions, at, kv
 
-    return mx.compile(store)
+@functools.cache
+def _decode_step(
+    select: bool, fmt: KVFormat, group: int, front: int, rule, n_kv: int, scale: float,
+    attend: Callable, how: tuple,
+) -> Callable:  # fmt: skip
+    """A layer's decode step in one compiled call: `_written`, then attention over the
+    written slots (`attend`: the router's op-by-op attention, `how` its settings) and the
+    score update. (arrays, pool masks, queries, keys, values, seen) -> (out, written)."""
+
+    def step(arrays: dict, pool_masks: tuple, queries, keys, values, seen) -> tuple:
+        written = _written(select, fmt, arrays, keys, values, seen)
+        arrays = arrays | written
+        mask = _visible(arrays, pool_masks, group)
+        out, logits, probs = attend(queries, _parts(arrays, fmt), scale, mask)
+        tail = [arrays["tail_slots"]] if "tail_slots" in arrays else []
+        held = [arrays["held"]]
+        scores = updated_scores(rule, n_kv, arrays["scores"], held, logits, probs, tail, front)
+        # Evaluating the output evaluates the scores (cache/compiled_decode.py).
+        return mx.depends([out], [scores])[0], written | {"scores": scores}
+
+    return mx.compile(step)
 
 
 def _leaves(tree) -> list[mx.array]:

@@ -65,7 +65,7 @@ from functools import partial
 
 import mlx.core as mx
 
-from cache.attention import DENSE, KVFormat, seq_length
+from cache.attention import ATTENTION, DENSE, KVFormat, seq_length
 from cache.budget import kv_width, packed_extras
 from cache.compiled_decode import scatter_write
 from cache.h2o import H2OKVCache, turn_keys
@@ -87,6 +87,16 @@ def quantize(x: mx.array, group_size: int, bits: int) -> list[mx.array]:
     """mx.quantize along the head dim: [words, scales, biases], the sequence still on axis 2."""
     check_group(x.shape[-1], group_size)
     return mx.quantize(x, group_size=group_size, bits=bits)
+
+
+def encoded(fmt: KVFormat, keys: mx.array, values: mx.array) -> tuple:
+    """K/V as a cache of format `fmt` stores them: packed (rotated first), or as given."""
+    if not fmt.packed:
+        return keys, values
+    if fmt.rotated:
+        keys, values = rotate(keys), rotate(values)
+    gs, v_bits = fmt.group_size, fmt.value_bits or fmt.key_bits
+    return quantize(keys, gs, fmt.key_bits), quantize(values, gs, v_bits)
 
 
 def shifted_in(buf: mx.array, new: mx.array) -> mx.array:
@@ -245,15 +255,24 @@ class QuantizedH2OKVCache(H2OKVCache):
     def _decode_at_final_size(self, keys: mx.array, values: mx.array):
         """A decode token's store in one compiled call (its shapes repeat every step):
         centred into the dense tail (its packed copy waits: `_append_unpacked`), or centred,
-        packed and written into its slot. What the op-by-op path above does, ~10 ops less."""
+        packed and written into its slot. What the op-by-op path above does, ~10 ops less.
+        Where the router's compiled decode serves the step, the store joins that call
+        (`pending_store`), unless the tail's copies are packed this step."""
         if self.tail_keys is not None:
-            tails = self.tail_keys, self.tail_values
-            self.tail_keys, self.tail_values = _into_tail(*tails, keys, values, self.key_center)
+            args = (_into_tail, ("tail_keys", "tail_values"), [keys, values, self.key_center])
+            if self.unpacked + 1 == self.tail or not ATTENTION.stores_with_decode(self):
+                self._store_now(*args)
+            else:
+                self.pending_store = args
             return self._append_unpacked()
         self._check_scored()
         at = mx.array([[[self.used]]], dtype=mx.int32)  # a constant: no op in the step
         store = _packed_store(self.group_size, self.bits, self.value_bits, self.rotate)
-        self.keys, self.values = store(self.keys, self.values, keys, values, self.key_center, at)
+        args = (store, ("keys", "values"), [keys, values, self.key_center, at])
+        if ATTENTION.stores_with_decode(self):
+            self.pending_store = args
+        else:
+            self._store_now(*args)
         self.used += 1
         self.offset += 1
         self.fused_decode = True
@@ -357,10 +376,7 @@ class QuantizedH2OKVCache(H2OKVCache):
         return super().nbytes + sum(a.nbytes for a in extra if a is not None)
 
     def encode(self, keys: mx.array, values: mx.array):
-        gs = self.group_size
-        if self.rotate:
-            keys, values = rotate(keys), rotate(values)
-        return quantize(keys, gs, self.bits), quantize(values, gs, self.value_bits)
+        return encoded(self.kv_format, keys, values)
 
     def _fetch(self):
         """Packed slots; with dense pools (sinks, tail) in use, (sinks, packed, tail) each."""

@@ -106,8 +106,9 @@ def assert_holds_the_same(
             np.testing.assert_allclose(a[name], b[name], atol=atol, rtol=rtol, err_msg=name)
 
 
-def prefilled(model, spec: CacheSpec, prompt: list[int]) -> list:
-    caches = make_cache(model, spec)
+def prefilled(model, spec: CacheSpec, prompt: list[int], with_step: bool = False) -> list:
+    """`with_step`: a step owner's caches (`scores_with_step`), as the server's."""
+    caches = make_cache(model, spec, scores_with_step=with_step)
     mx.eval(model(mx.array(prompt)[None], cache=caches))
     return caches
 
@@ -167,24 +168,29 @@ COMPILED = {
 
 @pytest.mark.parametrize("spec", COMPILED.values(), ids=COMPILED.keys())
 def test_the_compiled_decode_equals_the_op_by_op_one(monkeypatch, spec):
-    """Rows attend and score in one compiled call per layer (`attend_decode`): the same
-    logits, scores and evictions as the op-by-op path, under every kind of rule (sums,
-    decays, the last query's) and packed rows (a sink pool, a dense tail), and it is the
-    path taken."""
+    """Rows store, attend and score in one compiled call per layer (`store_and_attend`),
+    or attend and score in one after a compiled store (`attend_decode`, where a GPU serves
+    other shapes): the same logits, scores and evictions as the op-by-op path, under
+    every kind of rule (sums, decays, the last query's) and packed rows (a sink pool, a
+    dense tail), and each is the path taken."""
     model = tiny("llama", head_dim=32)
     install_router(model)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 64, n).tolist() for n in (40, 12, 30)]
     fed = rng.integers(0, 64, (len(prompts), 20)).tolist()
-    calls = []
-    real = H2OSlabLayer.attend_decode
-    monkeypatch.setattr(
-        H2OSlabLayer, "attend_decode", lambda self, *a: calls.append(1) or real(self, *a)
-    )
+    calls = {"store_and_attend": [], "attend_decode": []}
+    for name, taken in calls.items():
+        real = getattr(H2OSlabLayer, name)
+        counted = lambda self, *a, real=real, taken=taken: taken.append(1) or real(self, *a)  # noqa: E731
+        monkeypatch.setattr(H2OSlabLayer, name, counted)
+    joined = ATTENTION.stores_with_decode
     runs = {}
-    for compiled in (True, False):
-        monkeypatch.setattr(ATTENTION, "compiled_decode", compiled)
-        rows = [prefilled(model, spec, p) for p in prompts]
+    for path in ("store_and_attend", "attend_decode", "op by op"):
+        monkeypatch.setattr(ATTENTION, "compiled_decode", path != "op by op")
+        monkeypatch.setattr(
+            ATTENTION, "stores_with_decode", lambda c, p=path: p != "attend_decode" and joined(c)
+        )
+        rows = [prefilled(model, spec, p, with_step=True) for p in prompts]
         slab = H2OSlab(slab_key(rows[0]))
         slab.join(list(enumerate(rows)))
         outs = []
@@ -193,47 +199,60 @@ def test_the_compiled_decode_equals_the_op_by_op_one(monkeypatch, spec):
             outs.append(model(column, cache=batch_caches([], slab))[:, -1])
         for n, caches in enumerate(rows):
             slab.leave(n, caches)
-        runs[compiled] = (np.array(mx.stack(outs)), rows)
-        assert (len(calls) > 0) == compiled  # one call per layer and step, when compiled
-        calls.clear()
-    np.testing.assert_allclose(runs[True][0], runs[False][0], atol=1e-5, rtol=1e-5)
-    for mine, theirs in zip(sum(runs[True][1], []), sum(runs[False][1], []), strict=True):
-        assert mine.evicted == theirs.evicted > 0
-        assert_holds_the_same(mine, theirs)
+        runs[path] = (np.array(mx.stack(outs)), rows)
+        # one call per layer and step on the path under test, none on the others
+        assert {name: len(taken) > 0 for name, taken in calls.items()} == {
+            name: name == path for name in calls
+        }
+        for taken in calls.values():
+            taken.clear()
+    for path in ("store_and_attend", "attend_decode"):
+        np.testing.assert_allclose(runs[path][0], runs["op by op"][0], atol=1e-5, rtol=1e-5)
+        for mine, theirs in zip(sum(runs[path][1], []), sum(runs["op by op"][1], []), strict=True):
+            assert mine.evicted == theirs.evicted > 0
+            assert_holds_the_same(mine, theirs)
 
 
 @pytest.mark.parametrize("spec", COMPILED.values(), ids=COMPILED.keys())
 def test_a_lone_cache_decodes_every_slot_as_it_would_its_held_ones(monkeypatch, spec):
     """A lone cache at its final size attends every slot, the free ones (and the packed
-    copies its pools shadow) masked, so each step has the same shapes: compiled or op by
-    op, the same logits, scores and evictions as attending the held slots alone, and the
-    compiled call is the path taken once the buffers are full."""
+    copies its pools shadow) masked, so each step has the same shapes: compiled (a packed
+    one's token stored in the same call, under a step owner) or op by op, the same logits,
+    scores and evictions as attending the held slots alone, and the compiled call is the
+    path taken once the buffers are full."""
     model = tiny("llama", head_dim=32)
     install_router(model)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 64, n).tolist() for n in (40, 12)]  # evicting, then later
     fed = rng.integers(0, 64, 30).tolist()
-    calls = []
-    real = H2OKVCache.attend_decode
-    monkeypatch.setattr(
-        H2OKVCache, "attend_decode", lambda self, *a: calls.append(1) or real(self, *a)
-    )
+    calls = {"store_and_attend": [], "attend_decode": []}
+    for name, taken in calls.items():
+        real = getattr(H2OKVCache, name)
+        counted = lambda self, *a, real=real, taken=taken: taken.append(1) or real(self, *a)  # noqa: E731
+        monkeypatch.setattr(H2OKVCache, name, counted)
+    packed = spec.policy != "h2o"
     runs = {}
-    for how in ("compiled", "op-by-op", "held slots"):
-        monkeypatch.setattr(ATTENTION, "compiled_decode", how == "compiled")
+    for how in ("with its store", "compiled", "op-by-op", "held slots"):
+        monkeypatch.setattr(ATTENTION, "compiled_decode", how in ("with its store", "compiled"))
         if how == "held slots":
             monkeypatch.setattr(H2OKVCache, "_every_slot", lambda self, n: False)
         outs, caches = [], []
         for prompt in prompts:
-            cache = prefilled(model, spec, prompt)
+            cache = prefilled(model, spec, prompt, with_step=how == "with its store")
             outs += [model(mx.array([[t]]), cache=cache)[0, -1] for t in fed]
             caches += cache
         runs[how] = np.array(mx.stack(outs)), caches
-        assert (len(calls) > 0) == (how == "compiled")
-        calls.clear()
-    for how in ("op-by-op", "held slots"):
-        np.testing.assert_allclose(runs[how][0], runs["compiled"][0], atol=1e-5, rtol=1e-5)
-        for mine, theirs in zip(runs["compiled"][1], runs[how][1], strict=True):
+        # A dense cache's store is not compiled; a packed tail's step that packs its copies
+        # stores apart.
+        stored = how == "with its store" and packed
+        assert (len(calls["store_and_attend"]) > 0) == stored
+        if not stored:
+            assert (len(calls["attend_decode"]) > 0) == (how in ("compiled", "with its store"))
+        for taken in calls.values():
+            taken.clear()
+    for how in ("compiled", "op-by-op", "held slots"):
+        np.testing.assert_allclose(runs[how][0], runs["with its store"][0], atol=1e-5, rtol=1e-5)
+        for mine, theirs in zip(runs["with its store"][1], runs[how][1], strict=True):
             assert mine.evicted == theirs.evicted > 0
             assert_holds_the_same(mine, theirs)
 
