@@ -62,6 +62,7 @@ bench: setup
 	$(PY) -m bench.gpu_step --synthetic llama-1b --context 144 --max-kv 128 --steps 32 --rounds 2 --rows 16 --prompt 0 --policies h2o h2o-q8 h2o-q4 h2o-kvarn --out docs/gpu_step.md
 	$(PY) -m bench.gpu_step --rows 1 --prompt 0 --rounds 7 --policies h2o h2o-q8 h2o-q4 --out docs/gpu_step_lone.md
 	$(PY) -m bench.gpu_step --synthetic llama-1b --steps 0 --prompt 4096 --policies h2o h2o-q8 --out docs/gpu_step_prompt.md
+	$(PY) -m bench.joined_store --synthetic llama-1b --out docs/joined_store.md
 	$(PY) -m bench.kernel_speed --out docs/kernel_speed.md
 	$(PY) -m bench.quantized --out docs/quantized.md
 	$(PY) -m bench.decode_parts --rounds 10 --out docs/decode_parts.md
