@@ -45,6 +45,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.base import create_causal_mask
 
+from cache.attention import ATTENTION
 from cache.budget import H2O_BOOKKEEPING
 from cache.compiled_decode import (
     attended_and_scored,
@@ -252,22 +253,27 @@ class H2OKVCache(HeavyHitters, ScoredCache):
             store, stored, new, queries, parts, scale, mask, attend, how, rule, n_kv,
             self.scores, [], self._tail(), self._front(),
         )  # fmt: skip
-        for name, array in zip(names, written, strict=True):
-            setattr(self, name, array)
+        self.__dict__.update(zip(names, written, strict=True))
         self.fused_decode = False  # the step ends here: readers get the held slots again
         self.evict_if_full()
         return out
 
     def store_pending(self) -> tuple:
-        self._store_now(*self.pending_store)
-        self.pending_store = None
+        self._write_pending()
         return self._fetch()
 
-    def _store_now(self, store: Callable, names: tuple[str, ...], new: list) -> None:
-        """`store(*buffers named, *new)`: the named buffers written."""
+    def _store(self, store: Callable, names: tuple[str, ...], new: list, now: bool) -> None:
+        """`store(*buffers named, *new)` writes the named buffers: now, or left to the
+        step's attention call where it joins one (`ATTENTION.stores_with_decode`)."""
+        self.pending_store = (store, names, new)
+        if now or not ATTENTION.stores_with_decode(self):
+            self._write_pending()
+
+    def _write_pending(self) -> None:
+        store, names, new = self.pending_store
+        self.pending_store = None
         written = store(*(getattr(self, name) for name in names), *new)
-        for name, array in zip(names, written, strict=True):
-            setattr(self, name, array)
+        self.__dict__.update(zip(names, written, strict=True))
 
     def update_weights(self, weights: Callable[[mx.array], mx.array]) -> bool:
         """Its slots one per token and KV head (`slab_rows` layouts), the logits in slot

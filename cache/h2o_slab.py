@@ -114,11 +114,9 @@ class H2OSlabLayer(ScoredCache):
             raise ValueError("an H2O slab decodes one token per row; prefill runs alone")
         caches = self._caches()
         seen = self.slab.seen_at_start()  # this layer's caches, before this token
-        if ATTENTION.stores_with_decode(self):
-            self.pending_store = (keys, values, seen)
-        else:
-            write = _compiled_write(self.slab.select_writes, caches[0].kv_format)
-            self._stored(write(self._arrays(), keys, values, seen))
+        self.pending_store = (keys, values, seen)
+        if not ATTENTION.stores_with_decode(self):
+            self.store_pending()
         for c in caches:  # members are never re-indexed: offset += 1 is seen += 1
             c.used += 1
             c.seen += 1

@@ -65,7 +65,7 @@ from functools import partial
 
 import mlx.core as mx
 
-from cache.attention import ATTENTION, DENSE, KVFormat, seq_length
+from cache.attention import DENSE, KVFormat, seq_length
 from cache.budget import kv_width, packed_extras
 from cache.compiled_decode import scatter_write
 from cache.h2o import H2OKVCache, turn_keys
@@ -259,20 +259,14 @@ class QuantizedH2OKVCache(H2OKVCache):
         Where the router's compiled decode serves the step, the store joins that call
         (`pending_store`), unless the tail's copies are packed this step."""
         if self.tail_keys is not None:
-            args = (_into_tail, ("tail_keys", "tail_values"), [keys, values, self.key_center])
-            if self.unpacked + 1 == self.tail or not ATTENTION.stores_with_decode(self):
-                self._store_now(*args)
-            else:
-                self.pending_store = args
+            new = [keys, values, self.key_center]
+            packs = self.unpacked + 1 == self.tail  # `_append_unpacked` reads the tail now
+            self._store(_into_tail, ("tail_keys", "tail_values"), new, now=packs)
             return self._append_unpacked()
         self._check_scored()
         at = mx.array([[[self.used]]], dtype=mx.int32)  # a constant: no op in the step
         store = _packed_store(self.group_size, self.bits, self.value_bits, self.rotate)
-        args = (store, ("keys", "values"), [keys, values, self.key_center, at])
-        if ATTENTION.stores_with_decode(self):
-            self.pending_store = args
-        else:
-            self._store_now(*args)
+        self._store(store, ("keys", "values"), [keys, values, self.key_center, at], now=False)
         self.used += 1
         self.offset += 1
         self.fused_decode = True

@@ -160,6 +160,16 @@ def test_slab_rows_compute_what_each_session_computes_alone(spec, select_writes)
         )
 
 
+def counted_calls(monkeypatch, cls: type, names: tuple[str, ...]) -> dict[str, list]:
+    """Each method's calls, one entry per call, in lists the caller may clear."""
+    calls = {name: [] for name in names}
+    for name, taken in calls.items():
+        real = getattr(cls, name)
+        counted = lambda self, *a, real=real, taken=taken: taken.append(1) or real(self, *a)  # noqa: E731
+        monkeypatch.setattr(cls, name, counted)
+    return calls
+
+
 COMPILED = {
     **{f"dense-{rule}": CacheSpec("h2o", 24, evict_batch=4, score=rule) for rule in SCORES},
     **{name: PACKED[name] for name in ("q8", "q4-tail", "k8v4")},
@@ -178,11 +188,7 @@ def test_the_compiled_decode_equals_the_op_by_op_one(monkeypatch, spec):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 64, n).tolist() for n in (40, 12, 30)]
     fed = rng.integers(0, 64, (len(prompts), 20)).tolist()
-    calls = {"store_and_attend": [], "attend_decode": []}
-    for name, taken in calls.items():
-        real = getattr(H2OSlabLayer, name)
-        counted = lambda self, *a, real=real, taken=taken: taken.append(1) or real(self, *a)  # noqa: E731
-        monkeypatch.setattr(H2OSlabLayer, name, counted)
+    calls = counted_calls(monkeypatch, H2OSlabLayer, ("store_and_attend", "attend_decode"))
     joined = ATTENTION.stores_with_decode
     runs = {}
     for path in ("store_and_attend", "attend_decode", "op by op"):
@@ -225,11 +231,7 @@ def test_a_lone_cache_decodes_every_slot_as_it_would_its_held_ones(monkeypatch, 
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 64, n).tolist() for n in (40, 12)]  # evicting, then later
     fed = rng.integers(0, 64, 30).tolist()
-    calls = {"store_and_attend": [], "attend_decode": []}
-    for name, taken in calls.items():
-        real = getattr(H2OKVCache, name)
-        counted = lambda self, *a, real=real, taken=taken: taken.append(1) or real(self, *a)  # noqa: E731
-        monkeypatch.setattr(H2OKVCache, name, counted)
+    calls = counted_calls(monkeypatch, H2OKVCache, ("store_and_attend", "attend_decode"))
     packed = spec.policy != "h2o"
     runs = {}
     for how in ("with its store", "compiled", "op-by-op", "held slots"):
