@@ -129,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--prompt", type=int, default=4096, help="prompt tokens of the prompt part (0: none)"
     )
+    p.add_argument(
+        "--stagger", type=int, default=0,
+        help="row r's prompt is context + r * stagger tokens: sessions out of step",
+    )  # fmt: skip
     p.add_argument("--policies", nargs="+", default=None, help="bounded policies (all)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -139,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     from bench.decode_speed import SHAPES, synthetic_model
     from bench.report import command, machine, publish
     from cache import install_router, make_cache, uninstall_router
-    from cache.batch import batch_caches
+    from cache.batch import batch_caches, open_h2o_slab
     from cache.contract import step_scores
-    from cache.h2o_slab import H2OSlab, slab_key
+    from cache.h2o_slab import slab_key
     from config.cache_spec import CacheSpec
     from config.policies import POLICIES
 
@@ -156,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         vocab = model.args.vocab_size
         about = "Default model (SmolLM2-135M-Instruct, float32)"
     policies = args.policies or [n for n, p in POLICIES.items() if p.bounded and p.scored]
-    ids = mx.random.randint(0, vocab, (args.rows, args.context), key=mx.random.key(0))
+    longest = args.context + (args.rows - 1) * args.stagger
+    ids = mx.random.randint(0, vocab, (args.rows, longest), key=mx.random.key(0))
+    batching: dict[tuple, str] = {}  # (policy, rows): how the rows decoded together
 
     def sessions(policy: str | None, rows: int, with_step: bool):
         """(each step's cache argument, what it holds, the next tokens) after every row's
@@ -164,20 +170,37 @@ def main(argv: list[str] | None = None) -> int:
         if policy is None:  # stock: one KVCache over the rows, mlx-lm as it ships
             uninstall_router(model)
             caches = make_prompt_cache(model)
-            logits = model(ids[:rows], cache=caches)
+            logits = model(ids[:rows, : args.context], cache=caches)
             return (lambda: caches), [caches], mx.argmax(logits[:, -1], axis=-1)[:, None]
         install_router(model)
         spec = CacheSpec(policy, args.max_kv)
         made = [make_cache(model, spec, scores_with_step=with_step) for _ in range(rows)]
-        lasts = [model(ids[r : r + 1], cache=c)[:, -1] for r, c in enumerate(made)]
-        tokens = mx.argmax(mx.concatenate(lasts), axis=-1)[:, None]
+        prompts = [ids[r : r + 1, : args.context + r * args.stagger] for r in range(rows)]
+        lasts = [model(x, cache=c)[:, -1] for x, c in zip(prompts, made, strict=True)]
         if rows == 1:
+            tokens = mx.argmax(mx.concatenate(lasts), axis=-1)[:, None]
             return (lambda: made[0]), made, tokens
-        if spec.info.slab:
-            slab = H2OSlab(slab_key(made[0]))
-            slab.join(list(enumerate(made)))
-            return (lambda: batch_caches([], slab)), [slab], tokens
-        return (lambda: batch_caches(made)), made, tokens
+        # As the server's batcher groups them: a slab per key shared by two rows or more
+        # (an h2o-kvarn key holds the rows' size), the rest alone; slab rows lead the pass.
+        groups: dict = {}
+        for n, caches in enumerate(made):
+            key = slab_key(caches) if spec.info.slab else None
+            groups.setdefault(n if key is None else key, []).append((n, caches))
+        slabs, alone = [], []
+        for key, group in groups.items():
+            if len(group) == 1:
+                alone += group
+                continue
+            slabs.append(open_h2o_slab(key))
+            slabs[-1].join(group)
+        order = [n for slab in slabs for n in slab.members] + [n for n, _ in alone]
+        tokens = mx.argmax(mx.concatenate([lasts[n] for n in order]), axis=-1)[:, None]
+        kinds = sorted({type(s).__name__ for s in slabs})
+        how = f"{len(slabs)} {'/'.join(kinds)}" if slabs else ""
+        how += (", " if slabs and alone else "") + (f"{len(alone)} alone" if alone else "")
+        batching[policy, rows] = how.replace("1 ", "one ", 1) if how.startswith("1 ") else how
+        sessions_alone = [c for _, c in alone]
+        return (lambda: batch_caches(sessions_alone, *slabs)), [*slabs, *sessions_alone], tokens
 
     def measure(
         policy: str | None, rows: int, with_step: bool, count: bool, on_gpu: bool = False
@@ -247,8 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             n, ms = got[label, rows]
             how = "one KVCache" if policy is None else "alone"
             if rows > 1 and policy is not None:
-                how = "one H2OSlab" if POLICIES[policy].slab else "a part per session"
-                how = "a part per session" if policy == "rotating" else how
+                how = batching[policy, rows].replace(f"{rows} alone", "a part per session")
             on_gpu = gpu_ops[label, rows]
             lines.append(
                 f"| {label} | {rows} | {n:.0f} | {n / ops[STOCK, rows]:.2f}x | {ms:.2f} | "

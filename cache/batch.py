@@ -24,14 +24,21 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from cache.h2o_slab import H2OSlabLayer
+from cache.h2o_slab import H2OSlab, H2OSlabLayer
+from cache.kvarn_slab import KVarNSlab, KVarNSlabLayer, is_kvarn_key
 
 
 def _rows(part) -> int:
-    """Batch rows a part carries: a slab's (KVSlab, cache/h2o_slab.py) or one session's."""
+    """Batch rows a part carries: a slab's (KVSlab, cache/h2o_slab.py, cache/kvarn_slab.py)
+    or one session's."""
     if isinstance(part, BatchKVCache):
         return part.offset.shape[0]
-    return part.rows if isinstance(part, H2OSlabLayer) else 1
+    return part.rows if isinstance(part, H2OSlabLayer | KVarNSlabLayer) else 1
+
+
+def open_h2o_slab(key: tuple) -> H2OSlab | KVarNSlab:
+    """An empty slab for sessions of this slab key (cache/h2o_slab.slab_key)."""
+    return KVarNSlab(key) if is_kvarn_key(key) else H2OSlab(key)
 
 
 class BatchedCache:

@@ -100,10 +100,11 @@ def _scored(rule, n_kv_heads: int, with_probs: bool, front: int) -> Callable:
     return mx.compile(scored)
 
 
-def _attend_then_score(
+def attend_then_score(
     attend: Callable, formats: tuple, rule, n_kv_heads: int, scale: float, front: int,
     queries, arrays: list, mask, scores, held: list, tail: list,
 ) -> tuple:  # fmt: skip
+    """The body every compiled decode call ends with: (output, updated scores)."""
     parts = [(k, v, fmt) for (k, v), fmt in zip(arrays, formats, strict=True)]
     out, logits, probs = attend(queries, parts, scale, mask)
     scores = updated_scores(rule, n_kv_heads, scores, held, logits, probs, tail, front)
@@ -117,7 +118,7 @@ def _attend_and_score(
     attend: Callable, how: tuple, formats: tuple, rule, n_kv_heads: int, scale: float,
     front: int,
 ) -> Callable:  # fmt: skip
-    return mx.compile(partial(_attend_then_score, attend, formats, rule, n_kv_heads, scale, front))
+    return mx.compile(partial(attend_then_score, attend, formats, rule, n_kv_heads, scale, front))
 
 
 @functools.cache
@@ -125,7 +126,7 @@ def _store_attend_score(
     store: Callable, where: tuple, attend: Callable, how: tuple, formats: tuple, rule,
     n_kv_heads: int, scale: float, front: int,
 ) -> Callable:  # fmt: skip
-    attend_scored = partial(_attend_then_score, attend, formats, rule, n_kv_heads, scale, front)
+    attend_scored = partial(attend_then_score, attend, formats, rule, n_kv_heads, scale, front)
 
     def step(stored: list, new: list, queries, arrays: list, mask, scores, held, tail) -> tuple:
         written = store(*stored, *new)

@@ -29,13 +29,15 @@ k4v2 is now +1.0-1.5% over dense h2o on three window sets.
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import mlx.core as mx
 
+from cache.attention import ATTENTION
 from cache.budget import H2O_BOOKKEEPING, kvarn_layer_bytes, value_group
-from cache.compiled_decode import attended_and_scored, compiled_on_template
+from cache.compiled_decode import attend_then_score, attended_and_scored, compiled_on_template
 from cache.contents import LayerContents, scored_contents
 from cache.heavy_hitters import HeavyHitters, segment_knobs
 from cache.kvarn import KVarNCache
@@ -53,6 +55,7 @@ from config.cache_spec import (
     h2o_kvarn_tile,
     split_segments,
 )
+from kernels.hadamard import rotate
 from kernels.kvarn import dequantize_keys, dequantize_values
 
 
@@ -137,14 +140,62 @@ class H2OKVarNCache(HeavyHitters, KVarNCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         lead, n = keys.shape[:2], keys.shape[2]
-        pos = mx.broadcast_to(mx.arange(self.offset, self.offset + n, dtype=mx.int32), (*lead, n))
+        pos = mx.broadcast_to(self._next_positions(n), (*lead, n))
         if self.scores is None:
             self.scores, self.positions = mx.zeros((*lead, n), dtype=mx.float32), pos
         else:  # new slots score 0
             self.scores = mx.pad(self.scores, [(0, 0), (0, 0), (0, n)])
             self.positions = mx.concatenate([self.positions, pos], axis=-1)
         self.fused_decode = n == 1  # until the step ends: attend_decode or update_scores
+        if n == 1 and self._store_joins():
+            # The router's call rotates and writes it with the attention (store_and_attend);
+            # until then this returns the buffers before it (cache/contract.py).
+            self.pending_store = (keys, values)
+            self.offset = self.offset + 1
+            return self._fetch()
         return super().update_and_fetch(keys, values)
+
+    def _store_joins(self) -> bool:
+        """Whether a decode token's store waits for its attention call: a step owner's
+        decode on the reference, into a tail it does not fill (a filled one is packed now)."""
+        filled = self.n_front == self.sink and self.tiles is not None
+        return filled and self.n_tail + 1 < self.tile and ATTENTION.stores_with_decode(self)
+
+    def store_pending(self) -> tuple:
+        keys, values = self.pending_store
+        self.pending_store = None
+        self._append_tail(rotate(keys), rotate(values))
+        return self._fetch()
+
+    def store_and_attend(
+        self, queries: mx.array, scale: float, mask, attend: Callable, how: tuple
+    ) -> mx.array:
+        """The pending token rotated and written into the tail, the front, tiles and tail
+        attended and the scores updated, in one compiled call (a trace per tail length, as
+        `attend_decode`'s); then any eviction."""
+        if mask is not None:  # (a decode query's is None) written first, attended apart
+            parts = self.kv_segments(*self.store_pending())
+            return self.attend_decode(queries, parts, scale, mask, attend, how)
+        keys, values = self.pending_store
+        self.pending_store = None
+        layout = self.kv_segments(None, None)[0][2]
+        rule, n_kv = self.score_rule, self.scores.shape[1]
+        step = _decode_with_store(self.n_tail, layout, rule, n_kv, scale, attend, how)
+        out, self.scores, self.tail = step(
+            self.front, self.tiles, self.tail, keys, values, queries, self.scores
+        )
+        self.n_tail += 1
+        self.fused_decode = False
+        self.evict_if_full()
+        return out
+
+    def _next_positions(self, n: int) -> mx.array:
+        """The positions of the next n tokens (a slab's rows: each its own, cache/kvarn_slab.py)."""
+        return mx.arange(self.offset, self.offset + n, dtype=mx.int32)
+
+    def _seen_now(self) -> mx.array:
+        """Tokens seen, this step's counted, as the eviction's rank takes them."""
+        return mx.array(self.offset, dtype=mx.int32)
 
     def attend_decode(
         self, queries: mx.array, parts: list, scale: float, mask, attend: Callable, how: tuple
@@ -225,6 +276,20 @@ class H2OKVarNCache(HeavyHitters, KVarNCache):
         self.strategy = meta["strategy"]
         self.repack_sinkhorn_iters = meta.get("repack_sinkhorn_iters", 0)
 
+    # ------------------------------------------------------------------ in a slab
+
+    def slab_key(self) -> Hashable | None:
+        """Rows that hold as many tokens hold them in one layout, now and after every later
+        decode step (cache/kvarn_slab.py): the key holds the size. Whole-tile eviction drops
+        as many tiles as each row's candidates allow, so its rows would part: it stays alone."""
+        if self.strategy != "requantize" or self.scores is None:
+            return None
+        rule = (self.max_size, self.sink, self.heavy, self.recent, self.evict_batch)
+        packing = (self.fmt, self.sinkhorn_iters, self.repack_sinkhorn_iters)
+        front = self.front[0]
+        shape = (front.dtype, front.shape[1], front.shape[3])
+        return (H2OKVarNCache.__name__, *rule, self.score_rule, *packing, shape, self.size())
+
     # ------------------------------------------------------------------ eviction
 
     def _evict_tokens(self) -> None:
@@ -261,17 +326,16 @@ class H2OKVarNCache(HeavyHitters, KVarNCache):
         layout at every eviction (the tail's length is the same modulo a tile), so one
         trace per configuration serves them all, where the host would build ~400 ops per
         layer one by one (the ranking, the damaged tiles' dequantization and re-packing)."""
-        meta = json.loads(self.meta_state[0])
-        del meta["offset"], meta["evicted"]  # what changes between evictions
-        key = json.dumps(meta, sort_keys=True)
+        rule = json.dumps(self.rule_meta() | {"evicted": 0}, sort_keys=True)
+        key = (type(self), rule, self.fmt, self.n_front, self.n_tail, self.repack_sinkhorn_iters)
         if key not in _EVICTIONS:
             _EVICTIONS[key] = compiled_on_template(
                 self, H2OKVarNCache._evict_tokens, ("tiles", "tail", "scores", "positions")
             )
         buffers = {name: getattr(self, name) for name in ("front", "tiles", "tail")}
         buffers.update(scores=self.scores, positions=self.positions)
-        offset, size = mx.array(self.offset, dtype=mx.int32), self.size()
-        self.__dict__.update(_EVICTIONS[key](buffers, {"offset": offset}))
+        size = self.size()
+        self.__dict__.update(_EVICTIONS[key](buffers, {"offset": self._seen_now()}))
         self.evicted += size - self.keep
         self.n_tail = (self.keep - self.n_front) % self.tile  # as _rebuild leaves it
 
@@ -366,7 +430,28 @@ class H2OKVarNCache(HeavyHitters, KVarNCache):
             ]
 
 
-_EVICTIONS: dict[str, Callable] = {}  # compiled decode evictions by configuration and layout
+_EVICTIONS: dict[tuple, Callable] = {}  # compiled decode evictions by configuration and layout
+
+
+@functools.cache
+def _decode_with_store(
+    n_tail: int, layout, rule, n_kv: int, scale: float, attend: Callable, how: tuple
+) -> Callable:
+    """(front, tiles, tail, keys, values, queries, scores) -> (out, scores, tail): the new
+    token rotated into tail slot `n_tail`, then `attend_then_score` over the front, the
+    tiles and the tail's first n_tail + 1 tokens."""
+
+    def step(front, tiles, tail, keys, values, queries, scores) -> tuple:
+        at = mx.array([n_tail])
+        new = zip(tail, (keys, values), strict=True)
+        tail = [mx.slice_update(b, rotate(x), at, (2,)) for b, x in new]
+        read = [[f, t, b[:, :, : n_tail + 1]] for f, t, b in zip(front, tiles, tail, strict=True)]
+        out, scores = attend_then_score(
+            attend, (layout,), rule, n_kv, scale, 0, queries, [tuple(read)], None, scores, [], []
+        )
+        return out, scores, tail
+
+    return mx.compile(step)
 
 
 def _pick(old: mx.array, fresh: mx.array, ids: mx.array, use_old: mx.array) -> mx.array:

@@ -139,7 +139,7 @@ class KVarNCache(ScoredCache):
             self.n_front += m
         if m < k.shape[2]:
             self._append_tail(k[:, :, m:], v[:, :, m:])
-        self.offset += keys.shape[2]
+        self.offset = self.offset + keys.shape[2]  # a slab row's: an array, not changed in place
         return self._fetch()
 
     def kv_segments(self, keys, values) -> list[tuple[object, object, KVFormat]]:

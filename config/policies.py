@@ -31,8 +31,8 @@ class Policy:
     # Re-indexes RoPE positions near the context (cache/h2o.py): a conversation may
     # outgrow the model's context, one prompt at a time.
     reindexes: bool = False
-    # Decodes with other sessions of its configuration in one H2OSlab (cache/h2o_slab.py;
-    # the caches' `slab_key` says which configuration, or that a layout cannot join).
+    # Decodes with other sessions of its configuration in one slab (cache/h2o_slab.py,
+    # cache/kvarn_slab.py; the caches' `slab_key` says with whom, or that a layout cannot).
     slab: bool = False
     # Each layer may get its own max_kv (CacheSpec.layer_shares, cache/layer_profiles.py).
     layer_budgeted: bool = False
@@ -126,7 +126,7 @@ KVARN = Policy(
 H2O_KVARN = Policy(
     "h2o-kvarn", "H2O eviction over KVarN storage (64-token tiles)",
     "cache.h2o_kvarn:H2OKVarNCache", bounded=True, scored=True, key_bits=4, value_bits=2,
-    in_window=ROTATING, knobs=("kvarn", "kvarn_strategy"),
+    in_window=ROTATING, slab=True, knobs=("kvarn", "kvarn_strategy"),
 )  # fmt: skip
 
 POLICIES: dict[str, Policy] = {

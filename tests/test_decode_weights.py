@@ -63,11 +63,12 @@ def test_a_lone_cache_takes_its_decode_scores_from_the_kernel(
     got_logits, got = lone_run(model, "metal", on_backend, policy=policy, score=score)
     calls = [name for name, *_ in emulated_gpu if name == "decode_weights"]
     assert len(calls) == (2 * STEPS if (policy, score) == ("h2o", "attn") else 0)  # 2 layers
-    for g, w in zip(got_logits, want_logits, strict=True):
-        assert mx.allclose(g, w, atol=1e-4).item()
     # Packed keys: the kernel's and the reference's float32 sums round apart, and a new key
-    # can land one code over when packed; its probability then moves by ~1e-4 (docs/gpu.md).
+    # can land one code over when packed; its probability then moves by ~1e-4 (docs/gpu.md),
+    # the logits by a few 1e-4 (seen with OpenBLAS on AMD EPYC).
     atol = 1e-5 if policy == "h2o" else 1e-3
+    for g, w in zip(got_logits, want_logits, strict=True):
+        assert mx.allclose(g, w, atol=max(atol, 1e-4)).item()
     for g, w in zip(got, want, strict=True):
         assert g.evicted == w.evicted > 0
         assert mx.array_equal(g.positions, w.positions).item()

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 from cache import install_router, make_cache
-from cache.batch import batch_caches
+from cache.batch import batch_caches, open_h2o_slab
 from cache.budget import session_bytes
 from cache.contract import LayerCache, cache_class, layer_contents, tokens_seen
 from cache.factory import adopt
-from cache.h2o_slab import H2OSlab, slab_key
+from cache.h2o_slab import slab_key
 from config.cache_spec import RECALL_ARCHIVE, CacheSpec
 from config.policies import POLICIES, VIEW_KINDS
 from models.shape import kv_shape
@@ -119,18 +119,24 @@ def test_a_policy_record_walks_through_the_server(policy, walk, tmp_path):
     alone = [step(model, caches, token), step(model, other, other_token)]
     inputs = mx.array([[token], [other_token]])
     batched = model(inputs, cache=batch_caches(list(pair)))[:, -1]
+    # A two-row matmul may round apart from a one-row one (OpenBLAS's kernels for AMD EPYC
+    # do), and a packed key that lands one code over moves the logits by up to a few 1e-2
+    # (0.04 seen, h2o-mixed); a row mixed up with another moves them by whole units.
+    tol = 5e-2 if info.quantized else 1e-4
     for row, want in enumerate(alone):
-        np.testing.assert_allclose(np.array(batched[row]), np.array(want), atol=1e-4, rtol=0)
+        np.testing.assert_allclose(np.array(batched[row]), np.array(want), atol=tol, rtol=0)
     # in one H2O slab where the record says the policy batches there
     key = slab_key(caches)
     assert (key is not None) == info.slab
     if info.slab:
-        slab_pair = copy.deepcopy(pair)
-        slab = H2OSlab(key)
-        slab.join([("a", slab_pair[0]), ("b", slab_pair[1])])
+        # h2o-kvarn rows share a slab only holding equally many tokens: a twin then
+        rows = (pair[0], pair[1] if slab_key(pair[1]) == key else pair[0])
+        slab_rows, apart = ([copy.deepcopy(c) for c in rows] for _ in range(2))
+        slab = open_h2o_slab(key)
+        slab.join([("a", slab_rows[0]), ("b", slab_rows[1])])
         nxt = [int(mx.argmax(x)) for x in batched]
         in_slab = model(mx.array([[nxt[0]], [nxt[1]]]), cache=batch_caches([], slab))[:, -1]
-        want = model(mx.array([[nxt[0]], [nxt[1]]]), cache=batch_caches(list(pair)))[:, -1]
+        want = model(mx.array([[nxt[0]], [nxt[1]]]), cache=batch_caches(apart))[:, -1]
         np.testing.assert_allclose(np.array(in_slab), np.array(want), atol=1e-4, rtol=0)
 
     # the cache view: what each layer holds, rendered as the endpoint does

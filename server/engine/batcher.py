@@ -8,7 +8,8 @@ Each round, on the worker thread:
    and one attention call per layer for all of them. A session joins when its
    prompt is in, if the slab's padding stays under half of it, and leaves
    (its rows written back) when its request ends. H2O sessions (dense or
-   packed) of one configuration share an H2OSlab (cache/h2o_slab.py) the same way;
+   packed) of one configuration share an H2OSlab (cache/h2o_slab.py) the same way,
+   h2o-kvarn sessions holding equally many tokens a KVarNSlab (cache/kvarn_slab.py);
 2. while that computes, last round's draws, which were this round's inputs, are
    read and become the replies' Deltas (building a step while the previous one
    computes is what mlx-lm's generate_step does too). `decode` ends here, so
@@ -39,9 +40,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from cache import install_router
-from cache.batch import KVSlab, batch_caches
+from cache.batch import KVSlab, batch_caches, open_h2o_slab
 from cache.contract import step_scores
 from cache.h2o_slab import H2OSlab, near_wall, slab_key
+from cache.kvarn_slab import KVarNSlab
 from server.engine.generation import Generation
 from server.engine.jobs import Delta
 
@@ -65,7 +67,7 @@ class Batcher:
         self.prefill_budget = prefill_budget
         self.batched = can_batch(model)  # else one forward pass per decoding row
         self.slab = KVSlab()  # plain sessions decoding together (members: Generations)
-        self.h2o_slabs: dict[tuple, H2OSlab] = {}  # H2O ones, by configuration
+        self.h2o_slabs: dict[tuple, H2OSlab | KVarNSlab] = {}  # H2O ones, by their key
 
     @property
     def slabs(self) -> list:
@@ -149,7 +151,16 @@ class Batcher:
 
     def _regroup_h2o(self, rows: list[Generation]) -> list[Generation]:
         """The same for H2O sessions: one slab per configuration, of two rows or
-        more; members near their model's context leave (re-indexing runs alone)."""
+        more; members near their model's context leave (re-indexing runs alone). A KVarN
+        slab's key holds its rows' size, which moves: two that came to one size merge."""
+        by_key: dict[tuple, H2OSlab | KVarNSlab] = {}
+        for slab in self.h2o_slabs.values():
+            if slab.key in by_key:  # its rows join the other one below, as fresh rows
+                for g in list(slab.members):
+                    self.leave(g)
+            else:
+                by_key[slab.key] = slab
+        self.h2o_slabs = by_key
         for slab in self.h2o_slabs.values():
             for g in list(slab.members):
                 if g not in rows or near_wall(g.session.caches):
@@ -160,7 +171,7 @@ class Batcher:
             if key is not None and not any(g in s for s in self.h2o_slabs.values()):
                 fresh.setdefault(key, []).append(g)
         for key, joining in fresh.items():
-            slab = self.h2o_slabs.get(key) or H2OSlab(key)
+            slab = self.h2o_slabs.get(key) or open_h2o_slab(key)
             if slab.rows + len(joining) >= 2:  # a slab of one would only cost copies
                 slab.join([(g, g.session.caches) for g in joining])
                 self.h2o_slabs[key] = slab
