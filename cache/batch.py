@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from cache.h2o_slab import H2OSlab, H2OSlabLayer
+from cache.h2o_slab import H2OSlab, H2OSlabLayer, SlabRows
 from cache.kvarn_slab import KVarNSlab, KVarNSlabLayer, is_kvarn_key
 
 
@@ -135,7 +135,7 @@ def plain(cache) -> bool:
     return type(cache) in (KVCache, FullKVCache)
 
 
-class KVSlab:
+class KVSlab(SlabRows):
     """Plain (mlx-lm KVCache) sessions decoding together, each layer's K/V in one buffer.
 
     Row by row, every decode step costs each session a cache update and an
@@ -151,13 +151,6 @@ class KVSlab:
         self.members: list[Hashable] = []  # row order
         self.layers: list[BatchKVCache] = []
         self._lent: list[list[KVCache]] = []
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self.members
-
-    @property
-    def rows(self) -> int:
-        return len(self.members)
 
     def begin_step(self) -> None:
         """A forward pass starts (nothing is built per step here; an H2OSlab's is)."""

@@ -298,7 +298,20 @@ class H2OSlabLayer(ScoredCache):
         return out
 
 
-class H2OSlab:
+class SlabRows:
+    """What every slab answers of its members (row order): whether one is in it, how many."""
+
+    members: list[Hashable]
+
+    def __contains__(self, member: Hashable) -> bool:
+        return member in self.members
+
+    @property
+    def rows(self) -> int:
+        return len(self.members)
+
+
+class H2OSlab(SlabRows):
     """H2O sessions of one configuration decoding together (see the module doc)."""
 
     def __init__(self, key: tuple):
@@ -313,13 +326,6 @@ class H2OSlab:
         # memory bandwidth is the limit there); on a GPU one select over the buffers costs
         # less than a scatter launch (bench/slab_steps.py measures both).
         self.select_writes = mx.default_device() == mx.gpu
-
-    def __contains__(self, member: Hashable) -> bool:
-        return member in self.members
-
-    @property
-    def rows(self) -> int:
-        return len(self.members)
 
     def begin_step(self) -> None:
         """A forward pass starts: per-row arrays built in the last one are stale."""

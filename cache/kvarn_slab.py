@@ -29,6 +29,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
 from cache.h2o_kvarn import H2OKVarNCache
+from cache.h2o_slab import SlabRows
 
 ARRAYS = ("front", "tiles", "tail", "scores", "positions")  # a row's, batch axis first
 
@@ -91,7 +92,7 @@ class KVarNSlabLayer(H2OKVarNCache):
         return self.seen_rows[1]
 
 
-class KVarNSlab:
+class KVarNSlab(SlabRows):
     """h2o-kvarn sessions of one configuration and size decoding together (module doc)."""
 
     def __init__(self, key: tuple):
@@ -106,13 +107,6 @@ class KVarNSlab:
     def key(self) -> tuple:
         """What a session must match to join: the rows' size moves from step to step."""
         return tuple(layer.slab_key() for layer in self.layers) if self.layers else self._key
-
-    def __contains__(self, member: Hashable) -> bool:
-        return member in self.members
-
-    @property
-    def rows(self) -> int:
-        return len(self.members)
 
     def begin_step(self) -> None:
         """A forward pass starts: every layer takes the rows' tokens seen (arrays built
