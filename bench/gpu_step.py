@@ -16,10 +16,12 @@ arithmetic. Both can be counted on this CPU at every change:
   its compiled decode made them part of the step's output);
 
 for stock mlx-lm (its KVCache, no router), the sliding window, and each bounded policy,
-one session alone and `--rows` sessions decoding together (one H2OSlab where the
-policy's record says it batches there, else a part per session, as the server does),
-each as a ratio to stock's step at the same rows. A prompt section counts the ops a
-scored prompt block adds per layer over stock's attention.
+one session alone and `--rows` sessions decoding together, grouped as the server's
+batcher groups them (a slab per slab key two rows share: one H2OSlab, h2o-kvarn's
+KVarNSlab per size held; else a part per session), each as a ratio to stock's step at
+the same rows; `--stagger` gives each row a longer prompt, so sessions run out of step.
+A prompt section counts the ops a scored prompt block adds per layer over stock's
+attention.
 
     python -m bench.gpu_step --synthetic llama-1b --out docs/gpu_step.md
 """
