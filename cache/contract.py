@@ -97,6 +97,8 @@ class LayerCache(mlx_lm_cache._BaseCache):
         if isinstance(self, ScoredCache) and isinstance(fresh, ScoredCache):
             self.scores_with_step = fresh.scores_with_step
 
+    rope = None  # the layer's RoPE module, set where the cache re-indexes (set_context)
+
     def set_context(self, rope, wall: int) -> None:
         """The layer's RoPE module and the model's context, for a cache that re-indexes
         positions before the context runs out (config/policies.py `reindexes`)."""

@@ -70,7 +70,7 @@ def slab_key(caches: list) -> tuple | None:
 def near_wall(caches: list[H2OKVCache], margin: int = 2) -> bool:
     """Whether a cache may re-index within `margin` tokens (H2OKVCache.evict_if_full)."""
     c = caches[0]  # every layer has seen as many tokens
-    return getattr(c, "rope", None) is not None and c.offset + margin >= c.wall - c.wall // 4
+    return c.rope is not None and c.offset + margin >= c.wall - c.wall // 4
 
 
 class H2OSlabLayer(ScoredCache):

@@ -15,7 +15,8 @@ alone.
 Rows holding different counts cannot share one (their tails pack and their evictions fall
 on different steps), so the slab key holds the count (`H2OKVarNCache.slab_key`) and the
 batcher keeps a slab per count it meets: sessions started together, or that reached their
-budget together, share one; staggered ones decode alone (docs/gpu_step.md measures both).
+budget together, share one (a prompt past max_kv leaves `keep`, whatever its length);
+sessions out of step decode alone (not measured yet: docs/gpu.md).
 
 While in the slab a member's caches hold no arrays; `lend` (before any reader between
 steps) and `leave` bring their counters (tokens seen, evicted) up to date and hand them
