@@ -87,15 +87,11 @@ def stored_attended_and_scored(
     # A part's K or V that the store rewrites passes as its index into `stored` alone (not
     # twice as an input): matched by object, a host loop of a few `is` tests. mlx's
     # tree_flatten here cost ~12 us a layer, the compiled call itself ~17.
-    where = tuple(_index_of(x, stored) for x in _kv_of(parts))
-    flat = [x if i < 0 else [] for x, i in zip(_kv_of(parts), where, strict=True)]
+    kv = [x for k, v, _ in parts for x in (k, v)]  # [k0, v0, k1, v1, ...]
+    where = tuple(_index_of(x, stored) for x in kv)
+    flat = [x if i < 0 else [] for x, i in zip(kv, where, strict=True)]
     fused = _store_attend_score(store, where, attend, how, formats, rule, n_kv_heads, scale, front)
     return fused(stored, new, queries, flat, mask, scores, held, tail)
-
-
-def _kv_of(parts: list):
-    """Each part's keys, then its values: [k0, v0, k1, v1, ...]."""
-    return (x for k, v, _ in parts for x in (k, v))
 
 
 def _index_of(x, stored: list) -> int:
