@@ -169,6 +169,12 @@ def scatter_write(at: mx.array, buf: mx.array, new: mx.array) -> mx.array:
     return mx.put_along_axis(buf, where, new, axis=2)
 
 
+def slot_write(at: mx.array, buf: mx.array, new: mx.array) -> mx.array:
+    """`buf` [B, H, slots, ...] with `new` [B, H, n, ...] in slots [at, at + n) of every
+    row and head (`at`: int32 [1], an input, so that one trace serves every slot)."""
+    return mx.slice_update(buf, new, at, axes=(2,))
+
+
 def compiled_on_template(cache, step: Callable, outputs: Sequence[str]) -> Callable:
     """(buffers, scalars) -> the `outputs` attributes after `step(view)`, compiled: `view`
     is a copy of `cache` holding no array of its own (a template keeps no session's

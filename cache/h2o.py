@@ -345,32 +345,38 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         return self.positions.shape[-1] == self.slot_budget + self._slots_per_token
 
     def attention_mask(self, n_q_heads: int, n_new: int, mask=None):
-        """With every slot attended: the held ones (`_key_slots` below `_slots_served`)."""
+        """With every slot attended: the held ones (`_slots_of_keys` below `_slots_served`)."""
         if not self.fused_decode:
             return mask
-        visible = self._key_slots() < self._slots_served()
+        visible = self._visible_slots()
         if isinstance(mask, mx.array):  # a model's own (a str is causal: nothing for one query)
             return visible & mask if mask.dtype == mx.bool_ else mx.where(visible, mask, -mx.inf)
         return visible
 
-    def _key_slots(self) -> mx.array:
-        """int32 [1, 1, 1, keys]: `_slots_of_keys`, built once per buffer size (an evaluated
-        array adds no op to a step)."""
-        n = self.positions.shape[-1]
-        if self._slot_ids is None or self._slot_ids[0] != n:
+    def _visible_slots(self) -> mx.array:
+        """bool [1, 1, 1, keys]: `_slots_of_keys` below `_slots_served`, kept per buffer size
+        and count served: the step that first uses one evaluates it, and from then on it
+        adds no op to a step (the comparison was one op per layer and step). Between
+        evictions a decode's count cycles through evict_batch + 1 values."""
+        n, served = self.positions.shape[-1], self._slots_served()
+        if self._visible_of is None or self._visible_of[0] != n:
             ids = self._slots_of_keys(n).reshape(1, 1, 1, -1)
-            mx.eval(ids)
-            self._slot_ids = (n, ids)
-        return self._slot_ids[1]
+            self._visible_of = (n, ids, {})
+        _, ids, masks = self._visible_of
+        if served not in masks:
+            if len(masks) >= _VISIBLE_MEMO:  # counts off the decode cycle (trims): start over
+                masks.clear()
+            masks[served] = ids < served
+        return masks[served]
 
-    _slot_ids = None  # (slots, their `_key_slots`)
+    _visible_of = None  # (slots, their `_slots_of_keys`, {count served: visible mask})
 
     def _slots_of_keys(self, slots: int) -> mx.array:
         """The slot of each key attention reads from buffers of `slots` slots: every slot."""
         return mx.arange(slots, dtype=mx.int32)
 
     def _slots_served(self) -> int:
-        """Keys whose `_key_slots` is below this are visible: the held slots."""
+        """Keys whose `_slots_of_keys` is below this are visible: the held slots."""
         return self.used
 
     def _tail(self) -> list:
@@ -680,6 +686,7 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         return self.rank_middle(self.scores[..., : self.used], pos, self.seen)
 
 
+_VISIBLE_MEMO = 64  # visible masks a cache keeps (`_visible_slots`), each one byte a slot
 _EVICTIONS: dict[Hashable, Callable] = {}  # compiled evictions by configuration (slab_key)
 
 

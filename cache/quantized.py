@@ -67,7 +67,7 @@ import mlx.core as mx
 
 from cache.attention import DENSE, KVFormat, seq_length
 from cache.budget import kv_width, packed_extras
-from cache.compiled_decode import scatter_write
+from cache.compiled_decode import slot_write
 from cache.h2o import H2OKVCache, turn_keys
 from config.cache_spec import DEFAULT_GROUP_SIZE, CacheSpec, dense_recent_tokens
 from kernels.hadamard import hadamard_block, rotate
@@ -113,15 +113,16 @@ def _into_tail(tail_keys, tail_values, keys: mx.array, values: mx.array, center:
 
 @functools.cache
 def _packed_store(group_size: int, bits: int, value_bits: int, rotated: bool):
-    """One decode token's K/V centred, rotated, packed and written into slot `at` [1, 1, 1]
-    of every packed buffer, as one compiled call: (keys, values, new keys, new values,
-    centre, at) -> (keys, values)."""
+    """One decode token's K/V centred, rotated, packed and written into slot `at` (int32
+    [1]) of every packed buffer, as one compiled call: (keys, values, new keys, new values,
+    centre, at) -> (keys, values). A dynamic slice update: one op per buffer, where a
+    scatter took three (its index reshaped and broadcast)."""
 
     def store(stored_keys: list, stored_values: list, keys, values, center, at) -> tuple:
         keys = keys - center
         if rotated:
             keys, values = rotate(keys), rotate(values)
-        put = partial(scatter_write, at)
+        put = partial(slot_write, at)
         new_keys = quantize(keys, group_size, bits)
         new_values = quantize(values, group_size, value_bits)
         return list(map(put, stored_keys, new_keys)), list(map(put, stored_values, new_values))
@@ -264,7 +265,7 @@ class QuantizedH2OKVCache(H2OKVCache):
             self._store(_into_tail, ("tail_keys", "tail_values"), new, now=packs)
             return self._append_unpacked()
         self._check_scored()
-        at = mx.array([[[self.used]]], dtype=mx.int32)  # a constant: no op in the step
+        at = mx.array([self.used], dtype=mx.int32)  # a constant: no op in the step
         store = _packed_store(self.group_size, self.bits, self.value_bits, self.rotate)
         self._store(store, ("keys", "values"), [keys, values, self.key_center, at], now=False)
         self.used += 1

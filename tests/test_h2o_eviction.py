@@ -355,3 +355,36 @@ def test_a_decode_eviction_moves_only_the_kept_newest_tokens(make):
                 for b, a in zip(before_keys, after_keys, strict=True):
                     np.testing.assert_array_equal(a[0, h, s], b[0, h, was])
     assert evictions >= 2
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: H2OKVCache(24, 2, 10, 12, "attn", evict_batch=4),
+        lambda: QuantizedH2OKVCache(
+            24, sink=2, heavy=10, recent=12, bits=4, rotate=True, evict_batch=2, score="tova"
+        ),
+    ],
+    ids=["dense", "q4-rotated-tail"],
+)
+def test_a_fixed_shape_decode_mask_shows_the_held_slots_and_is_built_once_per_count(make):
+    """A decode reading every slot masks the free ones: `attention_mask` shows exactly the
+    keys `_slots_of_keys` puts below `_slots_served`, and a count served that comes round
+    again (every eviction cycle) reuses its mask, evaluated: no op in that step."""
+    rng = np.random.default_rng(3)
+    c = _twin_decode(make, 20, rng)  # at the final size, past its first evictions
+    seen: dict[int, mx.array] = {}
+    for _ in range(4 * c.evict_batch + 3):
+        k = mx.array(rng.standard_normal((B, N_KV, 1, 64)).astype(np.float32))
+        c.update_and_fetch(k, k * 0.5)
+        assert c.fused_decode
+        mask = c.attention_mask(N_Q, 1)
+        n, served = c.positions.shape[-1], c._slots_served()
+        expected = np.array(c._slots_of_keys(n)) < served
+        np.testing.assert_array_equal(np.array(mask).reshape(-1), expected)
+        if served in seen:
+            assert mask is seen[served]  # the same array, evaluated when first used
+        seen[served] = mask
+        logits = rng.standard_normal((B, N_Q, 1, c.used)).astype(np.float32) * 3
+        c.update_scores(mx.array(logits))
+    assert len(seen) <= c.evict_batch + 1 < 4 * c.evict_batch + 3
