@@ -130,6 +130,19 @@ def _packed_store(group_size: int, bits: int, value_bits: int, rotated: bool):
     return mx.compile(store)
 
 
+@functools.cache
+def _kv_format(bits: int, value_bits: int, group_size: int, rotated: bool) -> KVFormat:
+    return KVFormat(bits, value_bits, group_size, rotated=rotated)
+
+
+@functools.lru_cache(maxsize=1024)
+def _tail_slots(start: int, n: int) -> mx.array:
+    """int32 [1, 1, n]: slots start, ..., start + n - 1. Built from host data once per
+    start and kept (a decode's starts cycle with its evictions): no op in a step, and no
+    array built from a Python list per layer and step."""
+    return mx.array([[list(range(start, start + n))]], dtype=mx.int32)
+
+
 class QuantizedH2OKVCache(H2OKVCache):
     """H2OKVCache over packed K/V: keys at `bits`, values at `value_bits` (None: `bits`).
 
@@ -228,7 +241,8 @@ class QuantizedH2OKVCache(H2OKVCache):
 
     @property
     def kv_format(self) -> KVFormat:
-        return KVFormat(self.bits, self.value_bits, self.group_size, rotated=self.rotate)
+        # Read a few times a layer and step: one instance per format, not one per read.
+        return _kv_format(self.bits, self.value_bits, self.group_size, self.rotate)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Centre the keys (the first tokens fix the centre), keep sinks dense, store all."""
@@ -352,8 +366,7 @@ class QuantizedH2OKVCache(H2OKVCache):
         """The slots of the tail's tokens: the last `tail` held ones."""
         if not self.tail_filled():
             return []
-        # Built from host data, a constant: no op in the step (an arange was one per layer).
-        return [mx.array([[list(range(self.used - self.tail, self.used))]], dtype=mx.int32)]
+        return [_tail_slots(self.used - self.tail, self.tail)]
 
     def kv_segments(self, keys, values) -> list[tuple[object, object, KVFormat]]:
         """[dense sinks | packed slots between | dense tail], in slot order, empty parts
