@@ -10,7 +10,9 @@ arithmetic. Both can be counted on this CPU at every change:
   before it runs; on a GPU each is a launch;
 - build ms: host time from the call of the model until it returns (the graph built,
   plus whatever the code waited for inside), with the previous step done (nothing else
-  computing), the median over the steps; each step's scores are evaluated with its
+  computing), the median over the steps; every case's sessions decode side by side and
+  each step of each is timed in turn, its ratio to stock's in the same turn (a shared
+  machine drifts over the minutes one case takes); each step's scores are evaluated with its
   tokens as the server's batcher does (one row also shows dense H2O without such an
   owner, as direct model calls run it: attention starts the scores layer by layer, unless
   its compiled decode made them part of the step's output);
@@ -204,31 +206,36 @@ def main(argv: list[str] | None = None) -> int:
         sessions_alone = [c for _, c in alone]
         return (lambda: batch_caches(sessions_alone, *slabs)), [*slabs, *sessions_alone], tokens
 
-    def measure(
+    def started(
         policy: str | None, rows: int, with_step: bool, count: bool, on_gpu: bool = False
-    ) -> tuple[float, float, float]:
-        """(ops per step, mean over the steps; host ms to build a step and the host thread's
-        CPU ms in it, medians). `on_gpu`: the ops of a GPU's route (`gpu_route`), nothing
-        timed."""
+    ) -> dict:
+        """A case's sessions after their prompts and, `count`, its counted steps (every
+        evaluation in a step): {"ops" per step (their mean), what a timed step needs}.
+        `on_gpu`: the ops of a GPU's route (`gpu_route`)."""
         caches, held, token = sessions(policy, rows, with_step)
-        scored = [c for c in buffers_holders(held)]
         mx.eval(token, buffers(held))
-        ops, builds, cpu = [0], [], []
-        for _ in range(args.steps if count else 0):  # counted: every evaluation in a step
+        ops = [0]
+        for _ in range(args.steps if count else 0):
             with counting_evals(ops), gpu_route(ops, on_gpu):
                 logits = model(token, cache=caches())
                 token = mx.argmax(logits[:, -1], axis=-1)[:, None]
                 mx.eval(token, buffers(held))
-        for _ in range(0 if on_gpu else args.steps):  # timed: building the step alone
-            start, start_cpu = time.perf_counter(), time.thread_time()
-            logits = model(token, cache=caches())
-            builds.append(time.perf_counter() - start)
-            cpu.append(time.thread_time() - start_cpu)  # what a busy shared machine spares
-            token = mx.argmax(logits[:, -1], axis=-1)[:, None]
-            mx.eval(token, step_scores(scored))  # what the server's batcher launches
-            mx.eval(buffers(held))
-        ms = [statistics.median(x) * 1e3 if x else 0.0 for x in (builds, cpu)]
-        return ops[0] / args.steps, *ms
+        scored = buffers_holders(held)
+        return dict(ops=ops[0] / args.steps, policy=policy, caches=caches, held=held,
+                    scored=scored, token=token)  # fmt: skip
+
+    def timed_step(case: dict) -> tuple[float, float]:
+        """(host s to build one step of `case`, the host thread's CPU s in it), with nothing
+        else computing; then the step evaluated as the server's batcher does."""
+        (uninstall_router if case["policy"] is None else install_router)(model)
+        caches = case["caches"]()
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        logits = model(case["token"], cache=caches)
+        build, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
+        case["token"] = mx.argmax(logits[:, -1], axis=-1)[:, None]
+        mx.eval(case["token"], step_scores(case["scored"]))  # what the batcher launches
+        mx.eval(buffers(case["held"]))
+        return build, cpu
 
     # No step owner evaluates the scores (a direct model call, make_cache's default):
     # attention starts them layer by layer unless its compiled decode ties them to the output.
@@ -237,25 +244,39 @@ def main(argv: list[str] | None = None) -> int:
     if "h2o" in policies:
         cases.append((no_owner, "h2o"))
     row_counts = sorted({1, args.rows}) if args.steps else []  # --steps 0: the prompt only
-    ops, builds, cpus = {}, {}, {}  # ops counted once; build ms per round, interleaved
+    ops = {}  # ops per step, counted once
     gpu_ops = {}  # ops on a GPU's route (stand-in kernels counted as their launches)
+    builds, cpus = {}, {}  # per step and round: build s over stock's in the same step
+    build_ms = {}  # every timed build, for the median ms
     for r in range(args.rounds):
         for rows in row_counts:
-            for label, policy in cases if r % 2 == 0 else cases[::-1]:
-                n, ms, cpu_ms = measure(policy, rows, label != no_owner, count=r == 0)
-                ops.setdefault((label, rows), n)
-                builds.setdefault((label, rows), []).append(ms)
-                cpus.setdefault((label, rows), []).append(cpu_ms)
+            running = {}
+            for label, policy in cases:
+                with_step = label != no_owner
+                running[label] = started(policy, rows, with_step, count=r == 0)
+                ops.setdefault((label, rows), running[label]["ops"])
                 if r == 0:
-                    gpu_ops[label, rows] = measure(policy, rows, label != no_owner, True, True)[0]
+                    gpu_ops[label, rows] = started(policy, rows, with_step, True, True)["ops"]
+            # Every case's step in turn, step by step (the order reversed every other
+            # step): a shared machine's drift hits each case alike, and each ratio is to
+            # stock's build in the same turn.
+            for s in range(args.steps):
+                order = cases if s % 2 == 0 else cases[::-1]
+                turn = {label: timed_step(running[label]) for label, _ in order}
+                for label, (build, cpu) in turn.items():
+                    build_ms.setdefault((label, rows), []).append(build * 1e3)
+                    builds.setdefault((label, rows), []).append(build / turn[STOCK][0])
+                    cpus.setdefault((label, rows), []).append(cpu / turn[STOCK][1])
+            del running
+            for label, _ in cases:
+                ms = statistics.median(build_ms[label, rows][-args.steps :])
                 print(f"round {r}: {label} x{rows}: {ms:.2f} ms", file=sys.stderr)
 
-    def build_ratio(label: str, rows: int, times: dict) -> float:
-        """Median over rounds of the build time over stock's in the same round."""
-        mine, stock = times[label, rows], times[STOCK, rows]
-        return statistics.median(a / b for a, b in zip(mine, stock, strict=True))
+    def build_ratio(label: str, rows: int, ratios: dict) -> float:
+        """Median over every timed step of every round of the build time over stock's."""
+        return statistics.median(ratios[label, rows])
 
-    got = {key: (ops[key], statistics.median(builds[key])) for key in ops}
+    got = {key: (ops[key], statistics.median(build_ms[key])) for key in ops}
     periods = {p: eviction_period(model, CacheSpec(p, args.max_kv)) for p in policies}
     uneven = [p for p, n in periods.items() if args.steps % n]
     period_note = ", ".join(f"{p} {n}" for p, n in periods.items())
@@ -290,9 +311,11 @@ def main(argv: list[str] | None = None) -> int:
         f"evict). Ops: MLX primitives evaluated per step (launches on a GPU), the mean over "
         f"the steps (evictions amortized over whole periods of steps: {period_note}"
         f"{uneven_note}). Build: host ms until the model call returns, the median over "
-        f"{args.rounds} interleaved rounds; its ratio is taken within each round, "
-        f"then the median; build CPU: the same for the host thread's CPU time in the build "
-        f"(less moved by other work on a shared machine). GPU route: the ops of the same "
+        f"the timed steps of {args.rounds} rounds; the cases' sessions decode side by side, "
+        f"every case's step timed in turn (the order reversed every other step), and each "
+        f"ratio is to stock's build in the same turn, then the median over every step, so a "
+        f"shared machine's drift hits every case alike; build CPU: the same for the host "
+        f"thread's CPU time in the build. GPU route: the ops of the same "
         f"steps where a GPU backend takes what its kernels take (decode attention over dense, "
         f"mx.quantize- and KVarN-packed parts, the `attn` rule's key weights: kernels/src), "
         f"each kernel counted as its launches, their values computed here outside the count. "
