@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     row_counts = sorted({1, args.rows}) if args.steps else []  # --steps 0: the prompt only
     ops = {}  # ops per step, counted once
     gpu_ops = {}  # ops on a GPU's route (stand-in kernels counted as their launches)
-    builds, cpus = {}, {}  # per step and round: build s over stock's in the same step
+    build_ratios, cpu_ratios = {}, {}  # per timed step: its build over stock's in that turn
     build_ms = {}  # every timed build, for the median ms
     for r in range(args.rounds):
         for rows in row_counts:
@@ -265,16 +265,12 @@ def main(argv: list[str] | None = None) -> int:
                 turn = {label: timed_step(running[label]) for label, _ in order}
                 for label, (build, cpu) in turn.items():
                     build_ms.setdefault((label, rows), []).append(build * 1e3)
-                    builds.setdefault((label, rows), []).append(build / turn[STOCK][0])
-                    cpus.setdefault((label, rows), []).append(cpu / turn[STOCK][1])
+                    build_ratios.setdefault((label, rows), []).append(build / turn[STOCK][0])
+                    cpu_ratios.setdefault((label, rows), []).append(cpu / turn[STOCK][1])
             del running
             for label, _ in cases:
                 ms = statistics.median(build_ms[label, rows][-args.steps :])
                 print(f"round {r}: {label} x{rows}: {ms:.2f} ms", file=sys.stderr)
-
-    def build_ratio(label: str, rows: int, ratios: dict) -> float:
-        """Median over every timed step of every round of the build time over stock's."""
-        return statistics.median(ratios[label, rows])
 
     got = {key: (ops[key], statistics.median(build_ms[key])) for key in ops}
     periods = {p: eviction_period(model, CacheSpec(p, args.max_kv)) for p in policies}
@@ -297,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
             on_gpu = gpu_ops[label, rows]
             lines.append(
                 f"| {label} | {rows} | {n:.0f} | {n / ops[STOCK, rows]:.2f}x | {ms:.2f} | "
-                f"{build_ratio(label, rows, builds):.2f}x | "
-                f"{build_ratio(label, rows, cpus):.2f}x | {on_gpu:.0f} | "
+                f"{statistics.median(build_ratios[label, rows]):.2f}x | "
+                f"{statistics.median(cpu_ratios[label, rows]):.2f}x | {on_gpu:.0f} | "
                 f"{on_gpu / gpu_ops[STOCK, rows]:.2f}x | {how} |"
             )
     if args.prompt:
