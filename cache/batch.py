@@ -84,6 +84,9 @@ class BatchedCache:
 
     def attend(self, queries: mx.array, keys: list, values: list, mask, attend_part: Callable):
         """attend_part(q, k, v, part, mask) per part, stacked back into the batch."""
+        part = self.parts[0]
+        if self.whole and self.lengths is None and not isinstance(part, BatchKVCache):
+            return attend_part(queries, keys[0], values[0], part, mask)  # a slab's decode
         out = []
         for (part, a, b), k, v in zip(self.spans, keys, values, strict=True):
             part_mask = mask

@@ -29,10 +29,12 @@ once that pool is full (its sinks seen); with 4-bit keys also its dense tail, on
 holds its newest tokens past the sinks: the slab keeps the slot each tail token fills,
 masks those packed copies and scores the tail's logits in their slots; it encodes and
 writes the copies for all rows once every `tail` steps, as a lone cache does (and before
-rows move or are read: `pack_pending`). While in the slab
-a member's caches keep their counters (length, tokens seen, evicted) and no arrays;
-`leave` writes its rows back, `lend` hands out copies until the next step. A member
-nearing its model's context must leave first (`near_wall`): re-indexing runs alone.
+rows move or are read: `pack_pending`). While in the slab a member's caches hold no
+arrays, and their counters (length, tokens seen) lag by the steps since the slab last
+counted them: a step counts its token once (`uncounted`), not per row and layer, and
+`count_tokens` brings them up to date before eviction, `lend` and `leave` read them.
+`leave` writes a member's rows back, `lend` hands out copies until the next step. A
+member nearing its model's context must leave first (`near_wall`): re-indexing runs alone.
 """
 
 from __future__ import annotations
@@ -67,10 +69,11 @@ def slab_key(caches: list) -> tuple | None:
     return None if any(k is None for k in key) else key
 
 
-def near_wall(caches: list[H2OKVCache], margin: int = 2) -> bool:
-    """Whether a cache may re-index within `margin` tokens (H2OKVCache.evict_if_full)."""
+def near_wall(caches: list[H2OKVCache], margin: int = 2, lag: int = 0) -> bool:
+    """Whether a cache may re-index within `margin` tokens (H2OKVCache.evict_if_full);
+    `lag`: tokens it took that its counters do not count yet (a slab's member)."""
     c = caches[0]  # every layer has seen as many tokens
-    return c.rope is not None and c.offset + margin >= c.wall - c.wall // 4
+    return c.rope is not None and c.offset + lag + margin >= c.wall - c.wall // 4
 
 
 class H2OSlabLayer(ScoredCache):
@@ -87,7 +90,10 @@ class H2OSlabLayer(ScoredCache):
         # none waiting and take a token each step), as a lone cache's `unpacked`.
         self.unpacked = 0
         self._mask = None  # this step's `held` per query head, [rows, q_heads, 1, slots]
-        self._full = False  # some row holds more than its slot budget: it evicts this step
+        # Tokens every row could take, as its caches count, before one holds more than its
+        # slot budget (`count_room`); the slab's uncounted steps are taken from it.
+        self._room = 0
+        self._step_settings = self._step = None  # `_decode_step`, and what it was made for
         self._pool_shape = self._pool_masks_of = None  # `_pool_masks`, and the shape it fits
 
     @property
@@ -112,16 +118,19 @@ class H2OSlabLayer(ScoredCache):
         (`pending_store`): written, attended and scored in one compiled call."""
         if keys.shape[2] != 1:
             raise ValueError("an H2O slab decodes one token per row; prefill runs alone")
-        caches = self._caches()
         seen = self.slab.seen_at_start()  # this layer's caches, before this token
         self.pending_store = (keys, values, seen)
         if not ATTENTION.stores_with_decode(self):
             self.store_pending()
-        for c in caches:  # members are never re-indexed: offset += 1 is seen += 1
-            c.used += 1
-            c.seen += 1
-        self._full = max(c.used for c in caches) > caches[0].slot_budget  # rows alike
+        if self.index == 0:  # the step's first layer counts its token for every layer
+            self.slab.uncounted += 1
         return self.keys, self.values
+
+    def count_room(self) -> None:
+        """`_room`, after the rows or what their caches count changed (rows evict on their
+        own schedules)."""
+        caches = self._caches()
+        self._room = caches[0].slot_budget - max(c.used for c in caches) if caches else 0
 
     def store_pending(self) -> tuple:
         """Write the step's token now (a reader other than the compiled decode came)."""
@@ -138,16 +147,25 @@ class H2OSlabLayer(ScoredCache):
         nothing: the held slots are the mask."""
         keys, values, seen = self.pending_store
         self.pending_store = None
-        caches = self._caches()
-        front, fmt = self._front(), caches[0].kv_format
-        group = queries.shape[1] // self.held.shape[1]
-        rule, n_kv = caches[0].score_rule, self.positions.shape[1]
-        select = self.slab.select_writes
-        step = _decode_step(select, fmt, group, front, rule, n_kv, scale, attend, how)
+        step, front = self._decode_step(queries, scale, attend, how)
         out, arrays = step(self._arrays(), self._pool_masks(front), queries, keys, values, seen)
         self._stored(arrays)
-        self._evict_overflowing(caches)
+        self._evict_overflowing()
         return out
+
+    def _decode_step(self, queries, scale: float, attend: Callable, how) -> tuple:
+        """(this layer's compiled decode step, its front pool's tokens), kept while the
+        router's attention and its settings are the same: what else keys the step is the
+        layer's for as long as the slab lives (hashing it was ~4 us a layer and step)."""
+        settings = (queries.shape[1], scale, attend, how)
+        if self._step_settings != settings:
+            caches, front = self._caches(), self._front()
+            fmt, rule = caches[0].kv_format, caches[0].score_rule
+            group, n_kv = queries.shape[1] // self.held.shape[1], self.positions.shape[1]
+            select = self.slab.select_writes
+            step = _decode_step(select, fmt, group, front, rule, n_kv, scale, attend, how)
+            self._step_settings, self._step = settings, (step, front)
+        return self._step
 
     def _arrays(self) -> dict:
         """The buffers a step reads and writes, by name (those this layout has)."""
@@ -194,11 +212,10 @@ class H2OSlabLayer(ScoredCache):
 
     def update_scores(self, logits: mx.array, probs: mx.array | None = None) -> None:
         """Accumulate every row's scores at once, then evict the rows that overflow."""
-        caches = self._caches()
-        rule, n_kv = caches[0].score_rule, self.positions.shape[1]
+        rule, n_kv = self._caches()[0].score_rule, self.positions.shape[1]
         tail, front = self._tail(), self._front()
         self.scores = scored(rule, n_kv, self.scores, [self.held], logits, probs, tail, front)
-        self._evict_overflowing(caches)
+        self._evict_overflowing()
 
     @property
     def sums_probabilities(self) -> bool:
@@ -211,7 +228,7 @@ class H2OSlabLayer(ScoredCache):
         if pools or not self.sums_probabilities:
             return False
         self.scores = weights(self.scores)
-        self._evict_overflowing(self._caches())
+        self._evict_overflowing()
         return True
 
     fused_decode = True  # the slots' shapes stay fixed while the rows do
@@ -222,13 +239,12 @@ class H2OSlabLayer(ScoredCache):
         """Attention over `parts` (`attend`: the router's op-by-op attention, `how` its
         settings) and the score update in one compiled call (what a GPU kernel's epilogue
         does), then eviction. The logits and probabilities stay inside the fused graph."""
-        caches = self._caches()
-        rule, n_kv = caches[0].score_rule, self.positions.shape[1]
+        rule, n_kv = self._caches()[0].score_rule, self.positions.shape[1]
         out, self.scores = attended_and_scored(
             queries, parts, scale, mask, attend, how, rule, n_kv, self.scores, [self.held],
             self._tail(), self._front(),
         )  # fmt: skip
-        self._evict_overflowing(caches)
+        self._evict_overflowing()
         return out
 
     def _pool_masks(self, front: int) -> tuple:
@@ -256,9 +272,11 @@ class H2OSlabLayer(ScoredCache):
         """[the slot each tail token fills] for a layout with a dense tail, else []."""
         return [] if self.tail_keys is None else [self.tail_slots]
 
-    def _evict_overflowing(self, caches: list[H2OKVCache]) -> None:
+    def _evict_overflowing(self) -> None:
         """After the scores: evict the rows this step took past their slot budget."""
-        if self._full:  # found while counting the step's token (update_and_fetch)
+        if self._room < self.slab.uncounted:  # this step's token took some row past it
+            self.slab.count_tokens()
+            caches = self._caches()
             self._evict(tuple(c.used > c.slot_budget for c in caches), caches)
 
     def _evict(self, full: tuple[bool, ...], caches: list[H2OKVCache]) -> None:
@@ -279,6 +297,7 @@ class H2OSlabLayer(ScoredCache):
             if evicts:
                 c.evicted += c.used - keep
                 c.used = keep
+        self.count_room()
 
     def row(self, i: int) -> dict[str, object]:
         """Row i as a lone cache lays it out: held slots first, in position order."""
@@ -299,7 +318,8 @@ class H2OSlabLayer(ScoredCache):
 
 
 class SlabRows:
-    """What every slab answers of its members (row order): whether one is in it, how many."""
+    """What every slab answers of its members (row order): whether one is in it, how many;
+    an H2O one (`caches`, `uncounted`) also whether one must leave to re-index."""
 
     members: list[Hashable]
 
@@ -309,6 +329,10 @@ class SlabRows:
     @property
     def rows(self) -> int:
         return len(self.members)
+
+    def near_wall(self, member: Hashable) -> bool:
+        """Module `near_wall` for a member, whose caches do not count `uncounted` tokens."""
+        return near_wall(self.caches[self.members.index(member)], lag=self.uncounted)
 
 
 class H2OSlab(SlabRows):
@@ -322,6 +346,8 @@ class H2OSlab(SlabRows):
         self.layers: list[H2OSlabLayer] = []
         self._lent: list[list[H2OKVCache]] = []
         self._seen: mx.array | None = None  # seen_at_start, for the step under way
+        # Tokens every row took that its caches do not count yet (`count_tokens`).
+        self.uncounted = 0
         # How a step writes its tokens: a scatter touches only the new slots (the CPU's
         # memory bandwidth is the limit there); on a GPU one select over the buffers costs
         # less than a scatter launch (bench/slab_steps.py measures both).
@@ -331,16 +357,33 @@ class H2OSlab(SlabRows):
         """A forward pass starts: per-row arrays built in the last one are stale."""
         self._seen = None
 
+    def count_tokens(self) -> None:
+        """Count the tokens every row took since the last count in its caches (members are
+        never re-indexed: offset += n is seen += n). A step only counts its token once, for
+        every row and layer (`uncounted`): touching each row's caches at every layer cost
+        ~10 us a layer, 16 rows. Counted before the caches are read: eviction, lend, leave,
+        join."""
+        n, self.uncounted = self.uncounted, 0
+        if not n:
+            return
+        for layer, caches in zip(self.layers, self.layer_caches, strict=True):
+            for c in caches:
+                c.used += n
+                c.seen += n
+            layer._room -= n
+
     def seen_at_start(self) -> mx.array:
         """Every row's tokens seen as this step began, int32 [rows]: what each layer's
         caches hold until that layer's update (built once per step, for every layer)."""
-        if self._seen is None:
-            self._seen = mx.array([caches[0].seen for caches in self.caches], dtype=mx.int32)
+        if self._seen is None:  # built in the step's first layer, before its token counts
+            n = self.uncounted
+            self._seen = mx.array([caches[0].seen + n for caches in self.caches], mx.int32)
         return self._seen
 
     def join(self, sessions: list[tuple[Hashable, list[H2OKVCache]]]) -> None:
         """Move sessions' rows into the slab as its last rows (one copy of the slab)."""
         self.reclaim()
+        self.count_tokens()  # the new rows' caches count every token they took
         self.pack_pending()  # the rows after join wait for none, as the new ones
         for _, caches in sessions:  # the slab reads every slot it did not write packed
             for c in caches:
@@ -379,10 +422,13 @@ class H2OSlab(SlabRows):
                 for name in layer.names:
                     setattr(c, name, None)
         self.layer_caches = [list(layer) for layer in zip(*self.caches, strict=True)]
+        for layer in self.layers:
+            layer.count_room()
 
     def leave(self, member: Hashable, caches: list[H2OKVCache] | None) -> None:
         """Take a member's row out; write it back into its caches (None: drop it)."""
         self.reclaim()
+        self.count_tokens()
         self.pack_pending()
         i = self.members.index(member)
         del self.members[i], self.caches[i]
@@ -402,10 +448,13 @@ class H2OSlab(SlabRows):
             layer.forget_mask()
         if not self.members:
             self.layers = []
+        for layer in self.layers:
+            layer.count_room()
         mx.async_eval(written)  # copied now: a lazy copy would keep the old slab alive
 
     def lend(self, member: Hashable, caches: list[H2OKVCache]) -> None:
         """Give a member's caches copies of its rows, for a reader between steps."""
+        self.count_tokens()
         self.pack_pending()
         i = self.members.index(member)
         for layer, c in zip(self.layers, caches, strict=True):

@@ -113,8 +113,7 @@ class KVarNSlab(SlabRows):
     def begin_step(self) -> None:
         """A forward pass starts: every layer takes the rows' tokens seen (arrays built
         once for all layers, from host numbers: no op per layer)."""
-        since = self.layers[0].steps - self._synced[0][0]  # every layer takes every step
-        seen = [caches[0].offset + since for caches in self.caches]
+        seen = [caches[0].offset + self.uncounted for caches in self.caches]
         offset = mx.array(seen, dtype=mx.int32)
         rows = [mx.array([[[n + d]] for n in seen], dtype=mx.int32) for d in (0, 1)]
         for layer in self.layers:
@@ -123,7 +122,7 @@ class KVarNSlab(SlabRows):
     def join(self, sessions: list[tuple[Hashable, list[H2OKVarNCache]]]) -> None:
         """Move sessions' rows into the slab as its last rows; they must hold its layout."""
         self.reclaim()
-        self._sync()
+        self.count_tokens()
         key = self.key
         for _, caches in sessions:
             if tuple(c.slab_key() for c in caches) != key:
@@ -143,7 +142,7 @@ class KVarNSlab(SlabRows):
     def leave(self, member: Hashable, caches: list[H2OKVarNCache] | None) -> None:
         """Take a member's row out; write it back into its caches (None: drop it)."""
         self.reclaim()
-        self._sync()
+        self.count_tokens()
         i = self.members.index(member)
         del self.members[i], self.caches[i]
         written = []
@@ -161,7 +160,7 @@ class KVarNSlab(SlabRows):
 
     def lend(self, member: Hashable, caches: list[H2OKVarNCache]) -> None:
         """Give a member's caches copies of its rows, for a reader between steps."""
-        self._sync()
+        self.count_tokens()
         i = self.members.index(member)
         for layer, c in zip(self.layers, caches, strict=True):
             c.__dict__.update(layer.row(i))
@@ -176,7 +175,12 @@ class KVarNSlab(SlabRows):
             _drop_arrays(caches)
         self._lent = []
 
-    def _sync(self) -> None:
+    @property
+    def uncounted(self) -> int:
+        """Tokens every row took that its caches do not count yet (`count_tokens`)."""
+        return self.layers[0].steps - self._synced[0][0] if self.layers else 0
+
+    def count_tokens(self) -> None:
         """Hand every layer's tokens and evictions since the last sync to each member."""
         for n, layer in enumerate(self.layers):
             steps, evicted = self._synced[n]

@@ -270,8 +270,13 @@ def test_a_member_dropped_or_lent_leaves_the_others_whole():
     model(mx.array([[9], [9], [9]]), cache=batch_caches([], slab))
     for twin in twins:
         model(mx.array([[9]]), cache=twin)
-    slab.lend(2, rows[2])  # a reader sees the row as the cache's own
-    assert rows[2][0].size() == twins[2][0].size()
+    slab.lend(2, rows[2])  # a reader sees the row as the cache's own, counters too
+    for mine, theirs in zip(rows[2], twins[2], strict=True):
+        assert (mine.offset, mine.size(), mine.evicted) == (
+            theirs.offset,
+            theirs.size(),
+            theirs.evicted,
+        )
     np.testing.assert_array_equal(held(rows[2][0])["positions"], held(twins[2][0])["positions"])
     slab.leave(1, None)  # cancelled: its row is dropped, the lent views reclaimed
     assert rows[2][0].keys is None and slab.members == [0, 2]
@@ -307,6 +312,25 @@ def test_who_may_join():
     for c in a:
         c.offset = c.wall - c.wall // 4 - 1
     assert near_wall(a)
+
+
+def test_a_member_near_its_context_is_found_with_the_tokens_its_caches_do_not_count():
+    """A step counts its token in the members' caches only when they are read
+    (`count_tokens`); `near_wall` adds the ones not counted yet."""
+    model = tiny("llama", head_dim=32, max_position_embeddings=256)  # caches may re-index
+    install_router(model)
+    rows = [prefilled(model, SPEC, [1, 2, 3] * 10), prefilled(model, SPEC, [4] * 30)]
+    near = rows[0][0].wall - rows[0][0].wall // 4  # near_wall at offset + 2 >= near
+    for c in rows[0]:
+        c.offset = near - 5
+    slab = H2OSlab(slab_key(rows[0]))
+    slab.join(list(enumerate(rows)))
+    for steps in (1, 2, 3):
+        model(mx.array([[9], [9]]), cache=batch_caches([], slab))
+        assert slab.near_wall(0) == (steps == 3) and not slab.near_wall(1)
+    assert rows[0][0].offset == near - 5  # not counted yet: near_wall(rows[0]) would miss it
+    slab.count_tokens()
+    assert near_wall(rows[0]) and [c.offset for c in rows[0]] == [near - 2] * len(rows[0])
 
 
 def test_a_slab_refuses_a_prompt_chunk():

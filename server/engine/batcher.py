@@ -163,7 +163,7 @@ class Batcher:
         self.h2o_slabs = by_key
         for slab in self.h2o_slabs.values():
             for g in list(slab.members):
-                if g not in rows or near_wall(g.session.caches):
+                if g not in rows or slab.near_wall(g):
                     self.leave(g)
         fresh: dict[tuple, list[Generation]] = {}
         for g in rows:
