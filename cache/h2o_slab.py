@@ -504,7 +504,7 @@ def _written(select: bool, fmt: KVFormat, arrays: dict, keys, values, seen) -> d
     the packed copy waits). `seen` [rows]: each row's tokens before this one."""
     held = arrays["held"]
     B, H = held.shape[:2]
-    at = mx.argmax(~held, axis=-1).reshape(B, H, 1)  # a row holds max_kv slots at most
+    at = mx.argmax(~held, axis=-1, keepdims=True)  # [B, H, 1]: a row holds max_kv at most
     if select:  # on a GPU one select over the buffers costs less than a scatter launch
         taken = mx.arange(held.shape[-1], dtype=at.dtype) == at  # [B, H, slots]
         put, held = partial(select_write, taken), held | taken

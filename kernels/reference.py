@@ -128,15 +128,20 @@ def _apply_mask(
     m = expand_mask(mask, L_q, L_k)
     if m is None:
         return scores
-    scores = scores.reshape(B, n_kv, rep, L_q, L_k)
+    decode = L_q == 1  # laid out [B, n_kv, rep, L_k] already: only the mask is reshaped
+    if not decode:
+        scores = scores.reshape(B, n_kv, rep, L_q, L_k)
     if m.ndim >= 3:  # [(B or 1,) n_q or 1, L_q or 1, L_k or 1]: numpy broadcasting
         m = m.reshape((1,) * (4 - m.ndim) + m.shape)
-        m = m.reshape(m.shape[0], n_kv, rep, *m.shape[2:]) if m.shape[1] > 1 else m[:, :, None]
+        if m.shape[1] > 1:
+            m = m.reshape(m.shape[0], n_kv, rep, *m.shape[2 + decode :])
+        elif not decode:
+            m = m[:, :, None]
     if m.dtype == mx.bool_:
         scores = mx.where(m, scores, -mx.inf)
     else:
         scores = scores + m.astype(mx.float32)
-    return scores.reshape(B, n_kv, rep * L_q, L_k)
+    return scores if decode else scores.reshape(B, n_kv, rep * L_q, L_k)
 
 
 def bias_as_mask(mask: Mask, bias: mx.array, n_q: int, L_q: int, L_k: int) -> mx.array:
