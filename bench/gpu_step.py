@@ -8,9 +8,10 @@ arithmetic. Both can be counted on this CPU at every change:
   step, per-layer score evaluations included, and the step's own evaluation of its
   logits and every cache buffer it wrote), counted from the graph (`mx.export_to_dot`)
   before it runs; on a GPU each is a launch;
-- build ms: host time from the call of the model until it returns (the graph built,
-  plus whatever the code waited for inside), with the previous step done (nothing else
-  computing), the median over the steps; every case's sessions decode side by side and
+- build ms: host time from making the step's cache argument (a slab's: the batcher's
+  `batch_caches`) until the model returns (the graph built, plus whatever the code
+  waited for inside), with the previous step done (nothing else computing), the median
+  over the steps; every case's sessions decode side by side and
   each step of each is timed in turn, its ratio to stock's in the same turn (a shared
   machine drifts over the minutes one case takes); each step's scores are evaluated with its
   tokens as the server's batcher does (one row also shows dense H2O without such an
@@ -228,9 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         """(host s to build one step of `case`, the host thread's CPU s in it), with nothing
         else computing; then the step evaluated as the server's batcher does."""
         (uninstall_router if case["policy"] is None else install_router)(model)
-        caches = case["caches"]()
         start, start_cpu = time.perf_counter(), time.thread_time()
-        logits = model(case["token"], cache=caches)
+        logits = model(case["token"], cache=case["caches"]())  # batch_caches is the step's
         build, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
         case["token"] = mx.argmax(logits[:, -1], axis=-1)[:, None]
         mx.eval(case["token"], step_scores(case["scored"]))  # what the batcher launches
@@ -306,8 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         f"steps counted and {args.steps} timed per case (after the prompt, so bounded caches "
         f"evict). Ops: MLX primitives evaluated per step (launches on a GPU), the mean over "
         f"the steps (evictions amortized over whole periods of steps: {period_note}"
-        f"{uneven_note}). Build: host ms until the model call returns, the median over "
-        f"the timed steps of {args.rounds} rounds; the cases' sessions decode side by side, "
+        f"{uneven_note}). Build: host ms from making the step's cache argument until the "
+        f"model call returns, the median over the timed steps of {args.rounds} rounds; the "
+        f"cases' sessions decode side by side, "
         f"every case's step timed in turn (the order reversed every other step), and each "
         f"ratio is to stock's build in the same turn, then the median over every step, so a "
         f"shared machine's drift hits every case alike; build CPU: the same for the host "
