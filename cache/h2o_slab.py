@@ -383,7 +383,7 @@ class H2OSlab(SlabRows):
     def join(self, sessions: list[tuple[Hashable, list[H2OKVCache]]]) -> None:
         """Move sessions' rows into the slab as its last rows (one copy of the slab)."""
         self.reclaim()
-        self.count_tokens()  # the new rows' caches count every token they took
+        self.count_tokens()  # the rows here first: `uncounted` is not the new rows'
         self.pack_pending()  # the rows after join wait for none, as the new ones
         for _, caches in sessions:  # the slab reads every slot it did not write packed
             for c in caches:
