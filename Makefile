@@ -56,6 +56,7 @@ bench: setup
 	$(PY) -m bench.server_load --out docs/server_load.md
 	$(PY) -m bench.server_load --skip-long --streams 1 4 --rounds 2 --max-tokens 256 --out docs/server_load_replies.md
 	$(PY) -m bench.server_load --skip-long --rounds 3 --policy h2o --max-kv 256 --out docs/server_load_h2o.md
+	$(PY) -m bench.server_load --skip-long --rounds 3 --policy full --max-kv 4096 --out docs/server_load_full.md
 	$(PY) -m bench.server_ttft --turns 6 --out docs/server_ttft.md
 	$(PY) -m bench.shared_prefix --rounds 2 --out docs/shared_prefix.md
 	$(PY) -m bench.structured --rounds 3 --out docs/structured.md
