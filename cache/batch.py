@@ -86,7 +86,7 @@ class BatchedCache:
         """attend_part(q, k, v, part, mask) per part, stacked back into the batch."""
         part = self.parts[0]
         if self.whole and self.lengths is None and not isinstance(part, BatchKVCache):
-            return attend_part(queries, keys[0], values[0], part, mask)  # a slab's decode
+            return attend_part(queries, keys[0], values[0], part, mask)  # its rows are the batch
         out = []
         for (part, a, b), k, v in zip(self.spans, keys, values, strict=True):
             part_mask = mask
