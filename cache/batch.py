@@ -25,19 +25,23 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from cache.h2o_slab import H2OSlab, H2OSlabLayer, SlabRows
+from cache.kvarn_padded import KVarNPaddedLayer, KVarNPaddedSlab, is_padded_kvarn_key
 from cache.kvarn_slab import KVarNSlab, KVarNSlabLayer, is_kvarn_key
 
 
 def _rows(part) -> int:
-    """Batch rows a part carries: a slab's (KVSlab, cache/h2o_slab.py, cache/kvarn_slab.py)
-    or one session's."""
+    """Batch rows a part carries: a slab's (KVSlab, cache/h2o_slab.py, cache/kvarn_slab.py,
+    cache/kvarn_padded.py) or one session's."""
     if isinstance(part, BatchKVCache):
         return part.offset.shape[0]
-    return part.rows if isinstance(part, H2OSlabLayer | KVarNSlabLayer) else 1
+    slab_layers = H2OSlabLayer | KVarNSlabLayer | KVarNPaddedLayer
+    return part.rows if isinstance(part, slab_layers) else 1
 
 
-def open_h2o_slab(key: tuple) -> H2OSlab | KVarNSlab:
+def open_h2o_slab(key: tuple) -> H2OSlab | KVarNSlab | KVarNPaddedSlab:
     """An empty slab for sessions of this slab key (cache/h2o_slab.slab_key)."""
+    if is_padded_kvarn_key(key):
+        return KVarNPaddedSlab(key)
     return KVarNSlab(key) if is_kvarn_key(key) else H2OSlab(key)
 
 

@@ -330,6 +330,11 @@ class SlabRows:
     def rows(self) -> int:
         return len(self.members)
 
+    def admits(self, caches: list[list]) -> list[bool]:
+        """Which of these sessions (their caches) may join, in order: all, where rows need
+        no padding (a padded slab weighs it: cache/kvarn_padded.py)."""
+        return [True] * len(caches)
+
     def near_wall(self, member: Hashable) -> bool:
         """Module `near_wall` for a member, whose caches do not count `uncounted` tokens."""
         return near_wall(self.caches[self.members.index(member)], lag=self.uncounted)

@@ -113,6 +113,15 @@ class KVarNCache(ScoredCache):
         heads = 0 if self.front is None else self.front[0].shape[1]
         return every_token(self.offset, heads, kind=KVARN.name)
 
+    def slab_key(self) -> tuple | None:
+        """Sessions of one configuration decode as rows of one padded slab, whatever
+        they hold (cache/kvarn_padded.py)."""
+        if self.front is None:
+            return None
+        config = (self.key_bits, self.value_bits, self.tile, self.sink, self.sinkhorn_iters)
+        front = self.front[0]
+        return (type(self).__name__, *config, self.fmt, front.dtype, front.shape[1], front.shape[3])
+
     def trimmable_tokens(self) -> int:
         """The dense pools' tokens: packed tiles stay."""
         return self.n_tail if self.tiles is not None else self.n_front + self.n_tail

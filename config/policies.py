@@ -32,7 +32,8 @@ class Policy:
     # outgrow the model's context, one prompt at a time.
     reindexes: bool = False
     # Decodes with other sessions of its configuration in one slab (cache/h2o_slab.py,
-    # cache/kvarn_slab.py; the caches' `slab_key` says with whom, or that a layout cannot).
+    # cache/kvarn_slab.py, cache/kvarn_padded.py; the caches' `slab_key` says with whom,
+    # or that a layout cannot).
     slab: bool = False
     # Each layer may get its own max_kv (CacheSpec.layer_shares, cache/layer_profiles.py).
     layer_budgeted: bool = False
@@ -119,7 +120,7 @@ H2O_ADA = Policy(
 KVARN = Policy(
     "kvarn", "KVarN: every token kept, Hadamard-rotated, Sinkhorn-balanced 128-token tiles",
     "cache.kvarn:KVarNCache", bounded=False, scored=True, key_bits=4, value_bits=2,
-    knobs=("kvarn",),
+    slab=True, knobs=("kvarn",),
 )  # fmt: skip
 # Its packed tiles fix the sizes a layer can hold (no per-layer max_kv), and no KVarN
 # cache exists inside a sliding window yet: such layers get a dense max_kv window.

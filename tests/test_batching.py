@@ -497,3 +497,36 @@ def test_h2o_kvarn_sessions_of_one_size_share_a_slab_and_match_alone(default_mod
                 compared += 1
     assert compared >= 2 * len(model.layers)
     assert all(c.evicted > 0 for g in gens[:2] for c in g.session.caches)
+
+
+def test_kvarn_sessions_of_any_length_share_a_padded_slab_and_match_alone(
+    default_model, essay_text
+):
+    """kvarn sessions holding different counts (under the sink, a tail about to pack, two
+    tiles) decode as the rows of one KVarNPaddedSlab (cache/kvarn_padded.py) and match a
+    run alone; each gets its caches back as alone. A long one joins only while the
+    slab's padding stays under what its rows hold."""
+    model, tokenizer = default_model
+    ids = tokenizer.encode(essay_text)
+    spec = CacheSpec("kvarn", 4096)
+    runs = [ids[:90], ids[400:650], ids[900:1290]]  # 0, 0 (tail packs mid-run), 2 tiles
+    alone = runs_alone(model, tokenizer, [(spec, p) for p in runs], 128, 400)
+    batcher = Batcher(model, prefill_step=128, prefill_budget=400)
+    gens = [start(model, tokenizer, spec, prompt) for prompt in runs]
+    seen = []
+
+    def slabs(active, out):
+        seen.append([(type(s).__name__, set(s.members)) for s in batcher.h2o_slabs.values()])
+        return active
+
+    out = drive(batcher, gens, {8: slabs})
+    assert seen == [[("KVarNPaddedSlab", set(gens))]]
+    assert not any(s.members for s in batcher.h2o_slabs.values())  # left, written back
+    for g, (ref_deltas, ref) in zip(gens, alone, strict=True):
+        assert_same_greedy(out[id(g)], ref_deltas, spec)
+        for mine, theirs in zip(g.session.caches, ref.session.caches, strict=True):
+            assert mine.offset == len(g.session.tokens)
+            assert (mine.n_front, mine.n_tiles(), mine.n_tail, mine.nbytes) == (
+                theirs.n_front, theirs.n_tiles(), theirs.n_tail, theirs.nbytes,
+            )  # fmt: skip
+    assert gens[1].session.caches[0].n_tiles() == 1  # its tail packed in the slab

@@ -9,7 +9,9 @@ Each round, on the worker thread:
    prompt is in, if the slab's padding stays under half of it, and leaves
    (its rows written back) when its request ends. H2O sessions (dense or
    packed) of one configuration share an H2OSlab (cache/h2o_slab.py) the same way,
-   h2o-kvarn sessions holding equally many tokens a KVarNSlab (cache/kvarn_slab.py);
+   h2o-kvarn sessions holding equally many tokens a KVarNSlab (cache/kvarn_slab.py),
+   kvarn sessions a KVarNPaddedSlab (cache/kvarn_padded.py) while its padding stays
+   under what its rows hold;
 2. while that computes, last round's draws, which were this round's inputs, are
    read and become the replies' Deltas (building a step while the previous one
    computes is what mlx-lm's generate_step does too). `decode` ends here, so
@@ -172,7 +174,9 @@ class Batcher:
                 fresh.setdefault(key, []).append(g)
         for key, joining in fresh.items():
             slab = self.h2o_slabs.get(key) or open_h2o_slab(key)
-            if slab.rows + len(joining) >= 2:  # a slab of one would only cost copies
+            admitted = slab.admits([g.session.caches for g in joining])
+            joining = [g for g, ok in zip(joining, admitted, strict=True) if ok]
+            if joining and slab.rows + len(joining) >= 2:  # a slab of one would only cost copies
                 slab.join([(g, g.session.caches) for g in joining])
                 self.h2o_slabs[key] = slab
         for key, slab in list(self.h2o_slabs.items()):
