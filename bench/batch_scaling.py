@@ -12,7 +12,8 @@ decode steps with the next step queued before waiting (as generate_step does).
   cache/batch.py, each row a part of its own (one scored call per session and
   layer), as the server batched H2O sessions before H2OSlab;
 - `h2o slab`: the same sessions as rows of one H2OSlab (cache/h2o_slab.py), as the
-  server batches dense H2O sessions of one configuration now.
+  server batches dense H2O sessions of one configuration now (`--policy kvarn`: a
+  KVarNPaddedSlab, cache/kvarn_padded.py, rows of different lengths: see `--spread`).
 
 Rounds interleave every (cache, B) pair, order reversed every other round; scaling =
 B x (B=1 step time) / (B step time), medians over rounds. `--slab-policies`: slabs of
@@ -45,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--policy", default="h2o", help="the H2O cases' policy (h2o, h2o-q8, ...)")
     p.add_argument("--slab-policies", nargs="*", default=[], help="more slabs, e.g. h2o-q4")
+    p.add_argument(
+        "--spread",
+        type=int,
+        default=0,
+        help="row r's prompt is --context + r x spread tokens (sessions of different lengths)",
+    )
     p.add_argument("--synthetic", choices=SHAPES, help="random weights of this shape")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--out", type=Path, default=None)
@@ -55,10 +62,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.text import essay_token_ids
     from cache import install_router, make_cache, uninstall_router
-    from cache.batch import batch_caches
-    from cache.h2o_slab import H2OSlab, slab_key
+    from cache.batch import batch_caches, open_h2o_slab
+    from cache.h2o_slab import slab_key
+    from config.policies import POLICIES
 
-    total = args.context * max(args.rows)
+    width = args.context + args.spread * (max(args.rows) - 1)  # the longest row's prompt
+    total = width * max(args.rows)
     if args.synthetic:
         model = synthetic_model(args.synthetic, getattr(mx, args.dtype))
         ids = mx.random.randint(0, SHAPES[args.synthetic][-1], (total,), key=mx.random.key(0))
@@ -69,14 +78,21 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer = load_model("default")
         ids, about = essay_token_ids(tokenizer, total), "Default model (float32)"
 
-    def prompts(rows: int) -> mx.array:  # a different passage per row
-        n = args.context
-        return mx.array([ids[r * n : (r + 1) * n] for r in range(rows)])
+    def prompts(rows: int) -> list[list[int]]:  # a different passage per row
+        return [ids[r * width : r * width + args.context + r * args.spread] for r in range(rows)]
 
     def stock(rows: int):
         uninstall_router(model)
         caches = make_prompt_cache(model)
-        logits = model(prompts(rows), cache=caches)
+        if args.spread:  # left-padded, as mlx-lm's BatchGenerator holds rows of any length
+            from mlx_lm.models.cache import BatchKVCache
+
+            rows_in, longest = prompts(rows), width - args.spread * (max(args.rows) - rows)
+            pads = [longest - len(p) for p in rows_in]
+            caches = [BatchKVCache(pads) for _ in caches]
+            padded = mx.array([[0] * pad + p for pad, p in zip(pads, rows_in, strict=True)])
+            return lambda: caches, model(padded, cache=caches)
+        logits = model(mx.array(prompts(rows)), cache=caches)
         return lambda: caches, logits
 
     def prefilled_sessions(rows: int, policy: str) -> tuple[list, mx.array]:
@@ -84,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         their caches and last logits."""
         install_router(model)
         sessions = [make_cache(model, policy, max_kv=256) for _ in range(rows)]
-        lasts = [model(p[None], cache=c) for p, c in zip(prompts(rows), sessions, strict=True)]
+        lasts = [
+            model(mx.array([p]), cache=c)[:, -1:]
+            for p, c in zip(prompts(rows), sessions, strict=True)
+        ]
         return sessions, mx.concatenate(lasts)
 
     def h2o(rows: int):
@@ -95,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         sessions, logits = prefilled_sessions(rows, policy)
         if rows == 1:  # the server slabs two or more
             return partial(batch_caches, sessions), logits
-        slab = H2OSlab(slab_key(sessions[0]))
+        slab = open_h2o_slab(slab_key(sessions[0]))
         slab.join(list(enumerate(sessions)))
         return partial(batch_caches, [], slab), logits
 
@@ -116,12 +135,15 @@ def main(argv: list[str] | None = None) -> int:
         n = args.steps
         return (time.perf_counter() - wall) / n, (time.process_time() - cpu) / n
 
+    def named(policy: str) -> str:  # max_kv bounds what evicting policies hold
+        return policy + " max_kv 256" * POLICIES[policy].bounded
+
     def slab_case(policy: str) -> str:
-        return f"{policy} max_kv 256, one H2OSlab (cache/h2o_slab.py)"
+        return f"{named(policy)}, one slab (cache/batch.py open_h2o_slab)"
 
     cases = {
         "stock mlx-lm (one KVCache)": stock,
-        f"{args.policy} max_kv 256, a part per session (cache/batch.py)": h2o,
+        f"{named(args.policy)}, a part per session (cache/batch.py)": h2o,
         **{slab_case(p): partial(h2o_slab, policy=p) for p in [args.policy, *args.slab_policies]},
     }
     pairs = [(name, rows) for name in cases for rows in args.rows]
@@ -167,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
     publish(
         "Batched decode: what one forward pass for B rows gains",
-        f"{about}, {args.context} tokens per row, {args.steps} pipelined greedy "
+        f"{about}, {args.context} tokens per row"
+        + (f" (row r: + r x {args.spread})" if args.spread else "")
+        + f", {args.steps} pipelined greedy "
         f"steps per measurement, {args.rounds} interleaved rounds; scaling within each round "
         f"against the same cache's {args.rows[0]}-row step. Machine: {machine()}.",
         command("bench.batch_scaling", argv),
