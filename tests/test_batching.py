@@ -227,14 +227,15 @@ def test_a_round_reads_its_tokens_before_any_prefill(default_model, requests):
 
 
 def test_sessions_share_prefill_passes_of_bounded_size(default_model, essay_text):
-    """Prompts of unequal lengths and any unquantized cache share prefill passes
-    (right-padded; each cache stores and attends only its own chunk) up to one chunk's
-    padded tokens, and decode what each decodes alone; an H2O cache that evicts within
-    its chunk evicts as alone; a quantized one prefills alone."""
+    """Prompts of unequal lengths and any cache but an evicting quantized one share
+    prefill passes (right-padded; each cache stores and attends only its own chunk) up
+    to one chunk's padded tokens, and decode what each decodes alone; an H2O cache that
+    evicts within its chunk evicts as alone; an evicting quantized one prefills alone
+    (kvarn, which evicts nothing, shares)."""
     model, tokenizer = default_model
     ids = tokenizer.encode(essay_text)
     # the h2o 40 one's 59-token first chunk overflows it: it evicts within the shared pass
-    specs = [CacheSpec("full", 4096), CacheSpec("full", 4096), CacheSpec("h2o", 40)]
+    specs = [CacheSpec("full", 4096), CacheSpec("kvarn", 4096), CacheSpec("h2o", 40)]
     specs += [CacheSpec("h2o", 96), CacheSpec("h2o-q8", 80)]
     prompts = [ids[:50], ids[400:480], ids[900:960], ids[1200:1400], ids[1600:1640]]
     alone = runs_alone(model, tokenizer, list(zip(specs, prompts, strict=True)), 256, 300)
@@ -244,7 +245,7 @@ def test_sessions_share_prefill_passes_of_bounded_size(default_model, essay_text
     out = drive(batcher, gens)
     # nobody decodes in round 1: the first three chunks (49, 79 and 59 tokens, padded to
     # 79: 237 <= 256) share a pass; the fourth (199) would make 4 x 199, so it goes alone;
-    # the quantized one (39) alone after them
+    # the h2o-q8 one (39) alone after them
     assert counting.shapes[:3] == [(3, 79), (1, 199), (1, 39)]
     for g, spec, (ref, twin) in zip(gens, specs, alone, strict=True):
         assert_same_greedy(out[id(g)], ref, spec)

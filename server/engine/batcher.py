@@ -275,12 +275,13 @@ class Batcher:
         number of waiting requests. Short prompts share passes; long ones go alone."""
         if not self.batched:
             return [[g] for g in gens]
-        # Quantized caches prefill alone: a batched matmul rounds a key apart from a
-        # one-row one, which can land it one code over and tip an eviction near-tie;
-        # a request's packed cache (and reply) must not depend on who else waits.
+        # Evicting quantized caches prefill alone: a batched matmul rounds a key apart
+        # from a one-row one, which can land it one code over and tip an eviction
+        # near-tie, which keeps or loses a token for good. (kvarn evicts nothing: its
+        # tiles take batched keys in every decode step anyway.)
         groups, alone, width = [], [], 0
         for g in gens:
-            if g.session.spec.info.quantized:
+            if g.session.spec.info.quantized and g.session.spec.info.bounded:
                 alone.append([g])
                 continue
             n = g.next_chunk(self.prefill_step)
