@@ -138,3 +138,28 @@ def test_other_configurations_and_empty_caches_get_other_keys(model):
     mx.eval(model(mx.array([list(range(40))]), cache=k8))
     assert slab_key(one) != slab_key(k8)
     assert slab_key(make_cache(model, SPEC)) is None  # nothing stored yet
+
+
+def test_a_gpu_kernel_reads_the_padded_rows_under_their_mask(model, emulated_gpu):
+    """With a GPU backend present (here "metal" played by the CPU emulation of its kernel
+    bodies), the slab's decode goes to the KVarN decode kernel, one call per layer for
+    every row (dense pools, padded tiles, the mask), and gives the reference's logits."""
+    from cache.attention import ATTENTION
+
+    fed = np.random.default_rng(4).integers(0, 64, (2, 12)).tolist()
+    out = {}
+    saved = ATTENTION.backend
+    try:
+        for backend in ("reference", "metal"):
+            ATTENTION.configure(backend=backend)
+            rows = [prefilled(model, n, seed) for seed, n in enumerate((200, 420))]
+            slab = KVarNPaddedSlab(slab_key(rows[0]))
+            slab.join([("a", rows[0]), ("b", rows[1])])
+            steps = [mx.array([[a], [b]]) for a, b in zip(*fed, strict=True)]
+            out[backend] = [model(t, cache=batch_caches([], slab))[:, -1] for t in steps]
+    finally:
+        ATTENTION.configure(backend=saved)
+    for got, want in zip(out["metal"], out["reference"], strict=True):
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4, rtol=1e-4)
+    decodes = [(name, shape[0]) for name, shape, _ in emulated_gpu]
+    assert decodes == [("kvarn", 2)] * (12 * len(model.layers))
