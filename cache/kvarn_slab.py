@@ -94,7 +94,36 @@ class KVarNSlabLayer(H2OKVarNCache):
         return self.seen_rows[1]
 
 
-class KVarNSlab(SlabRows):
+class LendingRows(SlabRows):
+    """What a KVarN slab does as any other between steps: lend a member copies of its
+    rows (`_row`), take them back before the next step; nothing waits to be packed."""
+
+    arrays: tuple[str, ...] = ARRAYS  # what a member's caches hold only while lent
+    _lent: list[list]
+
+    def _row(self, layer: int, i: int) -> dict[str, object]:
+        """Row i of a layer as a lone cache holds it (copies), and its layout."""
+        raise NotImplementedError
+
+    def lend(self, member: Hashable, caches: list) -> None:
+        """Give a member's caches copies of its rows, for a reader between steps."""
+        self.count_tokens()
+        i = self.members.index(member)
+        for n, c in enumerate(caches):
+            c.__dict__.update(self._row(n, i))
+        self._lent.append(caches)
+
+    def pack_pending(self) -> None:
+        """Nothing waits to be packed: a tail packs in the step that fills it."""
+
+    def reclaim(self) -> None:
+        """Drop lent copies: the slab holds the rows."""
+        for caches in self._lent:
+            drop_arrays(caches, self.arrays)
+        self._lent = []
+
+
+class KVarNSlab(LendingRows):
     """h2o-kvarn sessions of one configuration and size decoding together (module doc)."""
 
     def __init__(self, key: tuple):
@@ -137,7 +166,7 @@ class KVarNSlab(SlabRows):
         for member, caches in sessions:
             self.members.append(member)
             self.caches.append(caches)
-            _drop_arrays(caches)
+            drop_arrays(caches, ARRAYS)
 
     def leave(self, member: Hashable, caches: list[H2OKVarNCache] | None) -> None:
         """Take a member's row out; write it back into its caches (None: drop it)."""
@@ -158,22 +187,8 @@ class KVarNSlab(SlabRows):
             self.layers, self._synced = [], []
         mx.async_eval(written)  # copied now: a lazy copy would keep the old slab alive
 
-    def lend(self, member: Hashable, caches: list[H2OKVarNCache]) -> None:
-        """Give a member's caches copies of its rows, for a reader between steps."""
-        self.count_tokens()
-        i = self.members.index(member)
-        for layer, c in zip(self.layers, caches, strict=True):
-            c.__dict__.update(layer.row(i))
-        self._lent.append(caches)
-
-    def pack_pending(self) -> None:
-        """Nothing waits to be packed: a tail packs in the step that fills it."""
-
-    def reclaim(self) -> None:
-        """Drop lent copies: the slab holds the rows."""
-        for caches in self._lent:
-            _drop_arrays(caches)
-        self._lent = []
+    def _row(self, layer: int, i: int) -> dict[str, object]:
+        return self.layers[layer].row(i)
 
     @property
     def uncounted(self) -> int:
@@ -195,7 +210,8 @@ def _each(fn, tree):
     return None if tree is None else tree_map(fn, tree)
 
 
-def _drop_arrays(caches: list[H2OKVarNCache]) -> None:
+def drop_arrays(caches: list, names: tuple[str, ...]) -> None:
+    """A slab member's caches hold none of these while the slab holds its row."""
     for c in caches:
-        for name in ARRAYS:
+        for name in names:
             setattr(c, name, None)

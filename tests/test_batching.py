@@ -94,6 +94,16 @@ def runs_alone(model, tokenizer, runs, prefill_step: int, prefill_budget: int) -
     return alone
 
 
+def recording_slabs(batcher: Batcher, seen: list):
+    """A `drive` event that appends (slab class, members) of the batcher's H2O slabs."""
+
+    def slabs(active, out):
+        seen.append([(type(s).__name__, set(s.members)) for s in batcher.h2o_slabs.values()])
+        return active
+
+    return slabs
+
+
 def tokens_and_margins(deltas) -> list[tuple[int, float]]:
     """(token, gap between the two best logprobs) per decoded token."""
     result = []
@@ -474,11 +484,7 @@ def test_h2o_kvarn_sessions_of_one_size_share_a_slab_and_match_alone(default_mod
     batcher = Batcher(model, prefill_step=64, prefill_budget=300)
     gens = [start(model, tokenizer, spec, prompt) for prompt in runs]
     seen = []
-
-    def slabs(active, out):
-        seen.append([(type(s).__name__, set(s.members)) for s in batcher.h2o_slabs.values()])
-        return active
-
+    slabs = recording_slabs(batcher, seen)
     out = drive(batcher, gens, {6: slabs})
     assert seen == [[("KVarNSlab", set(gens[:2]))]]
     assert not any(s.members for s in batcher.h2o_slabs.values())  # left, written back
@@ -505,8 +511,7 @@ def test_kvarn_sessions_of_any_length_share_a_padded_slab_and_match_alone(
 ):
     """kvarn sessions holding different counts (under the sink, a tail about to pack, two
     tiles) decode as the rows of one KVarNPaddedSlab (cache/kvarn_padded.py) and match a
-    run alone; each gets its caches back as alone. A long one joins only while the
-    slab's padding stays under what its rows hold."""
+    run alone; each gets its caches back as alone."""
     model, tokenizer = default_model
     ids = tokenizer.encode(essay_text)
     spec = CacheSpec("kvarn", 4096)
@@ -515,11 +520,7 @@ def test_kvarn_sessions_of_any_length_share_a_padded_slab_and_match_alone(
     batcher = Batcher(model, prefill_step=128, prefill_budget=400)
     gens = [start(model, tokenizer, spec, prompt) for prompt in runs]
     seen = []
-
-    def slabs(active, out):
-        seen.append([(type(s).__name__, set(s.members)) for s in batcher.h2o_slabs.values()])
-        return active
-
+    slabs = recording_slabs(batcher, seen)
     out = drive(batcher, gens, {8: slabs})
     assert seen == [[("KVarNPaddedSlab", set(gens))]]
     assert not any(s.members for s in batcher.h2o_slabs.values())  # left, written back
