@@ -5,8 +5,9 @@ tiles, a dense tail pool (`tile` slots). Sessions of a chat server hold differen
 so their layouts differ: side by side in a batched pass each is a part of its own, one
 store and one attention call per session and layer. Here every member is a row of one
 layer cache, padded the way mlx-lm's BatchKVCache pads plain rows, but in tiles (8
-sessions of the default model: 218 ms a step as parts, 179 here, stock mlx-lm's 8 rows
-139; 3.84x stock's ops as parts, 1.25x here: docs/batch_scaling_kvarn.md, docs/gpu.md):
+sessions of the default model: 218-238 ms a step as parts, 179-200 here, stock mlx-lm's
+8 rows 124-139; 3.84x stock's ops as parts, 1.25x here: docs/batch_scaling_kvarn.md,
+docs/gpu.md):
 
 - `dense` [rows, H, sink + tile, D] (keys, values): each row's front pool, then its tail
   pool; a step writes each row's token into its next slot (one scatter per pool);
