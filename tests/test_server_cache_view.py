@@ -105,7 +105,8 @@ def check_consistent(report: dict) -> None:
     assert report["evictions"] == n - report["stored_tokens"]
 
 
-@pytest.mark.parametrize("policy", ["h2o", "full"])  # full: prompts are prefilled batched too
+# full: prompts are prefilled batched too; kvarn: rows of one padded slab, lent to the view
+@pytest.mark.parametrize("policy", ["h2o", "full", "kvarn"])
 def test_report_while_sessions_decode_together(api, policy):
     """Sessions answering in one batched decode pass are read between two rounds (32 tokens
     each: reads see both busy within the first few steps)."""
