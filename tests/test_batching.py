@@ -94,14 +94,18 @@ def runs_alone(model, tokenizer, runs, prefill_step: int, prefill_budget: int) -
     return alone
 
 
-def recording_slabs(batcher: Batcher, seen: list):
-    """A `drive` event that appends (slab class, members) of the batcher's H2O slabs."""
+def driven_together(model, tokenizer, spec, prompts, prefill_step: int, budget: int, at: int):
+    """Generations of `spec`, one per prompt, driven by one Batcher: (batcher, gens, their
+    deltas, [(slab class, members) of its H2O slabs in round `at`])."""
+    batcher = Batcher(model, prefill_step=prefill_step, prefill_budget=budget)
+    gens = [start(model, tokenizer, spec, prompt) for prompt in prompts]
+    seen = []
 
     def slabs(active, out):
         seen.append([(type(s).__name__, set(s.members)) for s in batcher.h2o_slabs.values()])
         return active
 
-    return slabs
+    return batcher, gens, drive(batcher, gens, {at: slabs}), seen
 
 
 def tokens_and_margins(deltas) -> list[tuple[int, float]]:
@@ -481,11 +485,7 @@ def test_h2o_kvarn_sessions_of_one_size_share_a_slab_and_match_alone(default_mod
     # 217 tokens in 64-token chunks leave 90 held (evicting mid-run); 100 leave 65
     runs = [ids[:217], ids[400:617], ids[800:900]]
     alone = runs_alone(model, tokenizer, [(spec, p) for p in runs], 64, 100)
-    batcher = Batcher(model, prefill_step=64, prefill_budget=300)
-    gens = [start(model, tokenizer, spec, prompt) for prompt in runs]
-    seen = []
-    slabs = recording_slabs(batcher, seen)
-    out = drive(batcher, gens, {6: slabs})
+    batcher, gens, out, seen = driven_together(model, tokenizer, spec, runs, 64, 300, 6)
     assert seen == [[("KVarNSlab", set(gens[:2]))]]
     assert not any(s.members for s in batcher.h2o_slabs.values())  # left, written back
     compared = 0
@@ -517,11 +517,7 @@ def test_kvarn_sessions_of_any_length_share_a_padded_slab_and_match_alone(
     spec = CacheSpec("kvarn", 4096)
     runs = [ids[:90], ids[400:650], ids[900:1290]]  # 0, 0 (tail packs mid-run), 2 tiles
     alone = runs_alone(model, tokenizer, [(spec, p) for p in runs], 128, 400)
-    batcher = Batcher(model, prefill_step=128, prefill_budget=400)
-    gens = [start(model, tokenizer, spec, prompt) for prompt in runs]
-    seen = []
-    slabs = recording_slabs(batcher, seen)
-    out = drive(batcher, gens, {8: slabs})
+    batcher, gens, out, seen = driven_together(model, tokenizer, spec, runs, 128, 400, 8)
     assert seen == [[("KVarNPaddedSlab", set(gens))]]
     assert not any(s.members for s in batcher.h2o_slabs.values())  # left, written back
     for g, (ref_deltas, ref) in zip(gens, alone, strict=True):

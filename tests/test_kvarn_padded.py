@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from test_h2o_slab import counted_calls
-from test_kvarn_slab import _leaves
+from test_kvarn_slab import _leaves, decode_in_slab, decoded_alone, leave_all, stepped_pair
 from tiny import tiny
 
 from cache import install_router, make_cache
@@ -63,13 +63,7 @@ def held(cache: KVarNCache) -> dict[str, np.ndarray]:
 def test_rows_of_any_size_compute_what_each_session_computes_alone(model, monkeypatch):
     fed = np.random.default_rng(9).integers(0, 64, (len(PROMPTS), STEPS)).tolist()
     first = [JOINS_AT if n == 3 else 0 for n in range(len(PROMPTS))]
-    alone, logits_alone = [], []
-    for n, (length, tokens) in enumerate(zip(PROMPTS, fed, strict=True)):
-        caches = prefilled(model, length, n)
-        logits_alone.append(
-            [model(mx.array([[t]]), cache=caches)[0, -1] for t in tokens[: STEPS - first[n]]]
-        )
-        alone.append(caches)
+    alone, logits_alone = decoded_alone(model, prefilled, PROMPTS, fed, first)
 
     calls = counted_calls(monkeypatch, KVarNCache, ("update_and_fetch",))
     rows = [prefilled(model, length, n) for n, length in enumerate(PROMPTS)]
@@ -79,20 +73,10 @@ def test_rows_of_any_size_compute_what_each_session_computes_alone(model, monkey
     assert isinstance(slab, KVarNPaddedSlab)
     slab.join([(n, caches) for n, caches in enumerate(rows[:3])])
     assert all(c.front is None for c in rows[0])  # the slab holds the arrays now
-    for step in range(STEPS):
-        if step == JOINS_AT:
-            slab.join([(3, rows[3])])
-        members = slab.members
-        inputs = mx.array([[fed[m][step - first[m]]] for m in members])
-        out = model(inputs, cache=batch_caches([], slab))[:, -1]
-        for row, m in enumerate(members):
-            want = logits_alone[m][step - first[m]]
-            # 1e-4: under the mask a row sums its keys in another order than alone
-            np.testing.assert_allclose(np.array(out[row]), np.array(want), atol=1e-4, rtol=1e-4)
+    # 1e-4: under the mask a row sums its keys in another order than alone
+    decode_in_slab(model, slab, rows, fed, first, logits_alone, 1e-4)
     assert not calls["update_and_fetch"]  # no row stored as a session of its own
-    for m, caches in enumerate(rows):
-        slab.leave(m, caches)
-    assert not slab.members and not slab.layers
+    leave_all(slab, rows)
     for mine, theirs in zip(rows, alone, strict=True):
         for a, b in zip(mine, theirs, strict=True):
             got, want = held(a), held(b)
@@ -105,10 +89,7 @@ def test_rows_of_any_size_compute_what_each_session_computes_alone(model, monkey
 
 def test_a_lent_row_shows_its_contents_and_counters_between_steps(model):
     rows = [prefilled(model, n, seed) for seed, n in enumerate((130, 300))]
-    slab = KVarNPaddedSlab(slab_key(rows[0]))
-    slab.join([("a", rows[0]), ("b", rows[1])])
-    for _ in range(5):
-        model(mx.array([[1], [2]]), cache=batch_caches([], slab))
+    slab = stepped_pair(model, KVarNPaddedSlab, rows)
     slab.lend("a", rows[0])
     c = rows[0][0]
     assert (c.offset, c.n_front, c.n_tiles(), c.n_tail) == (135, 128, 0, 7)

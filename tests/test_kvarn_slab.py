@@ -66,17 +66,45 @@ def _leaves(tree) -> list[mx.array]:
     return tree if isinstance(tree[0], mx.array) else [a for t in tree for a in _leaves(t)]
 
 
+def decoded_alone(model, prefill, prompts, fed, first: list[int]) -> tuple[list, list]:
+    """Each prompt's session (`prefill(model, length, n)`) fed its tokens alone, as many
+    as it decodes in a slab it joins at step first[n]: (its caches, its logits a step)."""
+    alone, logits = [], []
+    for n, (length, tokens) in enumerate(zip(prompts, fed, strict=True)):
+        caches = prefill(model, length, n)
+        steps = len(tokens) - first[n]
+        logits.append([model(mx.array([[t]]), cache=caches)[0, -1] for t in tokens[:steps]])
+        alone.append(caches)
+    return alone, logits
+
+
+def leave_all(slab, rows: list) -> None:
+    """Every member (row n: member n) leaves, its caches written back; the slab empties."""
+    for m, caches in enumerate(rows):
+        slab.leave(m, caches)
+    assert not slab.members and not slab.layers
+
+
+def decode_in_slab(model, slab, rows, fed, first, logits_alone, tol: float) -> None:
+    """Every member decodes its fed tokens in `slab`, row 3 joining at first[3] (its key
+    the slab's then); each step's logits are each row's alone, within `tol`."""
+    for step in range(len(fed[0])):
+        if step == first[3]:
+            assert slab.key == slab_key(rows[3])  # an h2o-kvarn slab: its size moved there
+            slab.join([(3, rows[3])])
+        members = slab.members
+        inputs = mx.array([[fed[m][step - first[m]]] for m in members])
+        out = model(inputs, cache=batch_caches([], slab))[:, -1]
+        for row, m in enumerate(members):
+            want = logits_alone[m][step - first[m]]
+            np.testing.assert_allclose(np.array(out[row]), np.array(want), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("with_step", [False, True], ids=["store-apart", "store-joined"])
 def test_rows_of_one_size_compute_what_each_session_computes_alone(model, monkeypatch, with_step):
     fed = np.random.default_rng(9).integers(0, 64, (len(PROMPTS), STEPS)).tolist()
-    alone, logits_alone = [], []
-    for n, (length, tokens) in enumerate(zip(PROMPTS, fed, strict=True)):
-        caches = prefilled(model, length, n)
-        start = JOINS_AT if n == 3 else 0
-        logits_alone.append(
-            [model(mx.array([[t]]), cache=caches)[0, -1] for t in tokens[: STEPS - start]]
-        )
-        alone.append(caches)
+    first = [JOINS_AT if n == 3 else 0 for n in range(len(PROMPTS))]
+    alone, logits_alone = decoded_alone(model, prefilled, PROMPTS, fed, first)
 
     # calls per layer and step, for every row at once
     calls = counted_calls(monkeypatch, H2OKVarNCache, ("attend_decode", "store_and_attend"))
@@ -86,23 +114,12 @@ def test_rows_of_one_size_compute_what_each_session_computes_alone(model, monkey
     assert isinstance(slab, KVarNSlab)
     slab.join([(n, caches) for n, caches in enumerate(rows[:3])])
     assert all(c.front is None for c in rows[0])  # the slab holds the arrays now
-    for step in range(STEPS):
-        if step == JOINS_AT:
-            assert slab.key == slab_key(rows[3])  # the rows' size moved to the joiner's
-            slab.join([(3, rows[3])])
-        members = slab.members
-        inputs = mx.array([[fed[m][step - (JOINS_AT if m == 3 else 0)]] for m in members])
-        out = model(inputs, cache=batch_caches([], slab))[:, -1]
-        for row, m in enumerate(members):
-            want = logits_alone[m][step - (JOINS_AT if m == 3 else 0)]
-            np.testing.assert_allclose(np.array(out[row]), np.array(want), atol=1e-5, rtol=1e-5)
+    decode_in_slab(model, slab, rows, fed, first, logits_alone, 1e-5)
     # Joined, the store waits for the call but on the steps that fill a tail (packed then)
     joined, apart = (len(calls[name]) for name in ("store_and_attend", "attend_decode"))
     assert joined + apart == STEPS * len(model.layers)
     assert (joined > apart > 0) if with_step else joined == 0
-    for m, caches in enumerate(rows):
-        slab.leave(m, caches)
-    assert not slab.members and not slab.layers
+    leave_all(slab, rows)
     for mine, theirs in zip(rows, alone, strict=True):
         for a, b in zip(mine, theirs, strict=True):
             got, want = held(a), held(b)
@@ -111,12 +128,18 @@ def test_rows_of_one_size_compute_what_each_session_computes_alone(model, monkey
                 np.testing.assert_allclose(got[name], want[name], atol=1e-5, err_msg=name)
 
 
+def stepped_pair(model, slab_class, rows: list, steps: int = 5):
+    """A slab of `slab_class` holding two sessions' caches ("a", "b"), `steps` decoded."""
+    slab = slab_class(slab_key(rows[0]))
+    slab.join([("a", rows[0]), ("b", rows[1])])
+    for _ in range(steps):
+        model(mx.array([[1], [2]]), cache=batch_caches([], slab))
+    return slab
+
+
 def test_a_lent_row_shows_its_contents_and_counters_between_steps(model):
     rows = [prefilled(model, n, seed) for seed, n in enumerate((70, 90))]
-    slab = KVarNSlab(slab_key(rows[0]))
-    slab.join([("a", rows[0]), ("b", rows[1])])
-    for _ in range(5):
-        model(mx.array([[1], [2]]), cache=batch_caches([], slab))
+    slab = stepped_pair(model, KVarNSlab, rows)
     slab.lend("b", rows[1])
     layer = slab.layers[0]
     np.testing.assert_array_equal(np.array(rows[1][0].positions), np.array(layer.positions[1:]))
