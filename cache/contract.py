@@ -118,6 +118,9 @@ class ScoredCache(LayerCache):
     """A cache whose attention goes through the router and hands it the scores."""
 
     scores: mx.array | None = None  # accumulated importance per slot, when it keeps any
+    # Whether it takes the scores at all; False: routed only to read its packed storage
+    # (kvarn), so a prompt chunk attends through mx.fast, exporting no logits.
+    keeps_scores: ClassVar[bool] = True
     kv_format: ClassVar[KVFormat] = DENSE
     # Whoever runs the decode step runs the model whole and evaluates `scores` with it (the
     # server's batcher: `step_scores`), so attention does not start them layer by layer,

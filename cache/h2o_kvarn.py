@@ -61,6 +61,7 @@ from kernels.kvarn import dequantize_keys, dequantize_values
 
 class H2OKVarNCache(HeavyHitters, KVarNCache):
     repack_sinkhorn_iters: int = H2O_KVARN_REPACK_SINKHORN_ITERS  # also for older saves
+    keeps_scores = True  # KVarNCache's storage, H2O's eviction by score
 
     def __init__(
         self,

@@ -158,6 +158,7 @@ class KVarNCache(ScoredCache):
         return [(keys, values, layout)]
 
     scores = None  # keeps no importance: nothing is ever evicted
+    keeps_scores = False
 
     def update_scores(self, scores: mx.array, probs: mx.array | None = None) -> None:
         """No eviction: the scores are only checked against the stored length."""

@@ -151,14 +151,19 @@ _ENCODERS: dict[tuple[TileFormat, int], Callable] = {}
 
 
 def encode_tiles(
-    k: mx.array, v: mx.array, fmt: TileFormat, iters: int = SINKHORN_ITERS
+    k: mx.array,
+    v: mx.array,
+    fmt: TileFormat,
+    iters: int = SINKHORN_ITERS,
+    compiled: bool | None = None,
 ) -> list[list[mx.array]]:
     """[encode_keys(k), encode_values(v)]: on a GPU as one compiled call per format and
     shape (one by one a tile's encoding is ~330 small ops, ~850 with Sinkhorn rounds, for
     the host to build and the GPU to launch; compiled, its elementwise chains fuse to a
     third of that). On the CPU op by op: there the compiled call ran 2-3x slower (one
-    tile of the default model's 3 heads 6.8 vs 5.5 ms, 30 tiles 192 vs 65 ms)."""
-    if mx.default_device() != mx.gpu:
+    tile of the default model's 3 heads 6.8 vs 5.5 ms, 30 tiles 192 vs 65 ms). `compiled`:
+    force one way."""
+    if not (mx.default_device() == mx.gpu if compiled is None else compiled):
         return [encode_keys(k, fmt, iters), encode_values(v, fmt, iters)]
     if (fmt, iters) not in _ENCODERS:
         _ENCODERS[fmt, iters] = mx.compile(

@@ -29,6 +29,7 @@ from cache.kvarn_tiles import (
 )
 from cache.router import uninstall_router
 from config.cache_spec import H2O_KVARN_VALUE_GROUP, KVARN_PRESETS
+from kernels import reference
 from kernels.hadamard import hadamard_block, rotate, rotation_matrix
 from kernels.kvarn import TileFormat, dequantize_storage, kvarn_sdpa_with_probs
 from kernels.reference import sdpa_with_scores
@@ -103,11 +104,12 @@ def test_sinkhorn_reduces_tile_imbalance():
 
 @pytest.mark.parametrize("iters", [0, SINKHORN_ITERS])
 def test_compiled_tile_encoding_equals_the_encoding_op_by_op(iters):
-    """encode_tiles (one compiled call) packs exactly what encode_keys/encode_values do."""
+    """encode_tiles compiled (a GPU's way) packs exactly what encode_keys/encode_values do
+    op by op (the CPU's)."""
     rng = np.random.default_rng(16)
     k, v = (x.reshape(B, N_KV, 2, 32, D) for x in random_kv(rng, 64))
     fmt = TileFormat(32, 4, 2, 32)
-    got = encode_tiles(k, v, fmt, iters)
+    got = encode_tiles(k, v, fmt, iters, compiled=True)
     want = [encode_keys(k, fmt, iters), encode_values(v, fmt, iters)]
     for a, b in zip(sum(got, []), sum(want, []), strict=True):
         np.testing.assert_array_equal(np.array(a), np.array(b))
@@ -257,17 +259,24 @@ def test_h2o_kvarn_keeps_dense_h2o_positions(evict_batch, segments):
         lambda: H2OKVarNCache(96, **SEGMENTS, tile=32, head_dim=D),
     ],
 )
-def test_a_prompt_attends_to_the_tiles_unpacked(make):
+def test_a_prompt_attends_to_the_tiles_unpacked(make, monkeypatch):
     """A prompt chunk (many queries, in blocks) reads the tiles dequantized once through the
-    dense kernel: outputs and scores equal the packed tile kernel's over the same storage."""
+    dense kernel: outputs and scores equal the packed tile kernel's over the same storage.
+    kvarn, which keeps no scores, attends through mx.fast: no block of logits."""
     rng = np.random.default_rng(9)
     blocked, packed = make(), make()
     prompt = ScoredAttention(block=16)
+    with_logits = []
+    real = reference.sdpa_with_probs
+    monkeypatch.setattr(reference, "sdpa_with_probs", lambda *a: with_logits.append(1) or real(*a))
     for n_new in [60, 1, 40, 1, 50]:  # tiles fill; h2o-kvarn evicts
         k, v = random_kv(rng, n_new)
         q = mx.array(rng.standard_normal((B, N_Q, n_new, D)).astype(np.float32))
         mask = blocked.make_mask(n_new)
+        with_logits.clear()
         out = prompt.attend_scored(q, *blocked.update_and_fetch(k, v), blocked, 0.125, mask)
+        if n_new > 1:
+            assert bool(with_logits) == blocked.keeps_scores
         want, scores = ATTENTION(q, *packed.update_and_fetch(k, v), packed, 0.125, mask)
         packed.update_scores(scores)
         assert_close(out, want, 1e-4)
