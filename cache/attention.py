@@ -142,9 +142,15 @@ class ScoredAttention:
         scores_prefix = all(fmt.tile is None for _, _, fmt in parts)
         if L > 1:  # many queries: the dense kernel is the fast one, so unpack once per call
             parts = unpacked(parts)
-            if not cache.keeps_scores and bias is None and archive is None:
-                # No scores wanted: no float32 block of logits (on a GPU the fused kernel;
-                # on this CPU 0.87x the reference's time at 4-8k keys).
+            if (
+                not cache.keeps_scores
+                and bias is None
+                and archive is None
+                and self._fuses_prefill()
+            ):
+                # No scores wanted: the fused kernel, no float32 logits. (MLX's CPU
+                # fallback holds a whole chunk's logits at once: a kvarn 4k prompt peaked
+                # 758 MiB vs 674 in blocks, for 10% less CPU time; the CPU keeps blocks.)
                 [(k, v, _)] = parts
                 k, v = (x.astype(queries.dtype) for x in (k, v))
                 return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)

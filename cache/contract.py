@@ -119,7 +119,7 @@ class ScoredCache(LayerCache):
 
     scores: mx.array | None = None  # accumulated importance per slot, when it keeps any
     # Whether it takes the scores at all; False: routed only to read its packed storage
-    # (kvarn), so a prompt chunk attends through mx.fast, exporting no logits.
+    # (kvarn), so a prompt chunk attends through mx.fast where prefill is fused (a GPU).
     keeps_scores: ClassVar[bool] = True
     kv_format: ClassVar[KVFormat] = DENSE
     # Whoever runs the decode step runs the model whole and evaluates `scores` with it (the

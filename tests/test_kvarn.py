@@ -262,10 +262,11 @@ def test_h2o_kvarn_keeps_dense_h2o_positions(evict_batch, segments):
 def test_a_prompt_attends_to_the_tiles_unpacked(make, monkeypatch):
     """A prompt chunk (many queries, in blocks) reads the tiles dequantized once through the
     dense kernel: outputs and scores equal the packed tile kernel's over the same storage.
-    kvarn, which keeps no scores, attends through mx.fast: no block of logits."""
+    kvarn, which keeps no scores, attends through mx.fast where prefill is fused (a GPU;
+    forced here): no block of logits."""
     rng = np.random.default_rng(9)
     blocked, packed = make(), make()
-    prompt = ScoredAttention(block=16)
+    prompt = ScoredAttention(block=16, fused_prefill=True)
     with_logits = []
     real = reference.sdpa_with_probs
     monkeypatch.setattr(reference, "sdpa_with_probs", lambda *a: with_logits.append(1) or real(*a))
