@@ -24,9 +24,15 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from cache.h2o_kvarn import H2OKVarNCache
 from cache.h2o_slab import H2OSlab, H2OSlabLayer, SlabRows
-from cache.kvarn_padded import KVarNPaddedLayer, KVarNPaddedSlab, is_padded_kvarn_key
-from cache.kvarn_slab import KVarNSlab, KVarNSlabLayer, is_kvarn_key
+from cache.kvarn import KVarNCache
+from cache.kvarn_padded import KVarNPaddedLayer, KVarNPaddedSlab
+from cache.kvarn_slab import KVarNSlab, KVarNSlabLayer
+
+# The slab for a key, by the class of cache that made it (a key's first field, per layer);
+# any other: an H2OSlab.
+SLAB_OF = {KVarNCache.__name__: KVarNPaddedSlab, H2OKVarNCache.__name__: KVarNSlab}
 
 
 def _rows(part) -> int:
@@ -40,9 +46,7 @@ def _rows(part) -> int:
 
 def open_h2o_slab(key: tuple) -> H2OSlab | KVarNSlab | KVarNPaddedSlab:
     """An empty slab for sessions of this slab key (cache/h2o_slab.slab_key)."""
-    if is_padded_kvarn_key(key):
-        return KVarNPaddedSlab(key)
-    return KVarNSlab(key) if is_kvarn_key(key) else H2OSlab(key)
+    return SLAB_OF.get(key[0][0], H2OSlab)(key)
 
 
 class BatchedCache:

@@ -118,9 +118,9 @@ class KVarNCache(ScoredCache):
         they hold (cache/kvarn_padded.py)."""
         if self.front is None:
             return None
-        config = (self.key_bits, self.value_bits, self.tile, self.sink, self.sinkhorn_iters)
-        front = self.front[0]
-        return (type(self).__name__, *config, self.fmt, front.dtype, front.shape[1], front.shape[3])
+        front = self.front[0]  # fmt: widths, tile and value group
+        shape = (front.dtype, front.shape[1], front.shape[3])
+        return (type(self).__name__, self.fmt, self.sink, self.sinkhorn_iters, *shape)
 
     def trimmable_tokens(self) -> int:
         """The dense pools' tokens: packed tiles stay."""

@@ -47,11 +47,6 @@ from cache.kvarn_tiles import encode_tiles
 from kernels.hadamard import rotate
 
 
-def is_padded_kvarn_key(key: tuple) -> bool:
-    """Whether a slab key (per layer, cache/h2o_slab.slab_key) is `kvarn` rows'."""
-    return key[0][0] == KVarNCache.__name__
-
-
 @dataclass
 class RowLayout:
     """What a row holds, alike in every layer: pool fills, packed tiles, tokens seen."""
@@ -60,6 +55,10 @@ class RowLayout:
     n_tiles: int
     n_tail: int
     offset: int
+
+    def next_slot(self, sink: int) -> int:
+        """The dense slot the next token goes to: the front pool's next, else the tail's."""
+        return self.n_front if self.n_front < sink else sink + self.n_tail
 
     def after_token(self, sink: int, tile: int) -> RowLayout:
         if self.n_front < sink:
@@ -75,8 +74,7 @@ class StepPlan:
 
     at: mx.array  # int32 [rows, 1, 1]: the dense slot each row's token goes to
     packs: list[tuple[int, int]]  # (row, tile index): rows whose tail this token fills
-    capacity: int  # tiles per row after the step
-    mask: mx.array  # bool [rows, 1, 1, sink + tile + capacity * tile]: what each row holds
+    mask: mx.array  # bool [rows, 1, 1, sink + tile + tiles * tile]: what each row holds
     offset: mx.array  # int32 [rows]: tokens each row saw before the step (RoPE's)
 
 
@@ -128,10 +126,10 @@ class KVarNPaddedLayer(ScoredCache):
             return mx.concatenate([a[:i], a[i + 1 :]])
 
         self.dense = tree_map(without, self.dense)
-        if self.tiles is not None:
-            self.tiles = tree_map(lambda a: without(a)[:, :, :capacity], self.tiles)
-            if not capacity:
-                self.tiles = None
+        if self.tiles is not None:  # no tiles left to any row: none kept
+            self.tiles = (
+                tree_map(lambda a: without(a)[:, :, :capacity], self.tiles) if capacity else None
+            )
 
     # ------------------------------------------------------------------ protocol
 
@@ -180,7 +178,7 @@ class KVarNPaddedLayer(ScoredCache):
         new = encode_tiles(k.reshape(shape), v.reshape(shape), self.fmt, self.sinkhorn_iters)
         if self.tiles is None:  # the first tile any row packs
             self.tiles = tree_map(lambda a: _no_tiles(a, self.rows), new)
-        self.tiles = _zero_padded([(self.rows, self.tiles)], plan.capacity)[0]
+        self.tiles = _zero_padded([(self.rows, self.tiles)], self.slab.capacity)[0]
         for j, (r, t) in enumerate(plan.packs):
             for (_, have), (_, fresh) in zip(
                 tree_flatten(self.tiles), tree_flatten(new), strict=True
@@ -229,17 +227,14 @@ class KVarNPaddedSlab(LendingRows):
         sink, tile = layer.sink, layer.tile
         before = self.layouts
         after = [n.after_token(sink, tile) for n in before]
-        at = [n.n_front if n.n_front < sink else sink + n.n_tail for n in before]
         packs = [(r, n.n_tiles) for r, n in enumerate(before) if after[r].n_tiles > n.n_tiles]
-        capacity = max(n.n_tiles for n in after)
+        self.layouts = after
         self.plan = StepPlan(
-            at=mx.array(at, dtype=mx.int32)[:, None, None],
+            at=mx.array([n.next_slot(sink) for n in before], dtype=mx.int32)[:, None, None],
             packs=packs,
-            capacity=capacity,
-            mask=_held_mask(after, sink, tile, capacity),
+            mask=_held_mask(after, sink, tile, self.capacity),
             offset=mx.array([n.offset for n in before], dtype=mx.int32),
         )
-        self.layouts = after
         self.uncounted += 1
 
     def join(self, sessions: list[tuple[Hashable, list[KVarNCache]]]) -> None:

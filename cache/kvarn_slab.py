@@ -36,11 +36,6 @@ from cache.h2o_slab import SlabRows
 ARRAYS = ("front", "tiles", "tail", "scores", "positions")  # a row's, batch axis first
 
 
-def is_kvarn_key(key: tuple) -> bool:
-    """Whether a slab key (per layer, cache/h2o_slab.slab_key) is h2o-kvarn rows'."""
-    return key[0][0] == H2OKVarNCache.__name__
-
-
 class KVarNSlabLayer(H2OKVarNCache):
     """One layer of a KVarNSlab: an H2OKVarNCache whose batch rows are the members', each
     with its own tokens seen, set by the slab every step: `offset` (int32 [rows], RoPE's)
