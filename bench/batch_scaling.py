@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.spread:  # left-padded, as mlx-lm's BatchGenerator holds rows of any length
             from mlx_lm.models.cache import BatchKVCache
 
-            rows_in, longest = prompts(rows), width - args.spread * (max(args.rows) - rows)
-            pads = [longest - len(p) for p in rows_in]
+            rows_in = prompts(rows)
+            pads = [max(map(len, rows_in)) - len(p) for p in rows_in]
             caches = [BatchKVCache(pads) for _ in caches]
             padded = mx.array([[0] * pad + p for pad, p in zip(pads, rows_in, strict=True)])
             return lambda: caches, model(padded, cache=caches)
