@@ -138,14 +138,6 @@ def batch_caches(sessions: list[list], *slabs, lengths: list | None = None) -> l
     ]
 
 
-def plain(cache) -> bool:
-    """Whether a layer's cache is mlx-lm's plain KVCache (the full policy's, or one read
-    back from an older spill): what a KVSlab holds (its subclasses store otherwise)."""
-    from cache.full import FullKVCache  # the contract's module imports this one
-
-    return type(cache) in (KVCache, FullKVCache)
-
-
 class KVSlab(SlabRows):
     """Plain (mlx-lm KVCache) sessions decoding together, each layer's K/V in one buffer.
 

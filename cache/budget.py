@@ -29,7 +29,7 @@ from config.cache_spec import (
     choose,
     dense_recent_tokens,
 )
-from config.policies import AUTO, AUTO_ORDER, POLICIES
+from config.policies import AUTO, AUTO_ORDER, FULL, POLICIES
 from models.shape import ModelShape
 
 H2O_BOOKKEEPING = 8  # float32 score + int32 position, per KV head and token
@@ -253,6 +253,10 @@ def fit_spec(
         if budget is None:
             raise ValueError("policy auto needs a memory budget")
         policy = auto_policy(shape, budget)
+        if "dense_until" in POLICIES[policy].knobs and fields.get("dense_until") is None:
+            # Packed only once the conversation outgrows what its share holds dense.
+            dense = max_kv_within(budget.per_session, shape, FULL.name)
+            fields["dense_until"] = min(dense, shape.context)
     choose("policy", policy, POLICIES)
     explicit_segments = any(fields.get(k) is not None for k in ("sink", "heavy", "recent"))
     if shares_for is not None and not explicit_segments:

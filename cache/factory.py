@@ -8,14 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from cache.contract import LayerCache, cache_class, holds_tokens, is_scored, tokens_seen
+from cache.full import plain
 from cache.rotating import SinkRotatingKVCache
 from cache.router import install_router, verify_routing
 from config.cache_spec import DEFAULT_POLICY, CacheSpec
-from config.policies import Policy
+from config.policies import FULL, POLICIES, Policy
 from models.shape import layer_windows
 
 
@@ -66,8 +68,10 @@ def make_cache(
     verified: a model whose attention would bypass it raises here, since its H2O
     caches would never evict. Caches of policies that re-index RoPE positions get each
     global layer's RoPE and the context (default: the model's), so a conversation may
-    outgrow the context (cache/h2o.py). `scores_with_step`: the caller evaluates the
-    scored caches' scores with each decode step (`step_scores`), as the server does.
+    outgrow the context (cache/h2o.py). A dense-first spec (`dense_until`) gets plain
+    KVCaches where the policy's own would go, until `pack_dense`. `scores_with_step`:
+    the caller evaluates the scored caches' scores with each decode step
+    (`step_scores`), as the server does.
     """
     spec = (
         policy.replace(**fields) if isinstance(policy, CacheSpec) else CacheSpec(policy, **fields)
@@ -86,7 +90,7 @@ def make_cache(
         # The budget prices a sliding layer at max_kv (cache/budget.py layer_bytes).
         raise ValueError("layer shares apply to global-attention layers: give sliding ones None")
     layer_specs = [spec.for_layer(k) for k in spec.layer_sizes()] or [spec] * len(base)
-    own = cache_class(info)
+    own = cache_class(POLICIES[FULL.name] if spec.dense_until else info)  # pack_dense: later
     in_window = cache_class(info, window=True) if info.bounded else None
     args = getattr(model, "args", None)
     wall = context or getattr(args, "max_position_embeddings", None)
@@ -112,6 +116,37 @@ def make_cache(
             if is_scored(c):
                 c.scores_with_step = scores_with_step
     return caches
+
+
+def packed(spec: CacheSpec, caches: list[Any]) -> CacheSpec:
+    """The spec that builds the classes `caches` hold: a dense-first spec's (`dense_until`)
+    without its dense start once pack_dense has packed them."""
+    if spec.dense_until and not any(plain(c) for c in caches):
+        return spec.replace(dense_until=0)
+    return spec
+
+
+def outgrows_dense(spec: CacheSpec, caches: list[Any], tokens: int) -> bool:
+    """Whether dense-first `caches` (`spec.dense_until`) must be packed before they hold
+    `tokens` in all."""
+    return bool(spec.dense_until) and tokens > spec.dense_until and any(plain(c) for c in caches)
+
+
+def pack_dense(caches: list[Any], fresh: list[Any]) -> list[Any]:
+    """Dense-first caches, packed: each plain layer's tokens stored into its `fresh` cache
+    (make_cache's for the spec without `dense_until`); other layers (sliding windows) as
+    they are. Layer by layer, so only one layer is held twice at a time."""
+    out = []
+    for cache, new in zip(caches, fresh, strict=True):
+        if plain(cache) and cache.offset:
+            n = cache.offset
+            new.update_and_fetch(cache.keys[..., :n, :], cache.values[..., :n, :])
+            cache.keys = cache.values = None
+            mx.eval(new.state)
+            out.append(new)
+        else:
+            out.append(new if plain(cache) else cache)
+    return out
 
 
 def adopt(caches: list[Any], fresh: list[Any]) -> None:

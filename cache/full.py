@@ -30,3 +30,9 @@ class FullKVCache(KVCache, LayerCache):
     def contents(self) -> LayerContents:
         heads = 0 if self.keys is None else self.keys.shape[1]
         return every_token(self.offset, heads)
+
+
+def plain(cache) -> bool:
+    """Whether a layer's cache is mlx-lm's plain KVCache (the full policy's, or one read
+    back from an older spill): what a KVSlab holds (its subclasses store otherwise)."""
+    return type(cache) in (KVCache, FullKVCache)

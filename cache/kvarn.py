@@ -6,7 +6,9 @@ front pool. Later tokens wait, dense, in the tail pool until `tile` (128) of the
 gathered; that tile is then Sinkhorn-balanced and packed, keys and values at their own
 widths (cache/kvarn_tiles.py; presets: config/cache_spec.KVARN_PRESETS, k4v2 default).
 Nothing is ever
-evicted: memory grows by one packed tile per `tile` tokens.
+evicted: memory grows by one packed tile per `tile` tokens. Under `auto` a conversation
+starts in plain dense caches and is stored into these when it outgrows the tokens its
+share holds dense (CacheSpec.dense_until, cache/factory.py pack_dense).
 
 Slots are [front | tiles | tail] in position order, so mlx-lm's causal mask for new
 tokens (the last N slots) holds. Attention (kernels/kvarn.py) rotates the query once,
@@ -31,9 +33,10 @@ from cache.attention import KVFormat
 from cache.budget import kvarn_layer_bytes, value_group
 from cache.contents import LayerContents, every_token
 from cache.contract import ScoredCache
+from cache.full import FullKVCache
 from cache.kvarn_tiles import SINKHORN_ITERS, encode_tiles
 from config.cache_spec import KVARN_PRESETS, KVARN_SINK, KVARN_TILE, QUANT_GROUP_SIZES, CacheSpec
-from config.policies import KVARN
+from config.policies import FULL, KVARN
 from kernels.hadamard import hadamard_block, rotate
 from kernels.kvarn import TileFormat
 
@@ -99,9 +102,13 @@ class KVarNCache(ScoredCache):
 
     @classmethod
     def layer_bytes(cls, shape, spec: CacheSpec, window: int | None = None) -> float:
-        """max_kv tokens: both pools whole, every full tile packed."""
+        """max_kv tokens: both pools whole, every full tile packed; or, if more, the
+        plain dense cache it starts as (`dense_until` tokens)."""
         bits, group = KVARN_PRESETS[spec.kvarn], value_group(shape.head_dim)
-        return kvarn_layer_bytes(shape, spec.max_kv, KVARN_SINK, KVARN_TILE, bits, group)
+        packed = kvarn_layer_bytes(shape, spec.max_kv, KVARN_SINK, KVARN_TILE, bits, group)
+        if not spec.dense_until:
+            return packed
+        return max(packed, FullKVCache.layer_bytes(shape, CacheSpec(FULL.name, spec.dense_until)))
 
     @classmethod
     def check_head_dim(cls, spec: CacheSpec, head_dim: int) -> None:

@@ -210,6 +210,10 @@ class CacheSpec:
     dense_recent: int | None = None
     kvarn: str = DEFAULT_KVARN  # kvarn, h2o-kvarn: KVARN_PRESETS key
     kvarn_strategy: str = "requantize"  # h2o-kvarn: KVARN_STRATEGIES key
+    # kvarn: the conversation's layers stay plain dense caches until it would hold more
+    # than this many tokens, and are packed then (cache/factory.py pack_dense). 0: packed
+    # from the first tile. `auto` sets it to what a session's share holds dense.
+    dense_until: int = 0
     # One weight per model layer: layers split layers x max_kv tokens in these proportions
     # (cache/layer_profiles.py measures them); None for a layer that keeps max_kv (a
     # sliding-window layer). None: every layer gets max_kv.
@@ -223,6 +227,10 @@ class CacheSpec:
         choose("mixed scheme", self.mixed, MIXED_SCHEMES)
         choose("kvarn preset", self.kvarn, KVARN_PRESETS)
         choose("kvarn strategy", self.kvarn_strategy, KVARN_STRATEGIES)
+        if self.dense_until < 0:
+            raise ValueError(f"dense_until cannot be negative, got {self.dense_until}")
+        if self.dense_until and "dense_until" not in self.info.knobs:
+            raise ValueError(f"policy {self.policy} does not start dense (dense_until)")
         if self.dense_recent is not None and self.dense_recent < 0:
             raise ValueError(f"dense_recent cannot be negative, got {self.dense_recent}")
         if self.group_size not in QUANT_GROUP_SIZES:

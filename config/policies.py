@@ -120,7 +120,7 @@ H2O_ADA = Policy(
 KVARN = Policy(
     "kvarn", "KVarN: every token kept, Hadamard-rotated, Sinkhorn-balanced 128-token tiles",
     "cache.kvarn:KVarNCache", bounded=False, scored=True, key_bits=4, value_bits=2,
-    slab=True, knobs=("kvarn",),
+    slab=True, knobs=("kvarn", "dense_until"),
 )  # fmt: skip
 # Its packed tiles fix the sizes a layer can hold (no per-layer max_kv), and no KVarN
 # cache exists inside a sliding window yet: such layers get a dense max_kv window.

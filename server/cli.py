@@ -129,9 +129,11 @@ def _cache_spec(args: argparse.Namespace, model) -> CacheSpec:
     fields = {name: getattr(args, name) for name in SPEC_FLAGS}
     profile, _ = load_layer_profile(args.layer_budgets, model, served_model_id(args.model))
     shares_for = profile.shares if profile else None
-    return fit_spec(
+    spec = fit_spec(
         kv_shape(model), budget, args.policy, max_kv=max_kv, shares_for=shares_for, **fields
     )
+    # No server batcher packs a one-off run's caches later: packed from the first tile.
+    return spec.replace(dense_until=0)
 
 
 def _max_kv_text(spec: CacheSpec) -> str:

@@ -58,6 +58,14 @@ def test_auto_policy():
     assert big.policy == "full" and big.max_kv == 8192
     packed = fit_spec(SMOLLM2_CPU, Budget(512 * 2**20, 8))  # all 8192 tokens fit packed
     assert packed.policy == "kvarn" and packed.max_kv == 8192
+    # ... and start dense: packed only once a conversation outgrows what its share holds
+    # dense (cache/factory.py pack_dense), so both phases are priced within the share
+    share = 64 * 2**20
+    assert packed.dense_until == max_kv_within(share, SMOLLM2_CPU, "full") > 1024
+    assert session_bytes(SMOLLM2_CPU, packed) <= share
+    assert session_bytes(SMOLLM2_CPU, "full", packed.dense_until) <= share
+    assert session_bytes(SMOLLM2_CPU, packed) > session_bytes(SMOLLM2_CPU, "kvarn", 8192)
+    assert fit_spec(SMOLLM2_CPU, Budget(512 * 2**20, 8), "kvarn").dense_until == 0  # as asked
     mid = fit_spec(SMOLLM2_CPU, Budget(256 * 2**20, 8))  # bounded: 8-bit H2O, sized to fit
     assert mid.policy == "h2o-q8" and 1024 <= mid.max_kv < 8192
     assert session_bytes(SMOLLM2_CPU, "h2o-q8", mid.max_kv) <= 32 * 2**20

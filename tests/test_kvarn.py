@@ -4,11 +4,13 @@ Synthetic tensors and tiny random-weight models only; quality on the default mod
 is bench/quantized.py's (docs/quantized.md).
 """
 
+import copy
 import json
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from test_quantized_cache import feed_scores  # scores by position, the same in every cache
@@ -17,6 +19,8 @@ import cache  # noqa: F401  (registers the cache classes with mlx-lm)
 from cache import ATTENTION, H2OKVarNCache, H2OKVCache, KVarNCache, QuantizedH2OKVCache, make_cache
 from cache.attention import ScoredAttention
 from cache.budget import ModelShape, cache_bytes, max_kv_within
+from cache.factory import outgrows_dense, pack_dense, packed
+from cache.full import plain
 from cache.kvarn_tiles import (
     SINKHORN_ITERS,
     encode_keys,
@@ -28,7 +32,7 @@ from cache.kvarn_tiles import (
     sinkhorn,
 )
 from cache.router import uninstall_router
-from config.cache_spec import H2O_KVARN_VALUE_GROUP, KVARN_PRESETS
+from config.cache_spec import H2O_KVARN_VALUE_GROUP, KVARN_PRESETS, CacheSpec
 from kernels import reference
 from kernels.hadamard import hadamard_block, rotate, rotation_matrix
 from kernels.kvarn import TileFormat, dequantize_storage, kvarn_sdpa_with_probs
@@ -677,3 +681,42 @@ def test_4bit_keys_are_rotated_unless_asked_not_to():
         ("h2o-q8", None): False, ("h2o-q8", False): False, ("h2o-q8", True): True,
         ("h2o-mixed", None): False, ("h2o-mixed", False): False, ("h2o-mixed", True): True,
     }  # fmt: skip
+
+
+def test_a_dense_first_kvarn_conversation_packs_when_it_outgrows_its_dense_share():
+    """`dense_until` (what `auto` sets): the layers start as plain dense caches and are
+    packed once the conversation would hold more (pack_dense): the packed tiles are the
+    ones a kvarn cache fed the same keys chunk by chunk holds, the dense buffers go, and
+    decoding goes on close to the dense caches'."""
+    model = tiny_llama(64)
+    try:
+        spec = CacheSpec("kvarn", 1024, dense_until=300)
+        caches = make_cache(model, spec)
+        assert all(plain(c) for c in caches) and packed(spec, caches) == spec
+        prompt = mx.random.randint(0, 128, (1, 300), key=mx.random.key(2))
+        for start in range(0, 280, 140):
+            model(prompt[:, start : start + 140], cache=caches)
+        assert not outgrows_dense(spec, caches, 300) and outgrows_dense(spec, caches, 301)
+        held = [(c.keys[..., :280, :], c.values[..., :280, :]) for c in caches]
+        dense = copy.deepcopy(caches)
+
+        caches = pack_dense(caches, make_cache(model, spec.replace(dense_until=0)))
+        assert all(type(c) is KVarNCache for c in caches)
+        assert packed(spec, caches) == spec.replace(dense_until=0)
+        assert not outgrows_dense(spec, caches, 10_000)  # packed once
+        for c, (k, v) in zip(caches, held, strict=True):
+            assert c.offset == 280 and c.n_tiles() == 1 and c.n_tail == 280 - 128 - 128
+            fed = KVarNCache()
+            for start in range(0, 280, 100):  # other chunks: tiles pack as they fill
+                fed.update_and_fetch(k[..., start : start + 100, :], v[..., start : start + 100, :])
+            for a, b in zip(tree_flatten(c.tiles), tree_flatten(fed.tiles), strict=True):
+                assert_close(a[1], b[1], 1e-6)
+
+        steps = {"dense": [], "packed": []}
+        for t in range(280, 300):
+            for name, held_caches in (("dense", dense), ("packed", caches)):
+                steps[name].append(model(prompt[:, t : t + 1], cache=held_caches)[:, -1])
+        p, q = (mx.softmax(mx.stack(steps[n]), axis=-1) for n in ("dense", "packed"))
+        assert float((p * (mx.log(p) - mx.log(q))).sum(-1).max()) < 0.01
+    finally:
+        uninstall_router(model)

@@ -100,14 +100,16 @@ def test_a_policy_record_walks_through_the_server(policy, walk, tmp_path):
     # caches it copied, and the stored copy untouched by either side's steps
     store = PrefixStore(2**40)
     assert store.keep("", spec, list(range(tokens_seen(caches[0]))), caches)
-    forked = store.fork(store.entries[0], make_cache(model, spec))
+    forked = store.fork(store.entries[0])
+    adopt(forked, make_cache(model, spec))
     first_token, wants = token, []
     for _ in range(STEPS):
         want, got = step(model, caches, token), step(model, forked, token)
         np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4, rtol=0)
         token = int(mx.argmax(want))
         wants.append(want)
-    late = store.fork(store.entries[0], make_cache(model, spec))  # after both moved on
+    late = store.fork(store.entries[0])  # after both moved on
+    adopt(late, make_cache(model, spec))
     np.testing.assert_allclose(
         np.array(step(model, late, first_token)), np.array(wants[0]), atol=1e-4, rtol=0
     )

@@ -95,3 +95,46 @@ def test_auto_under_a_small_budget_bounds_every_session(tmp_path):
         # layer evicts
         assert s["stored_tokens"] <= largest_layer(s) < s["logical_tokens"]
         assert s["evictions"] > 0 and s["bytes"] <= BUDGET // 2
+
+
+def test_auto_packs_a_conversation_once_it_outgrows_its_dense_share(tmp_path):
+    """`auto` where a share holds the whole context only packed (kvarn): a conversation
+    starts in plain dense caches and is packed when it would outgrow what its share holds
+    dense (256 tokens here), in decode as in prefill, and goes on from its cache."""
+    flags = ["--kv-budget", "48MiB", "--max-sessions", "2", "--context", "2048"]
+    with running_server(tmp_path, *flags) as api:
+
+        def ask(history, max_tokens, key="goats"):
+            return api.client.chat.completions.create(
+                model=MODEL, messages=history, temperature=0, max_tokens=max_tokens,
+                logit_bias={"2": -100},  # no <|im_end|>: the reply runs to max_tokens
+                extra_body={"prompt_cache_key": key},
+            )  # fmt: skip
+
+        def kinds(key="goats") -> set[str]:
+            return {h["kind"] for h in api.get(f"/v1/sessions/{key}/cache").json()["heads"]}
+
+        history = [{"role": "user", "content": "Tell me about goats. " * 30}]
+        r = ask(history, 8)
+        s = api.sessions()["goats"]
+        assert s["policy"] == "kvarn" and s["dense_until"] == 256
+        assert s["logical_tokens"] < 256 and kinds() == {"full"}
+        # the reply takes the conversation past 256 tokens: packed between two decode steps
+        history.append({"role": "assistant", "content": r.choices[0].message.content})
+        history.append({"role": "user", "content": "And sheep?"})
+        r = ask(history, 100)
+        assert r.usage.prompt_tokens < 256 < r.usage.prompt_tokens + 100
+        assert r.usage.prompt_tokens_details.cached_tokens > 0
+        packed = api.sessions()["goats"]
+        assert kinds() == {"kvarn"} and packed["logical_tokens"] > 256
+        assert packed["bytes"] < packed["logical_tokens"] * s["bytes"] / s["logical_tokens"]
+        assert "packed at" in api.log_text()
+        # the next turn goes on from the packed cache
+        history.append({"role": "assistant", "content": r.choices[0].message.content})
+        history.append({"role": "user", "content": "Which of them is smaller?"})
+        r = ask(history, 8)
+        assert r.usage.prompt_tokens_details.cached_tokens > 256 and r.choices[0].message.content
+        assert kinds() == {"kvarn"}
+        # a prompt longer than the dense share is packed before its first chunk
+        r = ask([{"role": "user", "content": "Tell me about cows. " * 60}], 8, key="cows")
+        assert r.usage.prompt_tokens > 256 and kinds("cows") == {"kvarn"}

@@ -24,6 +24,8 @@ class SessionFigures(BaseModel):
     preset: str
     score: str
     kvarn: str | None = None  # kvarn / h2o-kvarn: the key and value bits (k4v2, k4v4, k2v2)
+    # kvarn under `auto`: tokens held in plain dense caches before they are packed
+    dense_until: int | None = None
     logical_tokens: int  # tokens the conversation has seen
     stored_tokens: int  # tokens its largest layer cache holds (fewer after eviction)
     bytes: int

@@ -36,16 +36,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from cache import install_router
+from cache import install_router, make_cache
 from cache.batch import KVSlab, batch_caches, open_h2o_slab
 from cache.contract import step_scores
+from cache.factory import outgrows_dense, pack_dense
 from cache.h2o_slab import H2OSlab, near_wall, slab_key
 from cache.kvarn_slab import KVarNSlab
+from config.cache_spec import CacheSpec
 from server.engine.generation import Generation
 from server.engine.jobs import Delta
 
@@ -63,8 +66,15 @@ class Round:
 
 
 class Batcher:
-    def __init__(self, model, prefill_step: int, prefill_budget: int):
+    def __init__(
+        self,
+        model,
+        prefill_step: int,
+        prefill_budget: int,
+        make_caches: Callable[[CacheSpec], list] | None = None,
+    ):
         self.model = model
+        self.make_caches = make_caches  # a spec's fresh caches (pack_dense); None: make_cache
         self.prefill_step = prefill_step
         self.prefill_budget = prefill_budget
         self.batched = can_batch(model)  # else one forward pass per decoding row
@@ -89,7 +99,7 @@ class Batcher:
         round's draws into Deltas (the pass computes meanwhile)."""
         done = Round()
         t0 = time.perf_counter()
-        rows = [g for g in gens if not g.prefilling]
+        rows = self._pack_outgrown([g for g in gens if not g.prefilling], lambda g: 1, done)
         rows, draws = self._decode(rows, done) if rows else ([], [])
         for g, draw in zip(rows, draws, strict=True):
             if g.sampled is not None:
@@ -129,6 +139,30 @@ class Batcher:
         for slab in self.slabs:
             for g in slab.members:
                 slab.lend(g, g.session.caches)
+
+    def _pack_outgrown(
+        self, gens: list[Generation], adding: Callable[[Generation], int], done: Round
+    ) -> list[Generation]:
+        """Pack the dense-first sessions (CacheSpec.dense_until) among `gens` that the
+        next `adding(g)` tokens would take past their dense share; return the ones that
+        go on (a session whose packing raises fails alone)."""
+        going = []
+        for g in gens:
+            s = g.session
+            if outgrows_dense(s.spec, s.caches, len(s.tokens) + adding(g)):
+                try:
+                    self.leave(g)  # a slab member's rows back in its caches first
+                    spec = s.spec.replace(dense_until=0)
+                    fresh = (
+                        self.make_caches(spec) if self.make_caches else make_cache(self.model, spec)
+                    )
+                    s.caches = pack_dense(s.caches, fresh)
+                    log.info("session %s packed at %d tokens", s.id, len(s.tokens))
+                except Exception as e:
+                    done.outcomes.append((g, e))
+                    continue
+            going.append(g)
+        return going
 
     def _regroup(self, rows: list[Generation]) -> list[Generation]:
         """Bring the slab's membership up to this round's decoding rows; return the rows
@@ -240,6 +274,7 @@ class Batcher:
         """Passes of one chunk per waiting generation, in admission order, while they fit
         `budget` (the first chunk always goes; None: one pass over all of them)."""
         fed, failed = 0, set()
+        gens = self._pack_outgrown(gens, lambda g: g.next_chunk(self.prefill_step), done)
         while True:
             chunks, size = [], 0
             for g in gens:

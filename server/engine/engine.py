@@ -121,13 +121,14 @@ class Engine:
         sizes = spec.layer_sizes()
         log.info(
             "model %s; KV budget %.1f MiB: %.1f MiB for shared prefixes, the rest over %d "
-            "sessions: policy %s, max_kv %d (%.1f MiB per session, %d of %d layers "
+            "sessions: policy %s%s, max_kv %d (%.1f MiB per session, %d of %d layers "
             "sliding-window); layer budgets %s%s",
             model_id,
             total / 2**20,
             prefix_bytes / 2**20,
             settings.max_sessions,
             spec.policy,
+            f" (dense until {spec.dense_until} tokens)" if spec.dense_until else "",
             spec.max_kv,
             session_bytes(shape, spec) / 2**20,
             len(shape.windows),
@@ -158,6 +159,9 @@ class Engine:
         """The cache a request asks for (the `kv_cache` extension), kept within the budget."""
         if options is None or not options.model_fields_set:
             return self.spec
+        # Without a policy of its own, the server's starts dense as the server's spec does
+        # (`auto`'s kvarn); a policy asked for by name is that policy from the first token.
+        starts = {"dense_until": self.spec.dense_until} if options.policy is None else {}
         return fit_spec(
             self.shape,
             self.budget,
@@ -170,6 +174,7 @@ class Engine:
             group_size=self.spec.group_size,
             dense_recent=self.spec.dense_recent,
             kvarn=options.kvarn or self.spec.kvarn,
+            **starts,
         )
 
     def prompt_limit(self, spec: CacheSpec) -> int | None:

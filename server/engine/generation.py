@@ -23,7 +23,7 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
-from cache.batch import plain
+from cache.full import plain
 from server.engine.grammar import Constraint
 from server.engine.jobs import Delta, Finished, SamplingParams, TokenLogprob
 from server.sessions.store import Session

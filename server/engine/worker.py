@@ -136,7 +136,10 @@ class Worker:
             self._ready.set()
             return
         self.batcher = Batcher(
-            self.engine.model, self.settings.prefill_step, self.settings.prefill_budget
+            self.engine.model,
+            self.settings.prefill_step,
+            self.settings.prefill_budget,
+            self.engine.store.make_caches,
         )
         self._ready.set()
         while not self._stopping:

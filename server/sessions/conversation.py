@@ -54,6 +54,7 @@ class Session:
             "preset": self.spec.preset,
             "score": self.spec.score,
             "kvarn": self.spec.kvarn if "kvarn" in self.spec.info.knobs else None,
+            "dense_until": self.spec.dense_until or None,
             "logical_tokens": seen,
             "stored_tokens": stored,
             "bytes": nbytes,

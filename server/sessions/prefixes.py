@@ -31,7 +31,6 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from cache import adopt
 from config.cache_spec import CacheSpec
 
 log = logging.getLogger("h2o_server.prefixes")
@@ -79,11 +78,10 @@ class PrefixStore:
                 best = e
         return best
 
-    def fork(self, entry: Prefix, fresh: list) -> list:
-        """Caches holding the prefix, for a new conversation; `fresh` (make_cache's for the
-        entry's spec) gives them what a state cannot hold (cache/factory.py adopt)."""
+    def fork(self, entry: Prefix) -> list:
+        """Caches holding the prefix, for a new conversation; the caller gives them what a
+        state cannot hold (cache/factory.py adopt)."""
         caches = [cls.from_state(_detached(state)) for cls, state in entry.layers]
-        adopt(caches, fresh)
         entry.hits += 1
         entry.last_used = time.time()
         self.entries.remove(entry)
