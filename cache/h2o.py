@@ -144,7 +144,17 @@ class H2OKVCache(HeavyHitters, ScoredCache):
     def slab_key(self) -> Hashable | None:
         """Dense and packed (cache/quantized.py) H2O caches can join a slab once filled,
         never re-indexed; other layouts (subclasses) cannot."""
-        if not self.slab_rows or self.positions is None or self.lags is not None:
+        return self._config_key() if self.slab_rows else None
+
+    def eviction_key(self) -> Hashable | None:
+        """The compiled eviction this cache shares (`_compiled_eviction`), or None where
+        it evicts op by op (a layout that has not opted in, a re-indexed cache)."""
+        return self._config_key() if self.compiles_eviction else None
+
+    def _config_key(self) -> Hashable | None:
+        """Its class, configuration and buffer shapes; None before its buffers exist or
+        once re-indexed (its lags shift on eviction too)."""
+        if self.positions is None or self.lags is not None:
             return None
         stored = (self.keys, self.values)
         shapes = tuple((a.dtype, a.shape[1], a.shape[3:]) for _, a in tree_flatten(stored))
@@ -155,11 +165,19 @@ class H2OKVCache(HeavyHitters, ScoredCache):
     # can hold its rows (cache/h2o_slab.py) and a decode step can read every slot under a
     # mask (`fused_decode`).
     slab_rows: bool = True
+    # Whether a decode's eviction, at the buffers' final size, runs as one compiled call
+    # of `_evict_ops` over `eviction_buffers` (a layout that keeps more per slot lists it).
+    compiles_eviction: bool = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         # Each class opts in: a subclass may store or move what the slab does not know.
         cls.slab_rows = cls.__dict__.get("slab_rows", False)
+        cls.compiles_eviction = cls.__dict__.get("compiles_eviction", cls.slab_rows)
+
+    def eviction_buffers(self) -> tuple[str, ...]:
+        """What a compiled eviction takes and gives back: the slot buffers."""
+        return SLOT_BUFFERS
 
     def slab_layout(self) -> tuple:
         """What else than the slots a slab row of this cache holds, in its key."""
@@ -660,9 +678,9 @@ class H2OKVCache(HeavyHitters, ScoredCache):
     def _evicts_at_final_size(self) -> bool:
         """A decode's eviction: every slot of buffers at their final size full, so its shapes
         repeat from one eviction to the next. Layouts that move more than their slots on
-        eviction (subclasses that are not `slab_rows`) and re-indexed caches (their lags
-        shift too) evict op by op."""
-        if not self.slab_rows or self.lags is not None:
+        eviction (subclasses that do not opt in: `compiles_eviction`) and re-indexed caches
+        (their lags shift too) evict op by op."""
+        if not self.compiles_eviction or self.lags is not None:
             return False
         slots = self.positions.shape[-1]
         return self.used == slots == self.slot_budget + self._slots_per_token
@@ -671,7 +689,7 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         """`_evict`'s ranking, selection and writes as one compiled call (`seen`, which
         changes every time, is its input): ~40 ops per layer the host would build one by
         one every evict_batch steps."""
-        buffers = {name: getattr(self, name) for name in SLOT_BUFFERS}
+        buffers = {name: getattr(self, name) for name in self.eviction_buffers()}
         seen = mx.array(self.seen, dtype=mx.int32)
         self.__dict__.update(compiled(buffers, {"seen": seen}))
         self.evicted += self.used - self.keep
@@ -695,7 +713,7 @@ def _compiled_eviction(cache: H2OKVCache) -> Callable | None:
     configuration: `_evict`'s own code on a template of that configuration, so its rule,
     segments and layout (whether it fills holes or gathers) are what the trace holds.
     None where the configuration has no key (its pools still fill)."""
-    key = cache.slab_key()
+    key = cache.eviction_key()
     if key is None:
         return None
     if key not in _EVICTIONS:
@@ -704,7 +722,7 @@ def _compiled_eviction(cache: H2OKVCache) -> Callable | None:
             view.used = view.positions.shape[-1]
             view._evict_ops()
 
-        _EVICTIONS[key] = compiled_on_template(cache, evict, SLOT_BUFFERS)
+        _EVICTIONS[key] = compiled_on_template(cache, evict, cache.eviction_buffers())
     return _EVICTIONS[key]
 
 

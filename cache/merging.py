@@ -36,6 +36,10 @@ from cache.h2o import H2OKVCache, gather_slots
 
 class MergingH2OKVCache(H2OKVCache):
     slot_extra_bytes = MERGING_BOOKKEEPING  # the count
+    # A decode's merge is one compiled call (its shapes repeat from one eviction to the
+    # next): its ranking, [slots x slots] key cosines, picks and scatter-add are ~230 ops
+    # a layer that the host would otherwise build, and a GPU launch, one by one.
+    compiles_eviction = True
 
     def __init__(self, max_size: int, **h2o):
         """`h2o`: H2OKVCache's knobs (sink, heavy, recent, score, evict_batch)."""
@@ -92,11 +96,14 @@ class MergingH2OKVCache(H2OKVCache):
         if self.counts is not None and self.used < self.counts.shape[-1]:
             self.counts[..., self.used :] = 1.0
 
+    def eviction_buffers(self) -> tuple[str, ...]:
+        return (*super().eviction_buffers(), "counts")
+
     def _gather(self, idx: mx.array, capacity: int) -> None:
         self.counts = gather_slots(self.counts[:, :, : self.used], idx, capacity)
         super()._gather(idx, capacity)
 
-    def _evict(self) -> None:
+    def _evict_ops(self) -> None:
         """The lowest-worth middle tokens leave, folded into their nearest kept slot."""
         n = self.used
         # What a slot weighs in a merge: the attention it draws per query (the rule's rank;

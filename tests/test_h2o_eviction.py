@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten
 
 import cache  # noqa: F401  (registers the class with mlx-lm)
 from cache import H2OKVCache, QuantizedH2OKVCache
+from cache.merging import MergingH2OKVCache
 from cache.scores import make_score_rule
 from config.cache_spec import split_segments
 
@@ -295,8 +296,9 @@ def _twin_decode(make, steps: int, rng: np.random.Generator) -> H2OKVCache:
         lambda: QuantizedH2OKVCache(
             24, sink=2, heavy=10, recent=12, bits=4, rotate=True, evict_batch=2, score="tova"
         ),
+        lambda: MergingH2OKVCache(24, sink=2, heavy=10, recent=12, score="mean", evict_batch=4),
     ],
-    ids=["dense-attn", "dense-snap", "dense-ema", "q8", "q4-rotated-tail"],
+    ids=["dense-attn", "dense-snap", "dense-ema", "q8", "q4-rotated-tail", "merge"],
 )
 def test_a_decode_eviction_is_one_compiled_call_with_the_same_result(make, monkeypatch):
     """At the buffers' final size a decode's eviction is one compiled call; it keeps exactly
@@ -311,7 +313,7 @@ def test_a_decode_eviction_is_one_compiled_call_with_the_same_result(make, monke
     monkeypatch.setattr(cache.h2o, "_compiled_eviction", lambda c: None)
     plain = _twin_decode(make, 40, np.random.default_rng(5))
     assert (fused.used, fused.seen, fused.evicted) == (plain.used, plain.seen, plain.evicted)
-    for name in ("positions", "scores", "keys", "values"):
+    for name in fused.eviction_buffers():  # a merge's counts too
         a, b = tree_flatten(getattr(fused, name)), tree_flatten(getattr(plain, name))
         for (_, x), (_, y) in zip(a, b, strict=True):
             np.testing.assert_array_equal(np.array(x), np.array(y), err_msg=name)
