@@ -118,7 +118,7 @@ def make_cache(
     return caches
 
 
-def packed(spec: CacheSpec, caches: list[Any]) -> CacheSpec:
+def spec_as_held(spec: CacheSpec, caches: list[Any]) -> CacheSpec:
     """The spec that builds the classes `caches` hold: a dense-first spec's (`dense_until`)
     without its dense start once pack_dense has packed them."""
     if spec.dense_until and not any(plain(c) for c in caches):

@@ -19,7 +19,7 @@ import cache  # noqa: F401  (registers the cache classes with mlx-lm)
 from cache import ATTENTION, H2OKVarNCache, H2OKVCache, KVarNCache, QuantizedH2OKVCache, make_cache
 from cache.attention import ScoredAttention
 from cache.budget import ModelShape, cache_bytes, max_kv_within
-from cache.factory import outgrows_dense, pack_dense, packed
+from cache.factory import outgrows_dense, pack_dense, spec_as_held
 from cache.full import plain
 from cache.kvarn_tiles import (
     SINKHORN_ITERS,
@@ -692,7 +692,7 @@ def test_a_dense_first_kvarn_conversation_packs_when_it_outgrows_its_dense_share
     try:
         spec = CacheSpec("kvarn", 1024, dense_until=300)
         caches = make_cache(model, spec)
-        assert all(plain(c) for c in caches) and packed(spec, caches) == spec
+        assert all(plain(c) for c in caches) and spec_as_held(spec, caches) == spec
         prompt = mx.random.randint(0, 128, (1, 300), key=mx.random.key(2))
         for start in range(0, 280, 140):
             model(prompt[:, start : start + 140], cache=caches)
@@ -702,7 +702,7 @@ def test_a_dense_first_kvarn_conversation_packs_when_it_outgrows_its_dense_share
 
         caches = pack_dense(caches, make_cache(model, spec.replace(dense_until=0)))
         assert all(type(c) is KVarNCache for c in caches)
-        assert packed(spec, caches) == spec.replace(dense_until=0)
+        assert spec_as_held(spec, caches) == spec.replace(dense_until=0)
         assert not outgrows_dense(spec, caches, 10_000)  # packed once
         for c, (k, v) in zip(caches, held, strict=True):
             assert c.offset == 280 and c.n_tiles() == 1 and c.n_tail == 280 - 128 - 128

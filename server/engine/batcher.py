@@ -38,6 +38,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -74,7 +75,8 @@ class Batcher:
         make_caches: Callable[[CacheSpec], list] | None = None,
     ):
         self.model = model
-        self.make_caches = make_caches  # a spec's fresh caches (pack_dense); None: make_cache
+        # A spec's fresh caches (what a session is packed into): the session store's.
+        self.make_caches = make_caches or partial(make_cache, model)
         self.prefill_step = prefill_step
         self.prefill_budget = prefill_budget
         self.batched = can_batch(model)  # else one forward pass per decoding row
@@ -152,10 +154,7 @@ class Batcher:
             if outgrows_dense(s.spec, s.caches, len(s.tokens) + adding(g)):
                 try:
                     self.leave(g)  # a slab member's rows back in its caches first
-                    spec = s.spec.replace(dense_until=0)
-                    fresh = (
-                        self.make_caches(spec) if self.make_caches else make_cache(self.model, spec)
-                    )
+                    fresh = self.make_caches(s.spec.replace(dense_until=0))
                     s.caches = pack_dense(s.caches, fresh)
                     log.info("session %s packed at %d tokens", s.id, len(s.tokens))
                 except Exception as e:

@@ -52,7 +52,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cache import adopt
-from cache.factory import packed
+from cache.factory import spec_as_held
 from config.cache_spec import CacheSpec
 from server.api.protocol import Usage
 from server.engine.jobs import Finished, PromptTooLong, SessionBusy, SessionClaimed
@@ -187,7 +187,7 @@ class SessionStore:
         session.spec, session.tokens = spec, list(prefix.tokens)
         session.prefix_tokens = len(prefix.tokens)
         session.caches = self.prefixes.fork(prefix)
-        adopt(session.caches, self.make_caches(packed(spec, session.caches)))
+        adopt(session.caches, self.make_caches(spec_as_held(spec, session.caches)))
         self.counts["prefix_hits"] += 1
         self.counts["prefix_tokens"] += len(prefix.tokens)
         log.info("session %s starts from a stored %d-token prefix", session.id, len(prefix.tokens))
@@ -370,7 +370,7 @@ class SessionStore:
             session.tokens, session.prompt_len = header.tokens, header.prompt_len
             session.spec, session.evictions = header.spec, header.evictions
             session.caches = self.spill.read(path, len(session.tokens))
-            adopt(session.caches, self.make_caches(packed(session.spec, session.caches)))
+            adopt(session.caches, self.make_caches(spec_as_held(session.spec, session.caches)))
             log.info("session %s restored", session.id)
             self.counts["restored"] += 1
         except SpillError as e:
