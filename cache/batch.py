@@ -19,6 +19,7 @@ is zero, so any cache (scoring, evicting) takes exactly the chunk it would alone
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
@@ -47,6 +48,13 @@ def _rows(part) -> int:
 def open_h2o_slab(key: tuple) -> H2OSlab | KVarNSlab | KVarNPaddedSlab:
     """An empty slab for sessions of this slab key (cache/h2o_slab.slab_key)."""
     return SLAB_OF.get(key[0][0], H2OSlab)(key)
+
+
+@dataclass
+class PartMasks:
+    """One mask per part of a BatchedCache (a sliding-window layer's: `_window_masks`)."""
+
+    parts: list
 
 
 class BatchedCache:
@@ -85,19 +93,32 @@ class BatchedCache:
         return [k for k, _ in fetched], [v for _, v in fetched]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        if return_array or window_size is not None:
+        if return_array:
             raise ValueError("batched sessions attend part by part: no shared mask array")
+        if window_size is not None:
+            return self._window_masks(N, window_size)
         # One new token sees every key its row holds; a chunk is causal within its row.
         return None if N == 1 else "causal"
+
+    def _window_masks(self, N: int, window: int) -> PartMasks:
+        """A sliding-window layer's masks: each session's cache builds its own (which of
+        its keys the window still shows depends on what it holds), now, before the pass
+        stores anything, as mlx-lm's models ask for it; `attend` hands each part its own."""
+        if any(_rows(part) > 1 for part in self.parts):
+            raise ValueError("a slab's rows attend under one mask: no sliding window")
+        return PartMasks(
+            [p.make_mask(self._real(a) or N, window_size=window) for p, a, _ in self.spans]
+        )
 
     def attend(self, queries: mx.array, keys: list, values: list, mask, attend_part: Callable):
         """attend_part(q, k, v, part, mask) per part, stacked back into the batch."""
         part = self.parts[0]
         if self.whole and self.lengths is None and not isinstance(part, BatchKVCache):
-            return attend_part(queries, keys[0], values[0], part, mask)  # its rows are the batch
+            own = mask.parts[0] if isinstance(mask, PartMasks) else mask
+            return attend_part(queries, keys[0], values[0], part, own)  # its rows are the batch
         out = []
-        for (part, a, b), k, v in zip(self.spans, keys, values, strict=True):
-            part_mask = mask
+        for i, ((part, a, b), k, v) in enumerate(zip(self.spans, keys, values, strict=True)):
+            part_mask = mask.parts[i] if isinstance(mask, PartMasks) else mask
             if isinstance(part, BatchKVCache):  # its rows' left padding is never attended
                 part_mask = self._padding_mask(part, a, b, queries.shape[2], k.shape[2])
             q = (queries if self.whole else queries[a:b])[:, :, : self._real(a)]
