@@ -70,6 +70,7 @@ bench: setup
 	$(PY) -m bench.batch_scaling --out docs/batch_scaling.md
 	$(PY) -m bench.batch_scaling --policy h2o-q8 --rows 1 4 8 --rounds 3 --out docs/batch_scaling_q8.md
 	$(PY) -m bench.batch_scaling --policy kvarn --rows 1 4 8 --rounds 3 --context 300 --spread 64 --out docs/batch_scaling_kvarn.md
+	$(PY) -m bench.window_batching --out docs/window_batching.md
 	$(PY) -m bench.edit_reuse --out docs/edit_reuse.md
 	$(PY) -m bench.rules_grid --out docs/rules.md
 	$(PY) -m bench.sliding_layers --out docs/sliding_layers.md
