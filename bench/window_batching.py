@@ -3,11 +3,13 @@
 A sliding-window layer's mask depends on what each session's cache holds, and mlx-lm's
 models ask the cache for it once per forward pass, so sessions of such a model (Gemma 3:
 15 of its 18 layers) decoded one forward pass per session until each part got its own
-mask (cache/batch.py `PartMasks`). This drives the server's own Batcher over B sessions
-(full caches, `--context`-token prompts, greedy, no HTTP) and times its decode rounds
-both ways in the same process: batched (the server now) and one pass per row (before).
-Rounds interleave the two (order reversed every other round); wall and process CPU time
-per decode round, medians over rounds; speed = per-row time / batched time, per round.
+mask (cache/batch.py `PartMasks`), and as parts until their sliding windows joined the
+KVSlab (mlx-lm's BatchRotatingKVCache). This drives the server's own Batcher over B
+sessions (full caches, `--context`-token prompts, greedy, no HTTP) and times its decode
+rounds three ways in the same process: one KVSlab (the server now), a part per session,
+one pass per row. Rounds interleave them (order reversed every other round); wall and
+process CPU time per decode round, medians over rounds; speed = the other mode's time /
+the KVSlab's, per round, then the median.
 
     python -m bench.window_batching --out docs/window_batching.md   # ~4 min on 2 cores
 """
@@ -19,13 +21,17 @@ import statistics
 import time
 from pathlib import Path
 
+from bench.gpu_step import counting_evals
 from bench.report import command, machine, publish
 
-MODES = ("batched", "one pass per row")
+# The server now; sessions batched as parts (before their windows joined a KVSlab); one
+# forward pass per session (before sliding-window models batched at all).
+MODES = ("one KVSlab", "a part per session", "one pass per row")
 
 
-def decode_rounds(model, tokenizer, prompts: list[list[int]], batched: bool, steps: int):
-    """(wall ms, CPU ms) per decode round of the Batcher over these prompts."""
+def decode_rounds(model, tokenizer, prompts: list[list[int]], mode: str, steps: int):
+    """(wall ms, CPU ms) per decode round of the Batcher over these prompts, and the MLX
+    primitives one round evaluates."""
     from cache import make_cache
     from config.cache_spec import CacheSpec
     from server.engine.batcher import Batcher
@@ -34,7 +40,9 @@ def decode_rounds(model, tokenizer, prompts: list[list[int]], batched: bool, ste
     from server.sessions.conversation import Session
 
     batcher = Batcher(model, prefill_step=512, prefill_budget=4096)
-    batcher.batched = batched
+    batcher.batched = mode != "one pass per row"
+    if mode == "a part per session":
+        batcher._slabbable = lambda g: False
     spec = CacheSpec("full", 4096)
     params = SamplingParams(max_tokens=10**6, temperature=0.0)
     gens = []
@@ -48,7 +56,14 @@ def decode_rounds(model, tokenizer, prompts: list[list[int]], batched: bool, ste
     wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         batcher.run(gens)
-    return (time.perf_counter() - wall) / steps * 1e3, (time.process_time() - cpu) / steps * 1e3
+    wall, cpu = (
+        (time.perf_counter() - wall) / steps * 1e3,
+        (time.process_time() - cpu) / steps * 1e3,
+    )
+    ops = [0]
+    with counting_evals(ops):  # one more round, its primitives counted (launches on a GPU)
+        batcher.run(gens)
+    return wall, cpu, ops[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,23 +86,30 @@ def main(argv: list[str] | None = None) -> int:
         for rows in args.rows:
             prompts = [ids[i * args.context : (i + 1) * args.context] for i in range(rows)]
             for mode in MODES if r % 2 == 0 else MODES[::-1]:
-                batched = mode == "batched"
-                times[rows, mode].append(
-                    decode_rounds(model, tokenizer, prompts, batched, args.steps)
-                )
+                times[rows, mode].append(decode_rounds(model, tokenizer, prompts, mode, args.steps))
 
     body = [
-        "| sessions | batched ms / round | one pass per row ms / round | speed "
-        "| CPU ms batched / per row |",
-        "|---|---|---|---|---|",
+        "| sessions | "
+        + " | ".join(f"{m} ms / round" for m in MODES)
+        + " | KVSlab speed vs parts | vs one pass per row | CPU ms, each mode "
+        "| ops per round, each mode |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for rows in args.rows:
-        ours, theirs = times[rows, MODES[0]], times[rows, MODES[1]]
-        speed = statistics.median(b[0] / a[0] for a, b in zip(ours, theirs, strict=True))
-        med = [statistics.median(x[i] for x in t) for t in (ours, theirs) for i in (0, 1)]
+        runs = [times[rows, mode] for mode in MODES]
+        walls = [statistics.median(wall for wall, _, _ in t) for t in runs]
+        cpus = [statistics.median(cpu for _, cpu, _ in t) for t in runs]
+        ops = [t[-1][2] for t in runs]
+        speeds = [  # per round, then the median
+            statistics.median(b[0] / a[0] for a, b in zip(runs[0], other, strict=True))
+            for other in runs[1:]
+        ]
         body.append(
-            f"| {rows} | {med[0]:.0f} | {med[2]:.0f} | {speed:.2f}x | {med[1]:.0f} / {med[3]:.0f} |"
-        )
+            f"| {rows} | " + " | ".join(f"{w:.0f}" for w in walls)
+            + " | " + " | ".join(f"{x:.2f}x" for x in speeds)
+            + " | " + " / ".join(f"{c:.0f}" for c in cpus)
+            + " | " + " / ".join(str(n) for n in ops) + " |"
+        )  # fmt: skip
     intro = (
         f"Model `{args.model}`, full caches, {args.context}-token prompts, greedy, "
         f"{args.steps} timed decode rounds of the server's Batcher per case, {args.rounds} "

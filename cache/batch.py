@@ -23,13 +23,15 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
+from cache.full import plain
 from cache.h2o_kvarn import H2OKVarNCache
 from cache.h2o_slab import H2OSlab, H2OSlabLayer, SlabRows
 from cache.kvarn import KVarNCache
 from cache.kvarn_padded import KVarNPaddedLayer, KVarNPaddedSlab
 from cache.kvarn_slab import KVarNSlab, KVarNSlabLayer
+from cache.rotating import SinkRotatingKVCache
 
 # The slab for a key, by the class of cache that made it (a key's first field, per layer);
 # any other: an H2OSlab.
@@ -39,7 +41,7 @@ SLAB_OF = {KVarNCache.__name__: KVarNPaddedSlab, H2OKVarNCache.__name__: KVarNSl
 def _rows(part) -> int:
     """Batch rows a part carries: a slab's (KVSlab, cache/h2o_slab.py, cache/kvarn_slab.py,
     cache/kvarn_padded.py) or one session's."""
-    if isinstance(part, BatchKVCache):
+    if isinstance(part, BatchKVCache | BatchRotatingKVCache):
         return part.offset.shape[0]
     slab_layers = H2OSlabLayer | KVarNSlabLayer | KVarNPaddedLayer
     return part.rows if isinstance(part, slab_layers) else 1
@@ -104,8 +106,6 @@ class BatchedCache:
         """A sliding-window layer's masks: each session's cache builds its own (which of
         its keys the window still shows depends on what it holds), now, before the pass
         stores anything, as mlx-lm's models ask for it; `attend` hands each part its own."""
-        if any(_rows(part) > 1 for part in self.parts):
-            raise ValueError("a slab's rows attend under one mask: no sliding window")
         return PartMasks(
             [p.make_mask(self._real(a) or N, window_size=window) for p, a, _ in self.spans]
         )
@@ -164,16 +164,17 @@ class KVSlab(SlabRows):
 
     Row by row, every decode step costs each session a cache update and an
     attention call per layer; in the slab, the members share one of each per
-    layer (mlx-lm's BatchKVCache: rows left-padded to the longest). While a
-    session is a member its own KVCache objects hold no arrays (a second copy
+    layer (mlx-lm's BatchKVCache: rows left-padded to the longest; a sliding-window
+    layer without sinks, Gemma 3's, mlx-lm's BatchRotatingKVCache). While a
+    session is a member its own cache objects hold no arrays (a second copy
     would double its memory, and a live view would stop the slab updating in
-    place): `leave` writes its rows back, `lend` hands out read-only views until
-    the next step.
+    place): `leave` writes its rows back, `lend` hands out read-only views (a
+    sliding window's: a copy in temporal order) until the next step.
     """
 
     def __init__(self):
         self.members: list[Hashable] = []  # row order
-        self.layers: list[BatchKVCache] = []
+        self.layers: list[BatchKVCache | BatchRotatingKVCache] = []
         self._lent: list[list[KVCache]] = []
 
     def begin_step(self) -> None:
@@ -183,7 +184,7 @@ class KVSlab(SlabRows):
         """Move sessions' K/V into the slab as its last rows (one copy of the slab)."""
         self.reclaim()
         per_layer = zip(*(caches for _, caches in sessions), strict=True)
-        merged = [BatchKVCache.merge(list(layer)) for layer in per_layer]
+        merged = [_batch_class(layer[0]).merge(list(layer)) for layer in per_layer]
         if not self.members:
             self.layers = merged
         else:
@@ -199,15 +200,24 @@ class KVSlab(SlabRows):
         self.reclaim()
         i = self.members.index(key)
         del self.members[i]
-        pads = self.layers[0].left_padding.tolist()  # alike in every layer
-        pad = pads.pop(i)
+        plain_layers = [layer for layer in self.layers if isinstance(layer, BatchKVCache)]
+        pads = plain_layers[0].left_padding.tolist() if plain_layers else []  # alike in each
+        pad = pads.pop(i) if pads else 0
         shift = min(pads, default=0)  # padding every remaining row has: dropped
+        others = [j for j in range(len(self.members) + 1) if j != i]
 
         def without_row(a: mx.array) -> mx.array:  # two copies, not a slow gather
             return mx.concatenate([a[:i], a[i + 1 :]])
 
         written = []
         for n, layer in enumerate(self.layers):
+            if isinstance(layer, BatchRotatingKVCache):
+                if caches is not None:
+                    _write_window(caches[n], layer.extract(i))
+                    written += [caches[n].keys, caches[n].values]
+                if self.members:
+                    layer.filter(mx.array(others))
+                continue
             keys, values, offset, left_padding, idx = layer.state
             if caches is not None:
                 c = caches[n]
@@ -229,10 +239,13 @@ class KVSlab(SlabRows):
         mx.async_eval(written)
 
     def lend(self, key: Hashable, caches: list[KVCache]) -> None:
-        """Give a member's KVCache objects views of its rows, for a reader between steps."""
+        """Give a member's cache objects views of its rows, for a reader between steps."""
         i = self.members.index(key)
-        pad = self.layers[0].left_padding[i].item()  # alike in every layer
         for c, layer in zip(caches, self.layers, strict=True):
+            if isinstance(layer, BatchRotatingKVCache):
+                _write_window(c, layer.extract(i))
+                continue
+            pad = layer.left_padding[i].item()  # alike in every such layer
             c.keys = layer.keys[i : i + 1, :, pad : layer.size()]
             c.values = layer.values[i : i + 1, :, pad : layer.size()]
             c.offset = layer.size() - pad
@@ -244,3 +257,21 @@ class KVSlab(SlabRows):
             for c in caches:
                 c.keys = c.values = None
         self._lent = []
+
+
+def kv_slab_layer(cache) -> bool:
+    """Whether a KVSlab can hold this layer: mlx-lm's plain KVCache, or a sliding window
+    that keeps no sinks (what mlx-lm's BatchRotatingKVCache batches)."""
+    if plain(cache):
+        return True
+    return type(cache) in (RotatingKVCache, SinkRotatingKVCache) and cache.keep == 0
+
+
+def _batch_class(cache) -> type:
+    return BatchKVCache if plain(cache) else BatchRotatingKVCache
+
+
+def _write_window(cache: RotatingKVCache, row: RotatingKVCache) -> None:
+    """A sliding-window row (BatchRotatingKVCache.extract: its window in temporal order)
+    back into the session's own cache."""
+    cache.keys, cache.values, cache.offset, cache._idx = row.keys, row.values, row.offset, row._idx

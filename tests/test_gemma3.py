@@ -274,10 +274,12 @@ def test_server_serves_gemma_within_the_budget(gemma_model, essay_text, tmp_path
 
 def test_sessions_share_forward_passes_and_decode_as_alone(gemma_model, essay_text):
     """Gemma's sliding-window layers take each session's own window mask in a shared
-    pass (cache/batch.py `PartMasks`): prompts past the 512-token window in 256-token
+    pass (cache/batch.py `PartMasks`): prompts past the 512-token window in 128-token
     chunks, sharing prefill passes, then decoding in one pass per round, give what each
     gives alone, under full (sliding layers keep their dense window), h2o (global
-    layers evict) and kvarn."""
+    layers evict) and kvarn. The full ones decode as rows of one KVSlab (their sliding
+    layers in mlx-lm's BatchRotatingKVCache, one window rotated, one not yet) and get
+    caches back that go on as their twins' alone."""
     from test_batching import CountingModel, assert_same_greedy, drive, runs_alone, start
 
     from config.cache_spec import CacheSpec
@@ -286,18 +288,31 @@ def test_sessions_share_forward_passes_and_decode_as_alone(gemma_model, essay_te
     model, tokenizer = gemma_model
     assert can_batch(model)
     ids = tokenizer.encode(essay_text)
-    specs = [CacheSpec("full", 2048), CacheSpec("h2o", 64), CacheSpec("kvarn", 2048)]
+    full, h2o, kvarn = CacheSpec("full", 2048), CacheSpec("h2o", 64), CacheSpec("kvarn", 2048)
+    specs = [full, full, h2o, kvarn]
     # 128-token chunks in lockstep; the last ones (59 tokens, past the window) share a
     # pass two by two: each row under its own window mask
-    prompts = [ids[:700], ids[1000:1700], ids[2000:2700]]
+    prompts = [ids[:700], ids[3000:3300], ids[1000:1700], ids[2000:2700]]
     runs = list(zip(specs, prompts, strict=True))
     alone = runs_alone(model, tokenizer, runs, 128, 600)
     batcher = Batcher(model, prefill_step=128, prefill_budget=600)
     batcher.model = counting = CountingModel(model)
     gens = [start(model, tokenizer, s, p) for s, p in runs]
-    out = drive(batcher, gens)
+    slab_rows = []
+
+    def count_slab(active, out):
+        slab_rows.append(len(batcher.slab.members))
+        return active
+
+    out = drive(batcher, gens, {r: count_slab for r in range(8, 14)})
     assert (len(gens), 1) in counting.shapes  # a decode pass carried every session
     assert (2, 59) in counting.shapes  # the last chunks shared a pass
-    for g, spec, (ref, _) in zip(gens, specs, alone, strict=True):
+    assert max(slab_rows) == 2  # the two full sessions, as one KVSlab
+    for g, spec, (ref, twin) in zip(gens, specs, alone, strict=True):
         assert_same_greedy(out[id(g)], ref, spec)
         assert all(c.offset == len(g.session.tokens) for c in g.session.caches)
+        if spec is full and g.generated == twin.generated:  # its caches, written back
+            token = mx.array([[g.generated[-1]]])
+            mine = model(token, cache=g.session.caches)
+            theirs = model(token, cache=twin.session.caches)
+            assert mx.abs(mine - theirs).max().item() < 1e-2

@@ -4,7 +4,8 @@ Each round, on the worker thread:
 1. every decoding generation feeds its next input in ONE forward pass (several
    sessions' caches as one batch, cache/batch.py: the weights are read once for
    all rows) and draws its next token lazily, launched with `mx.async_eval`.
-   Decoding sessions whose caches are plain share a KVSlab: one cache update
+   Decoding sessions whose caches are plain (mlx-lm's KVCache, or a sliding window
+   that keeps no sinks: Gemma 3's) share a KVSlab: one cache update
    and one attention call per layer for all of them. A session joins when its
    prompt is in, if the slab's padding stays under half of it, and leaves
    (its rows written back) when its request ends. H2O sessions (dense or

@@ -23,7 +23,7 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
-from cache.full import plain
+from cache.batch import kv_slab_layer
 from server.engine.grammar import Constraint
 from server.engine.jobs import Delta, Finished, SamplingParams, TokenLogprob
 from server.sessions.store import Session
@@ -165,9 +165,9 @@ class Generation:
 
     @property
     def plain_caches(self) -> bool:
-        """Whether every layer is mlx-lm's KVCache (server/engine/batcher.py decodes such
-        sessions in one KVSlab)."""
-        return all(plain(c) for c in self.session.caches)
+        """Whether every layer is mlx-lm's KVCache or a sink-less sliding window
+        (server/engine/batcher.py decodes such sessions in one KVSlab)."""
+        return all(kv_slab_layer(c) for c in self.session.caches)
 
     def prefilled(self, n: int) -> int:
         """The next `n` prompt tokens are in the caches now; return n."""
