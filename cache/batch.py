@@ -200,7 +200,7 @@ class KVSlab(SlabRows):
         self.reclaim()
         i = self.members.index(key)
         del self.members[i]
-        plain_layers = [layer for layer in self.layers if isinstance(layer, BatchKVCache)]
+        plain_layers = [layer for layer in self.layers if plain_layer(layer)]
         pads = plain_layers[0].left_padding.tolist() if plain_layers else []  # alike in each
         pad = pads.pop(i) if pads else 0
         shift = min(pads, default=0)  # padding every remaining row has: dropped
@@ -211,7 +211,7 @@ class KVSlab(SlabRows):
 
         written = []
         for n, layer in enumerate(self.layers):
-            if isinstance(layer, BatchRotatingKVCache):
+            if not plain_layer(layer):
                 if caches is not None:
                     _write_window(caches[n], layer.extract(i))
                     written += [caches[n].keys, caches[n].values]
@@ -241,11 +241,13 @@ class KVSlab(SlabRows):
     def lend(self, key: Hashable, caches: list[KVCache]) -> None:
         """Give a member's cache objects views of its rows, for a reader between steps."""
         i = self.members.index(key)
+        pad = next(
+            (layer.left_padding[i].item() for layer in self.layers if plain_layer(layer)), 0
+        )  # alike in every BatchKVCache layer
         for c, layer in zip(caches, self.layers, strict=True):
-            if isinstance(layer, BatchRotatingKVCache):
+            if not plain_layer(layer):
                 _write_window(c, layer.extract(i))
                 continue
-            pad = layer.left_padding[i].item()  # alike in every such layer
             c.keys = layer.keys[i : i + 1, :, pad : layer.size()]
             c.values = layer.values[i : i + 1, :, pad : layer.size()]
             c.offset = layer.size() - pad
@@ -265,6 +267,12 @@ def kv_slab_layer(cache) -> bool:
     if plain(cache):
         return True
     return type(cache) in (RotatingKVCache, SinkRotatingKVCache) and cache.keep == 0
+
+
+def plain_layer(layer) -> bool:
+    """Whether a KVSlab layer is a BatchKVCache (else a sliding window's
+    BatchRotatingKVCache)."""
+    return isinstance(layer, BatchKVCache)
 
 
 def _batch_class(cache) -> type:

@@ -302,6 +302,10 @@ def test_sessions_share_forward_passes_and_decode_as_alone(gemma_model, essay_te
 
     def count_slab(active, out):
         slab_rows.append(len(batcher.slab.members))
+        batcher.lend()  # a reader between rounds (the cache view) sees each row's own
+        for g in batcher.slab.members:
+            window, held = g.session.caches[0], len(g.session.tokens)
+            assert window.offset == held and window.keys.shape[2] == min(held, 512)
         return active
 
     out = drive(batcher, gens, {r: count_slab for r in range(8, 14)})
