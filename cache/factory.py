@@ -118,10 +118,15 @@ def make_cache(
     return caches
 
 
+def still_dense(caches: list[Any]) -> bool:
+    """Whether a dense-first session's caches are not packed yet (a plain layer left)."""
+    return any(plain(c) for c in caches)
+
+
 def spec_as_held(spec: CacheSpec, caches: list[Any]) -> CacheSpec:
     """The spec that builds the classes `caches` hold: a dense-first spec's (`dense_until`)
     without its dense start once pack_dense has packed them."""
-    if spec.dense_until and not any(plain(c) for c in caches):
+    if spec.dense_until and not still_dense(caches):
         return spec.replace(dense_until=0)
     return spec
 
@@ -129,7 +134,7 @@ def spec_as_held(spec: CacheSpec, caches: list[Any]) -> CacheSpec:
 def outgrows_dense(spec: CacheSpec, caches: list[Any], tokens: int) -> bool:
     """Whether dense-first `caches` (`spec.dense_until`) must be packed before they hold
     `tokens` in all."""
-    return bool(spec.dense_until) and tokens > spec.dense_until and any(plain(c) for c in caches)
+    return bool(spec.dense_until) and tokens > spec.dense_until and still_dense(caches)
 
 
 def pack_dense(caches: list[Any], fresh: list[Any]) -> list[Any]:

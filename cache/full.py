@@ -33,6 +33,7 @@ class FullKVCache(KVCache, LayerCache):
 
 
 def plain(cache) -> bool:
-    """Whether a layer's cache is mlx-lm's plain KVCache (the full policy's, or one read
-    back from an older spill): what a KVSlab holds (its subclasses store otherwise)."""
+    """Whether a layer's cache is mlx-lm's plain KVCache (the full policy's, a dense-first
+    kvarn session's before it is packed, or one read back from an older spill): what a
+    KVSlab holds as a BatchKVCache layer (its subclasses store otherwise)."""
     return type(cache) in (KVCache, FullKVCache)
