@@ -154,12 +154,11 @@ class ScoredAttention:
                 [(k, v, _)] = parts
                 k, v = (x.astype(queries.dtype) for x in (k, v))
                 return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
-        fused = L == 1 and bias is None and archive is None
-        if fused and self._fuses_decode(cache, queries, parts, mask):
+        if L == 1 and archive is None and self._fuses_decode(cache, queries, parts, mask):
             how = (self.backend, self.quantized_path)  # what `attend_parts` reads
             # Its output depends on the new scores (cache/compiled_decode.py): evaluating the
             # step evaluates them, so they need no start here.
-            return cache.attend_decode(queries, parts, scale, mask, self.attend_parts, how)
+            return cache.attend_decode(queries, parts, scale, mask, self.attend_parts, how, bias)
         # The one dense part (unpacked) holds a chunk's slots in arrival order: a block
         # sees exactly the first n_keys - L + stop of them, causally, and scores only those.
         prefix = scores_prefix and (mask is None or isinstance(mask, str))  # None or "causal"

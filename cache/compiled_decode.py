@@ -63,15 +63,17 @@ def scored(
 
 def attended_and_scored(
     queries, parts: list, scale: float, mask, attend: Callable, how: tuple,
-    rule, n_kv_heads: int, scores, held: list, tail: list, front: int = 0,
+    rule, n_kv_heads: int, scores, held: list, tail: list, front: int = 0, bias=None,
 ) -> tuple[mx.array, mx.array]:  # fmt: skip
     """(output, scores): attention over `parts` [(keys, values, KVFormat)] by `attend`
-    (`attend(queries, parts, scale, mask)`: the router's op-by-op attention; `how`, its
-    settings, keys the trace) and `updated_scores`, in one compiled call. The logits and
-    probabilities stay inside the fused graph."""
+    (`attend(queries, parts, scale, mask, bias)`: the router's op-by-op attention; `how`,
+    its settings, keys the trace) and `updated_scores`, in one compiled call. The logits
+    and probabilities stay inside the fused graph. `bias`: the cache's additive logit per
+    slot (cache/merging.py), or None."""
     formats = tuple(fmt for _, _, fmt in parts)
     fused = _attend_and_score(attend, how, formats, rule, n_kv_heads, scale, front)
-    return fused(queries, [(k, v) for k, v, _ in parts], mask, scores, held, tail)
+    biased = [] if bias is None else [bias]
+    return fused(queries, [(k, v) for k, v, _ in parts], mask, scores, held, tail, biased)
 
 
 def stored_attended_and_scored(
@@ -112,11 +114,11 @@ def _scored(rule, n_kv_heads: int, with_probs: bool, front: int) -> Callable:
 
 def attend_then_score(
     attend: Callable, formats: tuple, rule, n_kv_heads: int, scale: float, front: int,
-    queries, arrays: list, mask, scores, held: list, tail: list,
+    queries, arrays: list, mask, scores, held: list, tail: list, bias: list,
 ) -> tuple:  # fmt: skip
     """The body every compiled decode call ends with: (output, updated scores)."""
     parts = [(k, v, fmt) for (k, v), fmt in zip(arrays, formats, strict=True)]
-    out, logits, probs = attend(queries, parts, scale, mask)
+    out, logits, probs = attend(queries, parts, scale, mask, *bias)
     scores = updated_scores(rule, n_kv_heads, scores, held, logits, probs, tail, front)
     # The output depends on the new scores: whoever evaluates the step evaluates them,
     # with no wait at this layer (start_scores) and no lazy chain of them across steps.
@@ -142,7 +144,7 @@ def _store_attend_score(
         written = store(*stored, *new)
         read = [x if i < 0 else written[i] for x, i in zip(flat, where, strict=True)]
         arrays = list(zip(read[::2], read[1::2], strict=True))
-        out, scores = attend_scored(queries, arrays, mask, scores, held, tail)
+        out, scores = attend_scored(queries, arrays, mask, scores, held, tail, [])
         return out, scores, written
 
     return mx.compile(step)

@@ -134,11 +134,12 @@ class ScoredCache(LayerCache):
     fused_decode: bool = False
 
     def attend_decode(
-        self, queries: mx.array, parts: list, scale: float, mask, attend: Callable, how: tuple
-    ) -> mx.array:
-        """A decode query's output over `parts` (`attend(queries, parts, scale, mask)`: the
-        router's attention; `how`: its settings), its scores accumulated and any eviction
-        done, in one compiled call (only where `fused_decode`)."""
+        self, queries: mx.array, parts: list, scale: float, mask, attend: Callable, how: tuple,
+        bias: mx.array | None = None,
+    ) -> mx.array:  # fmt: skip
+        """A decode query's output over `parts` (`attend(queries, parts, scale, mask, bias)`:
+        the router's attention; `how`: its settings; `bias`: its `logit_bias`), its scores
+        accumulated and any eviction done, in one compiled call (only where `fused_decode`)."""
         raise NotImplementedError(f"{type(self).__name__} has no fused decode")
 
     # A decode token whose store `update_and_fetch` left to the step's compiled call

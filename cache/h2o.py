@@ -162,9 +162,12 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         return (type(self).__name__, *config, self.score_rule, self.slab_layout(), shapes)
 
     # Whether its slots are all it stores per token (nothing else that moves): an H2OSlab
-    # can hold its rows (cache/h2o_slab.py) and a decode step can read every slot under a
-    # mask (`fused_decode`).
+    # can hold its rows (cache/h2o_slab.py).
     slab_rows: bool = True
+    # Whether a decode step, the buffers at their final size, reads every slot under a
+    # mask (`fused_decode`): slots one per token and KV head, and anything else kept per
+    # slot (merging's counts) read the same way.
+    fixed_decode: bool = True
     # Whether a decode's eviction, at the buffers' final size, runs as one compiled call
     # of `_evict_ops` over `eviction_buffers` (a layout that keeps more per slot lists it).
     compiles_eviction: bool = True
@@ -174,6 +177,7 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         # Each class opts in: a subclass may store or move what the slab does not know.
         cls.slab_rows = cls.__dict__.get("slab_rows", False)
         cls.compiles_eviction = cls.__dict__.get("compiles_eviction", cls.slab_rows)
+        cls.fixed_decode = cls.__dict__.get("fixed_decode", cls.slab_rows)
 
     def eviction_buffers(self) -> tuple[str, ...]:
         """What a compiled eviction takes and gives back: the slot buffers."""
@@ -244,14 +248,15 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         self.evict_if_full()
 
     def attend_decode(
-        self, queries: mx.array, parts: list, scale: float, mask, attend: Callable, how: tuple
-    ) -> mx.array:
+        self, queries: mx.array, parts: list, scale: float, mask, attend: Callable, how: tuple,
+        bias: mx.array | None = None,
+    ) -> mx.array:  # fmt: skip
         """Attention over every slot (the free ones masked) and the score update in one
         compiled call (cache/compiled_decode.py), then any eviction."""
         rule, n_kv = self.score_rule, self.positions.shape[1]
         out, self.scores = attended_and_scored(
             queries, parts, scale, mask, attend, how, rule, n_kv, self.scores, [], self._tail(),
-            self._front(),
+            self._front(), bias,
         )  # fmt: skip
         self.fused_decode = False  # the step ends here: readers get the held slots again
         self.evict_if_full()
@@ -294,10 +299,10 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         self.__dict__.update(zip(names, written, strict=True))
 
     def update_weights(self, weights: Callable[[mx.array], mx.array]) -> bool:
-        """Its slots one per token and KV head (`slab_rows` layouts), the logits in slot
+        """Its slots one per token and KV head (`fixed_decode` layouts), the logits in slot
         order unless a decode that read every slot moves pools' logits (`_front`, `_tail`)."""
         every_slot = self.fused_decode and (self._front() or self._tail())
-        if not (self.slab_rows and self.sums_probabilities) or every_slot:
+        if not (self.fixed_decode and self.sums_probabilities) or every_slot:
             return False
         self.fused_decode = False  # the step ends here
         self.scores = weights(self.scores)
@@ -358,7 +363,7 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         of them, the free ones masked, so that the step's shapes (and the compiled graph of
         its attention and score update: `fused_decode`) repeat every step. Shorter buffers
         grow; a prompt reads what it holds."""
-        if n_new != 1 or not self.slab_rows or self.positions is None:
+        if n_new != 1 or not self.fixed_decode or self.positions is None:
             return False
         return self.positions.shape[-1] == self.slot_budget + self._slots_per_token
 

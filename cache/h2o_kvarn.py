@@ -199,14 +199,15 @@ class H2OKVarNCache(HeavyHitters, KVarNCache):
         return mx.array(self.offset, dtype=mx.int32)
 
     def attend_decode(
-        self, queries: mx.array, parts: list, scale: float, mask, attend: Callable, how: tuple
-    ) -> mx.array:
+        self, queries: mx.array, parts: list, scale: float, mask, attend: Callable, how: tuple,
+        bias: mx.array | None = None,
+    ) -> mx.array:  # fmt: skip
         """A decode's attention over the front, tiles and tail and its score update in one
         compiled call (cache/compiled_decode.py; a trace per tail length, replayed from one
         tile to the next), then any eviction."""
         rule, n_kv = self.score_rule, self.scores.shape[1]
         out, self.scores = attended_and_scored(
-            queries, parts, scale, mask, attend, how, rule, n_kv, self.scores, [], []
+            queries, parts, scale, mask, attend, how, rule, n_kv, self.scores, [], [], 0, bias
         )
         self.fused_decode = False
         self.evict_if_full()
@@ -448,8 +449,9 @@ def _decode_with_store(
         tail = [mx.slice_update(b, rotate(x), at, (2,)) for b, x in new]
         read = [[f, t, b[:, :, : n_tail + 1]] for f, t, b in zip(front, tiles, tail, strict=True)]
         out, scores = attend_then_score(
-            attend, (layout,), rule, n_kv, scale, 0, queries, [tuple(read)], None, scores, [], []
-        )
+            attend, (layout,), rule, n_kv, scale, 0, queries, [tuple(read)], None, scores, [], [],
+            [],
+        )  # fmt: skip
         return out, scores, tail
 
     return mx.compile(step)

@@ -234,7 +234,7 @@ class H2OSlabLayer(ScoredCache):
     fused_decode = True  # the slots' shapes stay fixed while the rows do
 
     def attend_decode(
-        self, queries, parts: list, scale: float, mask, attend: Callable, how
+        self, queries, parts: list, scale: float, mask, attend: Callable, how, bias=None
     ) -> mx.array:
         """Attention over `parts` (`attend`: the router's op-by-op attention, `how` its
         settings) and the score update in one compiled call (what a GPU kernel's epilogue
@@ -242,7 +242,7 @@ class H2OSlabLayer(ScoredCache):
         rule, n_kv = self._caches()[0].score_rule, self.positions.shape[1]
         out, self.scores = attended_and_scored(
             queries, parts, scale, mask, attend, how, rule, n_kv, self.scores, [self.held],
-            self._tail(), self._front(),
+            self._tail(), self._front(), bias,
         )  # fmt: skip
         self._evict_overflowing()
         return out

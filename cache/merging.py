@@ -36,6 +36,9 @@ from cache.h2o import H2OKVCache, gather_slots
 
 class MergingH2OKVCache(H2OKVCache):
     slot_extra_bytes = MERGING_BOOKKEEPING  # the count
+    # A decode at the buffers' final size reads every slot, the counts' log beside them,
+    # so its graph repeats from step to step (a slab does not hold the counts).
+    fixed_decode = True
     # A decode's merge is one compiled call (its shapes repeat from one eviction to the
     # next): its ranking, [slots x slots] key cosines, picks and scatter-add are ~230 ops
     # a layer that the host would otherwise build, and a GPU launch, one by one.
@@ -47,8 +50,9 @@ class MergingH2OKVCache(H2OKVCache):
         self.counts = None  # float32 [B, H, capacity]: tokens each slot stands for (>= 1)
 
     def logit_bias(self) -> mx.array:
-        """log(count) per stored slot, [B, H, slots]: attention adds it to every logit."""
-        return mx.log(self.counts[..., : self.used])
+        """log(count) per slot attention reads, [B, H, slots]: the held ones, or every slot
+        in a decode that reads them all (`fused_decode`; a free slot's count is 1, masked)."""
+        return mx.log(self.counts if self.fused_decode else self.counts[..., : self.used])
 
     @property
     def nbytes(self) -> int:

@@ -21,6 +21,7 @@ from cache.attention import ATTENTION
 from cache.batch import batch_caches
 from cache.h2o_slab import H2OSlab, H2OSlabLayer, near_wall, slab_key
 from config.cache_spec import CacheSpec
+from config.policies import POLICIES
 
 SPEC = CacheSpec("h2o", 24, evict_batch=4)
 OFTEN = CacheSpec("h2o", 24, evict_batch=1)
@@ -61,6 +62,8 @@ def held(cache: H2OKVCache) -> dict[str, np.ndarray]:
         group = cache.group_size
         out[name] = mx.dequantize(words, scales, biases, group_size=group, bits=bits)
         out[f"{name} step"] = mx.repeat(scales, group, axis=-1)
+    if getattr(cache, "counts", None) is not None:  # a merging cache's tokens per slot
+        out["counts"] = in_order(cache.counts)
     for name in ("key_center", "sink_keys", "sink_values", "tail_keys", "tail_values"):
         if getattr(cache, name, None) is not None:
             out[name] = getattr(cache, name)
@@ -219,20 +222,25 @@ def test_the_compiled_decode_equals_the_op_by_op_one(monkeypatch, spec):
             assert_holds_the_same(mine, theirs)
 
 
-@pytest.mark.parametrize("spec", COMPILED.values(), ids=COMPILED.keys())
+# A merging cache is no slab row (the slab holds no counts) but decodes at fixed shapes.
+LONE = {**COMPILED, "merge": CacheSpec("h2o-merge", 24, evict_batch=4)}
+
+
+@pytest.mark.parametrize("spec", LONE.values(), ids=LONE.keys())
 def test_a_lone_cache_decodes_every_slot_as_it_would_its_held_ones(monkeypatch, spec):
     """A lone cache at its final size attends every slot, the free ones (and the packed
     copies its pools shadow) masked, so each step has the same shapes: compiled (a packed
-    one's token stored in the same call, under a step owner) or op by op, the same logits,
-    scores and evictions as attending the held slots alone, and the compiled call is the
-    path taken once the buffers are full."""
+    one's token stored in the same call, under a step owner; a merging one's log(count)
+    bias read with every slot) or op by op, the same logits, scores, counts and evictions
+    as attending the held slots alone, and the compiled call is the path taken once the
+    buffers are full."""
     model = tiny("llama", head_dim=32)
     install_router(model)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 64, n).tolist() for n in (40, 12)]  # evicting, then later
     fed = rng.integers(0, 64, 30).tolist()
     calls = counted_calls(monkeypatch, H2OKVCache, ("store_and_attend", "attend_decode"))
-    packed = spec.policy != "h2o"
+    packed = POLICIES[spec.policy].quantized
     runs = {}
     for how in ("with its store", "compiled", "op-by-op", "held slots"):
         monkeypatch.setattr(ATTENTION, "compiled_decode", how in ("with its store", "compiled"))
