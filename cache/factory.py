@@ -118,15 +118,16 @@ def make_cache(
     return caches
 
 
-def still_dense(caches: list[Any]) -> bool:
-    """Whether a dense-first session's caches are not packed yet (a plain layer left)."""
-    return any(plain(c) for c in caches)
+def dense_layers(caches: list[Any]) -> int:
+    """A dense-first session's plain layers that pack_dense has still to pack."""
+    return sum(plain(c) for c in caches)
 
 
 def spec_as_held(spec: CacheSpec, caches: list[Any]) -> CacheSpec:
-    """The spec that builds the classes `caches` hold: a dense-first spec's (`dense_until`)
-    without its dense start once pack_dense has packed them."""
-    if spec.dense_until and not still_dense(caches):
+    """The spec whose fresh caches give each layer of `caches` what it adopts: a
+    dense-first spec's (`dense_until`) without its dense start once pack_dense has packed
+    any layer (a plain layer adopts nothing, so one it has not packed yet takes it too)."""
+    if spec.dense_until and not all(plain(c) for c in caches):
         return spec.replace(dense_until=0)
     return spec
 
@@ -134,23 +135,26 @@ def spec_as_held(spec: CacheSpec, caches: list[Any]) -> CacheSpec:
 def outgrows_dense(spec: CacheSpec, caches: list[Any], tokens: int) -> bool:
     """Whether dense-first `caches` (`spec.dense_until`) must be packed before they hold
     `tokens` in all."""
-    return bool(spec.dense_until) and tokens > spec.dense_until and still_dense(caches)
+    return bool(spec.dense_until) and tokens > spec.dense_until and dense_layers(caches) > 0
 
 
-def pack_dense(caches: list[Any], fresh: list[Any]) -> list[Any]:
+def pack_dense(caches: list[Any], fresh: list[Any], layers: int | None = None) -> list[Any]:
     """Dense-first caches, packed: each plain layer's tokens stored into its `fresh` cache
     (make_cache's for the spec without `dense_until`); other layers (sliding windows) as
-    they are. Layer by layer, so only one layer is held twice at a time."""
-    out = []
+    they are. Layer by layer, so only one layer is held twice at a time. `layers`: pack
+    only the first this many plain layers, the rest later (None: all)."""
+    out, left = [], len(caches) if layers is None else layers
     for cache, new in zip(caches, fresh, strict=True):
-        if plain(cache) and cache.offset:
+        if not plain(cache) or left == 0:
+            out.append(cache)
+            continue
+        left -= 1
+        if cache.offset:
             n = cache.offset
             new.update_and_fetch(cache.keys[..., :n, :], cache.values[..., :n, :])
             cache.keys = cache.values = None
             mx.eval(new.state)
-            out.append(new)
-        else:
-            out.append(new if plain(cache) else cache)
+        out.append(new)
     return out
 
 

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 from test_h2o_slab import assert_holds_the_same
 
-from cache import H2OKVCache, make_cache
+import server.engine.batcher as batcher_module
+from cache import H2OKVCache, KVarNCache, make_cache
+from cache.factory import dense_layers
 from cache.h2o_slab import slab_key
 from config.cache_spec import CacheSpec
 from server.engine.batcher import Batcher
@@ -325,6 +327,46 @@ def test_plain_sessions_share_a_slab_and_get_their_caches_back(default_model, es
                 rk, rv = theirs.keys_and_values()
                 np.testing.assert_allclose(np.array(k), np.array(rk), atol=1e-4)
                 np.testing.assert_allclose(np.array(v), np.array(rv), atol=1e-4)
+
+
+def test_a_dense_first_session_packs_a_few_layers_a_round_before_its_share(
+    default_model, essay_text, monkeypatch
+):
+    """`auto`'s kvarn starts dense (`dense_until`): nearing that share, the batcher packs
+    PACK_LAYERS layers a round, from as many rounds before it as that takes, so no round
+    waits for the whole cache's encoding; the session holds only packed layers before it
+    passes its share and decodes to the end, and a plain session beside it (the two in
+    one KVSlab before) decodes as it does alone."""
+    model, tokenizer = default_model
+    monkeypatch.setattr(batcher_module, "PACK_LAYERS", 8)
+    ids = tokenizer.encode(essay_text)
+    full, share = CacheSpec("full", 4096), 108
+    dense_first = CacheSpec("kvarn", 4096, dense_until=share)
+    [(plain_alone, _)] = runs_alone(model, tokenizer, [(full, ids[300:390])], 256, 300)
+    batcher = Batcher(model, prefill_step=256, prefill_budget=300)
+    packing = start(model, tokenizer, dense_first, ids[:100])
+    plain = start(model, tokenizer, full, ids[300:390])
+    seen, slab_rows = [], []
+
+    def watch(active, out):
+        seen.append((len(packing.session.tokens), dense_layers(packing.session.caches)))
+        slab_rows.append(len(batcher.slab.members))
+        return active
+
+    out = drive(batcher, [packing, plain], dict.fromkeys(range(STEPS + 2), watch))
+    layers = len(model.layers)
+    assert [d for i, (_, d) in enumerate(seen) if i == 0 or d != seen[i - 1][1]] == [
+        layers,
+        *range(layers - 8, 0, -8),
+        0,
+    ]  # 30, 22, 14, 6, 0: one round each
+    assert all(d == 0 for n, d in seen if n > share)  # packed before it holds more
+    assert min(n for n, d in seen if d < layers) > share - 8  # and not long before
+    assert max(slab_rows) == 2  # both decoded in the KVSlab while dense
+    assert all(type(c) is KVarNCache for c in packing.session.caches)
+    assert len(out[id(packing)]) == len(out[id(plain)]) and packing.generated
+    assert len(packing.session.tokens) > share
+    assert_same_greedy(out[id(plain)], plain_alone, full)
 
 
 def test_a_slab_step_builds_its_padding_mask_once_and_matches_mlx_lm(default_model, monkeypatch):

@@ -19,8 +19,8 @@ import cache  # noqa: F401  (registers the cache classes with mlx-lm)
 from cache import ATTENTION, H2OKVarNCache, H2OKVCache, KVarNCache, QuantizedH2OKVCache, make_cache
 from cache.attention import ScoredAttention
 from cache.budget import ModelShape, cache_bytes, max_kv_within
-from cache.factory import outgrows_dense, pack_dense, spec_as_held
-from cache.full import plain
+from cache.factory import dense_layers, outgrows_dense, pack_dense, spec_as_held
+from cache.full import FullKVCache, plain
 from cache.kvarn_tiles import (
     SINKHORN_ITERS,
     encode_keys,
@@ -718,5 +718,43 @@ def test_a_dense_first_kvarn_conversation_packs_when_it_outgrows_its_dense_share
                 steps[name].append(model(prompt[:, t : t + 1], cache=held_caches)[:, -1])
         p, q = (mx.softmax(mx.stack(steps[n]), axis=-1) for n in ("dense", "packed"))
         assert float((p * (mx.log(p) - mx.log(q))).sum(-1).max()) < 0.01
+    finally:
+        uninstall_router(model)
+
+
+def test_a_conversation_packed_a_layer_at_a_time_decodes_between_and_ends_as_packed_at_once():
+    """pack_dense(layers=n) packs the first n plain layers and leaves the rest (what the
+    batcher does over the rounds before a session's dense share): a half-packed session
+    still outgrows its share, decodes through both kinds of layer, adopts from the
+    packed spec (spec_as_held), and the layers packed a round later hold the tiles of
+    packing them all at once, for the same tokens."""
+    model = tiny_llama(64)
+    try:
+        spec = CacheSpec("kvarn", 1024, dense_until=300)
+        prompt = mx.random.randint(0, 128, (1, 300), key=mx.random.key(4))
+        once, stepwise = make_cache(model, spec), make_cache(model, spec)
+        for caches in (once, stepwise):
+            model(prompt[:, :280], cache=caches)
+        packed = spec.replace(dense_until=0)
+        once = pack_dense(once, make_cache(model, packed))
+        stepwise = pack_dense(stepwise, make_cache(model, packed), layers=1)
+        assert [type(c) for c in stepwise] == [KVarNCache, FullKVCache]
+        assert dense_layers(stepwise) == 1 and outgrows_dense(spec, stepwise, 301)
+        assert spec_as_held(spec, stepwise) == packed  # its KVarN layer adopts a KVarN's
+        # a decode step through a packed and a plain layer: the packed-at-once logits
+        mine = model(prompt[:, 280:281], cache=stepwise)[:, -1]
+        theirs = model(prompt[:, 280:281], cache=once)[:, -1]
+        p, q = mx.softmax(theirs, axis=-1), mx.softmax(mine, axis=-1)
+        assert float((p * (mx.log(p) - mx.log(q))).sum()) < 0.01
+        stepwise = pack_dense(stepwise, make_cache(model, packed), layers=1)
+        assert dense_layers(stepwise) == 0 and not outgrows_dense(spec, stepwise, 10_000)
+        last_once, last_stepwise = once[1], stepwise[1]
+        assert last_stepwise.offset == last_once.offset == 281
+        assert last_stepwise.meta_state == last_once.meta_state
+        mine, theirs = (tree_flatten(c.state) for c in (last_stepwise, last_once))
+        assert len(mine) == len(theirs) > 2
+        for a, b in zip(mine, theirs, strict=True):
+            if isinstance(a[1], mx.array):
+                assert_close(a[1], b[1], 1e-6)
     finally:
         uninstall_router(model)

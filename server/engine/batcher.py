@@ -47,7 +47,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from cache import install_router, make_cache
 from cache.batch import KVSlab, batch_caches, open_h2o_slab
 from cache.contract import step_scores
-from cache.factory import outgrows_dense, pack_dense
+from cache.factory import dense_layers, outgrows_dense, pack_dense
 from cache.h2o_slab import H2OSlab, near_wall, slab_key
 from cache.kvarn_slab import KVarNSlab
 from config.cache_spec import CacheSpec
@@ -55,6 +55,11 @@ from server.engine.generation import Generation
 from server.engine.jobs import Delta
 
 log = logging.getLogger("h2o_server.batcher")
+
+# Layers of a dense-first session packed a round as it nears its dense share: all at once
+# paused every stream of that round (5.5 s at 7k tokens of the default model on a 2-core
+# CPU); a few a round spread it over the rounds before.
+PACK_LAYERS = 4
 
 
 @dataclass
@@ -102,7 +107,8 @@ class Batcher:
         round's draws into Deltas (the pass computes meanwhile)."""
         done = Round()
         t0 = time.perf_counter()
-        rows = self._pack_outgrown([g for g in gens if not g.prefilling], lambda g: 1, done)
+        decoding = [g for g in gens if not g.prefilling]
+        rows = self._pack_outgrown(decoding, lambda g, k: len(g.session.tokens) + k, done)
         rows, draws = self._decode(rows, done) if rows else ([], [])
         for g, draw in zip(rows, draws, strict=True):
             if g.sampled is not None:
@@ -144,20 +150,25 @@ class Batcher:
                 slab.lend(g, g.session.caches)
 
     def _pack_outgrown(
-        self, gens: list[Generation], adding: Callable[[Generation], int], done: Round
+        self, gens: list[Generation], reach: Callable[[Generation, int], int], done: Round
     ) -> list[Generation]:
-        """Pack the dense-first sessions (CacheSpec.dense_until) among `gens` that the
-        next `adding(g)` tokens would take past their dense share; return the ones that
-        go on (a session whose packing raises fails alone)."""
+        """Pack the dense-first sessions (CacheSpec.dense_until) among `gens` as they near
+        their dense share: PACK_LAYERS a round from as many rounds before it as that takes
+        (`reach(g, k)`: the tokens g holds after k more rounds), every layer left where the
+        next round would pass it. Return the ones that go on (a session whose packing
+        raises fails alone)."""
         going = []
         for g in gens:
             s = g.session
-            if outgrows_dense(s.spec, s.caches, len(s.tokens) + adding(g)):
+            rounds = -(-dense_layers(s.caches) // PACK_LAYERS)
+            if outgrows_dense(s.spec, s.caches, reach(g, rounds + 1)):
+                must = outgrows_dense(s.spec, s.caches, reach(g, 1))
                 try:
                     self.leave(g)  # a slab member's rows back in its caches first
                     fresh = self.make_caches(s.spec.replace(dense_until=0))
-                    s.caches = pack_dense(s.caches, fresh)
-                    log.info("session %s packed at %d tokens", s.id, len(s.tokens))
+                    s.caches = pack_dense(s.caches, fresh, None if must else PACK_LAYERS)
+                    if not dense_layers(s.caches):
+                        log.info("session %s packed at %d tokens", s.id, len(s.tokens))
                 except Exception as e:
                     done.outcomes.append((g, e))
                     continue
@@ -270,11 +281,17 @@ class Batcher:
         rows = [self.model(inputs[i : i + 1], cache=c)[:, -1, :] for i, c in enumerate(sessions)]
         return mx.concatenate(rows, axis=0)
 
+    def _prefill_reach(self, g: Generation, rounds: int) -> int:
+        """Tokens g holds after `rounds` more chunks of its prompt (the last one decodes)."""
+        first = g.next_chunk(self.prefill_step)
+        more = min(first + (rounds - 1) * self.prefill_step, len(g.pending) - 1)
+        return len(g.session.tokens) + more
+
     def _prefill(self, gens: list[Generation], budget: int | None, done: Round) -> int:
         """Passes of one chunk per waiting generation, in admission order, while they fit
         `budget` (the first chunk always goes; None: one pass over all of them)."""
         fed, failed = 0, set()
-        gens = self._pack_outgrown(gens, lambda g: g.next_chunk(self.prefill_step), done)
+        gens = self._pack_outgrown(gens, self._prefill_reach, done)
         while True:
             chunks, size = [], 0
             for g in gens:
