@@ -36,6 +36,7 @@ pass that raises fails the rows it carried.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -160,7 +161,7 @@ class Batcher:
         going = []
         for g in gens:
             s = g.session
-            rounds = -(-dense_layers(s.caches) // PACK_LAYERS)
+            rounds = math.ceil(dense_layers(s.caches) / PACK_LAYERS)
             if outgrows_dense(s.spec, s.caches, reach(g, rounds + 1)):
                 must = outgrows_dense(s.spec, s.caches, reach(g, 1))
                 try:
