@@ -22,7 +22,8 @@ from cache import install_router, make_cache
 from cache.batch import batch_caches, open_h2o_slab
 from cache.budget import session_bytes
 from cache.contract import LayerCache, cache_class, layer_contents, tokens_seen
-from cache.factory import adopt
+from cache.factory import adopt, dense_layers, pack_dense, spec_as_held
+from cache.full import plain
 from cache.h2o_slab import slab_key
 from config.cache_spec import RECALL_ARCHIVE, CacheSpec
 from config.policies import POLICIES, VIEW_KINDS
@@ -193,3 +194,40 @@ def test_no_cache_is_asked_what_it_has():
                     if "cache" in name or name in ("c", "part", "s"):
                         found.append(f"{path.relative_to(root)}:{node.lineno}")
     assert not found, found
+
+
+def test_a_half_packed_session_spills_restores_and_forks_as_it_is(walk, tmp_path):
+    """A dense-first kvarn session (`auto`'s) that the batcher has packed part of, a few
+    layers a round (pack_dense(layers=)), spills and restores, and forks from the prefix
+    store, each layer in its own class and adopting from spec_as_held's caches: the next
+    steps as the caches it held, and the rest packs after as before."""
+    model, _, ids = walk
+    spec = CacheSpec("kvarn", 4096, dense_until=len(ids) + 8)
+    caches = make_cache(model, spec)
+    token = int(mx.argmax(prefill(model, caches, ids)))
+    caches = pack_dense(caches, make_cache(model, spec.replace(dense_until=0)), layers=4)
+    kinds = [type(c) for c in caches]
+    assert len(set(kinds)) == 2 and dense_layers(caches) == len(caches) - 4
+
+    folder = SpillFolder(tmp_path, "identity", budget=2**30, max_files=8)
+    path = tmp_path / "half.safetensors"
+    folder.write(path, caches, {"spec": spec.as_dict()})
+    restored = folder.read(path, len(ids))
+    # as the server's store does: fresh caches of a step owner's (scores_with_step)
+    adopt(restored, make_cache(model, spec_as_held(spec, restored), scores_with_step=True))
+    store = PrefixStore(2**40)
+    assert store.keep("", spec, list(range(len(ids))), caches)
+    forked = store.fork(store.entries[0])
+    adopt(forked, make_cache(model, spec_as_held(spec, forked), scores_with_step=True))
+    assert [type(c) for c in restored] == [type(c) for c in forked] == kinds
+    packed = [c for c in (*restored, *forked) if not plain(c)]
+    assert packed and all(c.scores_with_step for c in packed)  # adopted from their own kind
+    for _ in range(STEPS):
+        want = step(model, caches, token)
+        for other in (restored, forked):
+            got = step(model, other, token)
+            np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4, rtol=0)
+        token = int(mx.argmax(want))
+    for held in (caches, restored, forked):
+        rest = pack_dense(held, make_cache(model, spec.replace(dense_until=0)))
+        assert dense_layers(rest) == 0
