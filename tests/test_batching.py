@@ -12,6 +12,8 @@ Joining and cancelling mid-batch must not change the others' outputs.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from test_h2o_slab import assert_holds_the_same
@@ -367,6 +369,48 @@ def test_a_dense_first_session_packs_a_few_layers_a_round_before_its_share(
     assert len(out[id(packing)]) == len(out[id(plain)]) and packing.generated
     assert len(packing.session.tokens) > share
     assert_same_greedy(out[id(plain)], plain_alone, full)
+
+
+def test_a_prompt_fed_several_chunks_a_round_packs_before_each(
+    default_model, essay_text, monkeypatch
+):
+    """A round's prefill budget may feed one prompt several chunks: the dense-first
+    session is packed (PACK_LAYERS a chunk as it nears its share, every layer left
+    before the chunk that passes it) before each of them, so it never holds more than
+    its share in dense layers."""
+    model, tokenizer = default_model
+    monkeypatch.setattr(batcher_module, "PACK_LAYERS", 8)
+    share = 100
+    spec = CacheSpec("kvarn", 4096, dense_until=share)
+    held = []
+    prefilled = Generation.prefilled
+
+    def watched(self, n: int) -> int:
+        out = prefilled(self, n)
+        held.append((len(self.session.tokens), dense_layers(self.session.caches)))
+        return out
+
+    monkeypatch.setattr(Generation, "prefilled", watched)
+    ids = tokenizer.encode(essay_text)
+    batcher = Batcher(model, prefill_step=32, prefill_budget=128)  # 4 chunks a round
+    plain = start(model, tokenizer, CacheSpec("full", 4096), ids[300:340])  # decoding
+    g = start(model, tokenizer, spec, ids[:200])
+    rounds = []
+
+    def join(active, out):
+        out[id(g)] = []
+        return [*active, g]
+
+    def mark(active, out):
+        rounds.append(len(held))
+        return active
+
+    drive(batcher, [plain], {1: join, **dict.fromkeys(range(2, STEPS), mark)})
+    assert [n for n, _ in held[2:]] == [32, 64, 96, 128, 160, 192, 199]  # g's chunks
+    assert max(b - a for a, b in itertools.pairwise(rounds)) >= 3  # several in a round
+    assert all(d == 0 for n, d in held if n > share), held
+    assert any(0 < d < len(model.layers) for _, d in held), held  # a few layers at a time
+    assert all(type(c) is KVarNCache for c in g.session.caches)
 
 
 def test_a_slab_step_builds_its_padding_mask_once_and_matches_mlx_lm(default_model, monkeypatch):

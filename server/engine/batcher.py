@@ -292,12 +292,12 @@ class Batcher:
         """Passes of one chunk per waiting generation, in admission order, while they fit
         `budget` (the first chunk always goes; None: one pass over all of them)."""
         fed, failed = 0, set()
-        gens = self._pack_outgrown(gens, self._prefill_reach, done)
         while True:
+            # before every pass: a round's budget may feed a prompt several chunks
+            waiting = [g for g in gens if g.prefilling and id(g) not in failed]
+            gens = self._pack_outgrown(waiting, self._prefill_reach, done)
             chunks, size = [], 0
             for g in gens:
-                if not g.prefilling or id(g) in failed:
-                    continue
                 n = g.next_chunk(self.prefill_step)
                 if budget is not None and (fed or chunks) and fed + size + n > budget:
                     break
