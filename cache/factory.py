@@ -125,8 +125,9 @@ def dense_layers(caches: list[Any]) -> int:
 
 def spec_as_held(spec: CacheSpec, caches: list[Any]) -> CacheSpec:
     """The spec whose fresh caches give each layer of `caches` what it adopts: a
-    dense-first spec's (`dense_until`) without its dense start once pack_dense has packed
-    any layer (a plain layer adopts nothing, so one it has not packed yet takes it too)."""
+    dense-first spec's (`dense_until`) without its dense start once any layer is not
+    plain (one pack_dense packed, or a sliding window: the same class under both); a plain
+    layer adopts nothing, so one not packed yet takes it too."""
     if spec.dense_until and not all(plain(c) for c in caches):
         return spec.replace(dense_until=0)
     return spec

@@ -183,11 +183,16 @@ class SessionStore:
         prefix = self.prefixes.find(owner, spec, prompt)
         return prefix if prefix is not None and len(prefix.tokens) > match else None
 
+    def _adopt(self, session: Session) -> None:
+        """Give caches built from a state (a fork, a spill file) what make_cache attaches
+        and a state cannot hold, from fresh caches of the kinds they hold (spec_as_held)."""
+        adopt(session.caches, self.make_caches(spec_as_held(session.spec, session.caches)))
+
     def _fork(self, session: Session, spec: CacheSpec, prefix: Prefix) -> None:
         session.spec, session.tokens = spec, list(prefix.tokens)
         session.prefix_tokens = len(prefix.tokens)
         session.caches = self.prefixes.fork(prefix)
-        adopt(session.caches, self.make_caches(spec_as_held(spec, session.caches)))
+        self._adopt(session)
         self.counts["prefix_hits"] += 1
         self.counts["prefix_tokens"] += len(prefix.tokens)
         log.info("session %s starts from a stored %d-token prefix", session.id, len(prefix.tokens))
@@ -370,7 +375,7 @@ class SessionStore:
             session.tokens, session.prompt_len = header.tokens, header.prompt_len
             session.spec, session.evictions = header.spec, header.evictions
             session.caches = self.spill.read(path, len(session.tokens))
-            adopt(session.caches, self.make_caches(spec_as_held(session.spec, session.caches)))
+            self._adopt(session)
             log.info("session %s restored", session.id)
             self.counts["restored"] += 1
         except SpillError as e:
