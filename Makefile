@@ -64,6 +64,7 @@ bench: setup
 	$(PY) -m bench.gpu_step --rows 1 --prompt 0 --rounds 7 --policies h2o h2o-q8 h2o-q4 --out docs/gpu_step_lone.md
 	$(PY) -m bench.gpu_step --synthetic llama-1b --steps 0 --prompt 4096 --policies h2o h2o-q8 --out docs/gpu_step_prompt.md
 	$(PY) -m bench.joined_store --synthetic llama-1b --out docs/joined_store.md
+	$(PY) -m bench.merge_eviction --out docs/merge_eviction.md
 	$(PY) -m bench.kernel_speed --out docs/kernel_speed.md
 	$(PY) -m bench.quantized --out docs/quantized.md
 	$(PY) -m bench.decode_parts --rounds 10 --out docs/decode_parts.md

@@ -21,9 +21,11 @@ rule (as H2O's) times its distance (1 - cosine) to the nearest middle key ranked
 least as high. A token that a more important slot already repeats costs little to fold
 into it, so it goes before a distinct token ranked a little higher; of two alike tokens
 the lower-ranked leaves, never both for repeating each other. Sinks and the recent window
-stay protected. On held-out essays (max_kv 128, profiled layers) this took 16x from 0.45
-to about 0.40 of a sliding window's increase (README). The counts are one more float32
-per slot, kept in step with the slots by every gather, and saved with the cache.
+stay protected, and stay out of the comparison: its cosines are [middle x middle]
+(leaver candidates among the lowest ranks only measured worse: docs/rules.md). On
+held-out essays (max_kv 128, profiled layers) this took 16x from 0.45 to about 0.40 of
+a sliding window's increase (README). The counts are one more float32 per slot, kept in
+step with the slots by every gather, and saved with the cache.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class MergingH2OKVCache(H2OKVCache):
     # so its graph repeats from step to step (a slab does not hold the counts).
     fixed_decode = True
     # A decode's merge is one compiled call (its shapes repeat from one eviction to the
-    # next): its ranking, [slots x slots] key cosines, picks and scatter-add are ~230 ops
+    # next): its ranking, [middle x middle] key cosines, picks and scatter-add are ~230 ops
     # a layer that the host would otherwise build, and a GPU launch, one by one.
     compiles_eviction = True
 
@@ -73,19 +75,29 @@ class MergingH2OKVCache(H2OKVCache):
 
     def eviction_ranks(self, pos: mx.array) -> mx.array:
         """H2O's ranks, each middle one times the distance to the nearest middle key ranked
-        at least as high (a tie goes to the lower slot index): what merging it would lose."""
+        at least as high (a tie goes to the lower slot index): what merging it would lose.
+
+        Only middle keys are compared: the n - sink - recent lowest ranks, which are every
+        middle slot while the recent window holds all its tokens, so the cosines are
+        [middle x middle], not [slots x slots] (sinks and the recent window, half the
+        slots, never leave). After a trim has left holes in the recent window, its few
+        highest middle ranks sit this eviction out, as sinks do."""
         ranks = super().eviction_ranks(pos)
         n = pos.shape[-1]
-        middle = self.in_middle(pos, self.seen)
-        unit = _unit(self.keys[:, :, :n].astype(mx.float32))
-        similarity = unit @ unit.swapaxes(-1, -2)  # [B, H, slot, other slot]
-        mine, theirs = ranks[..., :, None], ranks[..., None, :]
-        slot = mx.arange(n)
-        higher = (theirs > mine) | ((theirs == mine) & (slot[None, :] < slot[:, None]))
-        nearest = mx.where(middle[:, :, None, :] & higher, similarity, -mx.inf).max(axis=-1)
+        mid = mx.argpartition(ranks, kth=n - self.sink - self.recent - 1, axis=-1)
+        mid = mid[..., : n - self.sink - self.recent]  # [B, H, M]: slots
+        mine = mx.take_along_axis(ranks, mid, axis=-1)
+        keys = mx.take_along_axis(self.keys[:, :, :n], mid[..., None], axis=2)
+        unit = _unit(keys.astype(mx.float32))
+        similarity = unit @ unit.swapaxes(-1, -2)  # [B, H, M, M]
+        me, them = mine[..., :, None], mine[..., None, :]
+        higher = (them > me) | ((them == me) & (mid[..., None, :] < mid[..., :, None]))
+        middle = self.in_middle(mx.take_along_axis(pos, mid, axis=-1), self.seen)
+        nearest = mx.where(middle[..., None, :] & higher, similarity, -mx.inf).max(axis=-1)
         # The top-ranked slot has no one above it (-inf): the largest distance, 2.
         distance = mx.clip(1.0 - nearest, 1e-3, 2.0)
-        return mx.where(middle, ranks * distance, ranks)
+        worth = mx.where(middle, mine * distance, mx.inf)
+        return mx.put_along_axis(mx.full(ranks.shape, mx.inf), mid, worth, axis=-1)
 
     def _grow(self, keys, values, needed: int) -> None:
         counts = self.counts

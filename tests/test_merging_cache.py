@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
+from bench.merge_eviction import AllPairsMerging
 from cache.attention import ATTENTION
 from cache.h2o import H2OKVCache
 from cache.merging import MergingH2OKVCache
@@ -95,6 +96,30 @@ def test_leavers_are_the_lowest_score_times_distance_to_a_higher_ranked_key():
         best = sorted(worth, key=worth.get)[-keep_middle:]
         expected = sorted([*pos[~middle], *best])
         assert sorted(np.array(held(c, c.positions)[0, h]).tolist()) == expected
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_middle_cosines_evict_what_every_pair_evicts(seed, monkeypatch):
+    """Over a prompt, decode steps (compiled evictions) and a chunk, comparing middle keys
+    only keeps the same tokens as comparing every slot, and its cosines are [middle x
+    middle]: sinks and the recent window (half of max_kv) never enter them."""
+    import cache.merging
+
+    shapes = []
+    unit = cache.merging._unit
+    monkeypatch.setattr(cache.merging, "_unit", lambda x: shapes.append(x.shape) or unit(x))
+    reference = AllPairsMerging(16, **SEGMENTS)
+    feed(reference, seed)
+    shapes.clear()
+    c = MergingH2OKVCache(16, **SEGMENTS)
+    feed(c, seed)
+    assert c.evicted == reference.evicted > 10 * c.evict_batch
+    for name in ("positions", "counts", "keys", "values"):
+        a, b = held(c, getattr(c, name)), held(reference, getattr(reference, name))
+        assert mx.allclose(a, b, atol=1e-5).item(), name
+    # An eviction normalises the ranked keys, then what leaves and what stays.
+    ranked, gone, kept = (np.array([x[2] for x in shapes[i::3]]) for i in range(3))
+    assert len(ranked) and np.array_equal(ranked, gone + kept - c.sink - c.recent)
 
 
 def test_a_token_a_higher_ranked_slot_repeats_is_merged_into_it_first():
