@@ -389,6 +389,17 @@ HELLO = [{"role": "user", "content": "Hello"}]
             "nope",
         ),
         ({"messages": [*HELLO, {"role": "tool", "content": "21 degrees"}]}, "tool_call_id"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "string"}},
+                    }
+                ]
+            },
+            "object",
+        ),
     ],
     ids=[
         "invalid-schema",
@@ -396,6 +407,7 @@ HELLO = [{"role": "user", "content": "Hello"}]
         "nameless-tool",
         "unknown-tool",
         "tool-without-id",
+        "parameters-not-an-object",
     ],
 )
 def test_bad_input_is_a_400_naming_the_field_and_leaves_the_conversation(api, body, named):

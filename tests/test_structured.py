@@ -140,6 +140,17 @@ def test_an_auto_reply_is_held_back_only_while_it_may_become_a_call():
         ({"tools": [WEATHER, WEATHER]}, "tools"),
         ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "string"}},
+                    }
+                ]
+            },
+            "tools",
+        ),
     ],
 )
 def test_bad_tool_fields_fail_validation_naming_the_field(fields, param):
@@ -173,3 +184,13 @@ def test_forced_calls_stream_as_name_then_argument_fragments(step):
     assert [json.loads(a) for a in arguments] == [c["arguments"] for c in json.loads(text)]
     if step == 1:  # fragments as the arguments grow, not one at the end
         assert sum(1 for d in deltas if d["index"] == 0 and "id" not in d) > 10
+
+
+def test_a_forced_call_with_an_untyped_schema_still_takes_an_object():
+    """parameters {} would admit any JSON value; a call's arguments must be an object."""
+    from server.api.structured import _call_schema
+
+    arguments = _call_schema("f", {"properties": {"a": {"type": "integer"}}})["properties"]
+    assert arguments["arguments"] == {"properties": {"a": {"type": "integer"}}, "type": "object"}
+    untyped = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    assert reply_grammar(request(tools=[untyped], tool_choice="required"))[0]

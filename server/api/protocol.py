@@ -141,6 +141,17 @@ class FunctionDefinition(Request):
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, v: dict[str, Any]) -> dict[str, Any]:
+        # A call's arguments are a JSON object (OpenAI's rule; the stream finds their end
+        # by their braces): a schema typed otherwise can never be called.
+        if v.get("type", "object") != "object":
+            raise ValueError(
+                f'parameters must be a JSON schema of type "object", got {v["type"]!r}'
+            )
+        return v
+
 
 class Tool(Request):
     type: Literal["function"]

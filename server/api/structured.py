@@ -110,7 +110,8 @@ def _format_grammar(body: ChatCompletionRequest) -> str | None:
 def _call_schema(name: str, parameters: dict) -> dict:
     return {
         "type": "object",
-        "properties": {"name": {"const": name}, "arguments": parameters},
+        # A schema without a type (e.g. {}) would let the arguments be any JSON value.
+        "properties": {"name": {"const": name}, "arguments": {**parameters, "type": "object"}},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
