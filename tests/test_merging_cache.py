@@ -60,6 +60,22 @@ def test_nothing_is_lost_every_token_lives_in_one_slot(rule):
     assert mx.all(counts >= 1).item()
 
 
+def test_after_a_trim_left_holes_in_the_recent_window_evictions_lose_nothing():
+    """A trim (an edited reply) takes the newest tokens: the recent window then reaches
+    back over evicted positions and holds fewer than `recent` tokens, so the ranking's
+    n - sink - recent lowest ranks leave out a few middle slots; they stay, and every
+    token is still in exactly one slot."""
+    c = MergingH2OKVCache(16, **SEGMENTS)
+    feed(c, 0)
+    assert c.trim(6) == 6
+    recent = held(c, c.positions) >= c.seen - c.recent
+    assert mx.all(recent.sum(axis=-1) < c.recent).item()  # holes
+    evicted = c.evicted
+    feed(c, 1, steps=[1] * 30)
+    assert c.evicted > evicted and c.size() <= 16
+    assert mx.array_equal(held(c, c.counts).sum(axis=-1), mx.full((1, N_KV), float(c.seen)))
+
+
 def overfull(seed: int, n: int = 20, score: str = "attn") -> MergingH2OKVCache:
     """A cache holding n > max_kv random tokens, not yet evicted."""
     rng = np.random.default_rng(seed)
