@@ -263,6 +263,31 @@ def test_required_tool_choice_yields_a_valid_call(api):
     assert valid_weather(call.function.arguments)
 
 
+def test_forced_calls_of_sdk_pydantic_tools_with_nested_models_validate(api):
+    """openai.pydantic_function_tool keeps nested models in `$defs` (Customer's Address,
+    Paint's Color), referred to from the parameters' root: each forced call's arguments
+    validate against its model."""
+    import openai
+
+    tools = [
+        openai.pydantic_function_tool(Customer, name="add_customer"),
+        openai.pydantic_function_tool(Paint, name="paint"),
+    ]
+    models = {"add_customer": Customer, "paint": Paint}
+    for choice in ("required", {"type": "function", "function": {"name": "add_customer"}}):
+        r = api.client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Add Ann Lee of 5 Elm Street as a customer."}],
+            tools=tools,
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            temperature=0,
+            max_tokens=120,
+        )
+        [call] = r.choices[0].message.tool_calls
+        models[call.function.name].model_validate_json(call.function.arguments)
+
+
 def test_a_streamed_tool_call_arrives_in_openai_shape(api):
     stream = api.client.chat.completions.create(
         model=MODEL,

@@ -188,9 +188,47 @@ def test_forced_calls_stream_as_name_then_argument_fragments(step):
 
 def test_a_forced_call_with_an_untyped_schema_still_takes_an_object():
     """parameters {} would admit any JSON value; a call's arguments must be an object."""
-    from server.api.structured import _call_schema
+    from server.api.structured import _arguments_schema
 
-    arguments = _call_schema("f", {"properties": {"a": {"type": "integer"}}})["properties"]
-    assert arguments["arguments"] == {"properties": {"a": {"type": "integer"}}, "type": "object"}
+    assert _arguments_schema({"properties": {"a": {"type": "integer"}}}, 0) == {
+        "properties": {"a": {"type": "integer"}},
+        "type": "object",
+    }
     untyped = {"type": "function", "function": {"name": "f", "parameters": {}}}
     assert reply_grammar(request(tools=[untyped], tool_choice="required"))[0]
+
+
+def tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def test_local_refs_resolve_inside_their_own_function():
+    """pydantic puts nested models in `$defs` and refers to them from the parameters'
+    root ("#/$defs/..."); a recursive schema refers to "#". Inside a forced call those
+    roots are the function's own (two functions may both name an `Inner`), and a
+    property named like a keyword ("default") is a schema still."""
+    from server.api.structured import _arguments_schema
+
+    inner = {"$defs": {"Inner": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+    first = {
+        **inner,
+        "type": "object",
+        "properties": {"x": {"$ref": "#/$defs/Inner"}, "default": {"$ref": "#/$defs/Inner"}},
+        "required": ["x"],
+    }
+    other = {"$defs": {"Inner": {"type": "string"}}, "properties": {"y": {"$ref": "#/$defs/Inner"}}}
+    tree = {"type": "object", "properties": {"child": {"$ref": "#"}, "enum": {"enum": ["#"]}}}
+    args = _arguments_schema(first, 0)
+    assert args["properties"]["x"] == {"$ref": "#/$defs/f0/$defs/Inner"}
+    assert args["properties"]["default"] == {"$ref": "#/$defs/f0/$defs/Inner"}
+    assert _arguments_schema(tree, 2)["properties"] == {
+        "child": {"$ref": "#/$defs/f2"},
+        "enum": {"enum": ["#"]},
+    }
+    tools = [tool("first", first), tool("other", other), tool("tree", tree)]
+    for choice in ("required", {"type": "function", "function": {"name": "other"}}):
+        grammar, plan = reply_grammar(request(tools=tools, tool_choice=choice))
+        assert grammar and plan.forced
+    with pytest.raises(APIError):  # a ref to nowhere is still the client's error
+        broken = tool("broken", {"type": "object", "properties": {"z": {"$ref": "#/$defs/No"}}})
+        reply_grammar(request(tools=[broken], tool_choice="required"))

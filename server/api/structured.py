@@ -86,7 +86,7 @@ def reply_grammar(body: ChatCompletionRequest) -> tuple[str | None, ToolPlan | N
         forced = [
             t for t in body.tools if choice == "required" or t.function.name == choice.function.name
         ]
-        calls = [_call_schema(t.function.name, t.function.parameters) for t in forced]
+        calls = [_call_schema(t.function.name, i) for i, t in enumerate(forced)]
         one = calls[0] if len(calls) == 1 else {"anyOf": calls}
         many = body.parallel_tool_calls and choice == "required" and len(forced) > 1
         schema = (
@@ -94,7 +94,8 @@ def reply_grammar(body: ChatCompletionRequest) -> tuple[str | None, ToolPlan | N
             if many
             else one
         )
-        return compile_schema(schema, "tools"), ToolPlan(True, names)
+        defs = {f"f{i}": _arguments_schema(t.function.parameters, i) for i, t in enumerate(forced)}
+        return compile_schema({**schema, "$defs": defs}, "tools"), ToolPlan(True, names)
     return _format_grammar(body), None
 
 
@@ -107,14 +108,45 @@ def _format_grammar(body: ChatCompletionRequest) -> str | None:
     return compile_schema(fmt.json_schema.schema_, "response_format.json_schema.schema")
 
 
-def _call_schema(name: str, parameters: dict) -> dict:
+def _call_schema(name: str, i: int) -> dict:
+    """One call of forced function i: its name, then its arguments (`$defs` f{i})."""
     return {
         "type": "object",
-        # A schema without a type (e.g. {}) would let the arguments be any JSON value.
-        "properties": {"name": {"const": name}, "arguments": {**parameters, "type": "object"}},
+        "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/f{i}"}},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+def _arguments_schema(parameters: dict, i: int) -> dict:
+    """Function i's parameters where the call schema keeps them, at `#/$defs/f{i}`: its
+    local `$ref`s re-pointed there (pydantic's `#/$defs/...` and a recursive `#`
+    would otherwise resolve against the call schema), and typed object (a schema
+    without a type, e.g. {}, would let the arguments be any JSON value)."""
+    return {**_repointed(parameters, f"#/$defs/f{i}"), "type": "object"}
+
+
+def _repointed(schema: Any, root: str) -> Any:
+    """`schema` with every local `$ref` ("#...") resolved from `root` instead of "#"."""
+    if isinstance(schema, list):
+        return [_repointed(v, root) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = root + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # names of schemas
+            out[key] = {name: _repointed(sub, root) for name, sub in value.items()}
+        elif key in _VALUES:
+            out[key] = value
+        else:
+            out[key] = _repointed(value, root)
+    return out
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_VALUES = ("const", "enum", "default", "examples")
 
 
 # ---------------------------------------------------------------------- prompt
