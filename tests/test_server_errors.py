@@ -24,6 +24,8 @@ CASES = {
     "logit_bias out of range": {**OK, "logit_bias": {"5": 500}},
     "unknown kv policy": {**OK, "kv_cache": {"policy": "lru"}},
     "unknown kvarn bits": {**OK, "kv_cache": {"policy": "kvarn", "kvarn": "k3v1"}},
+    "lone surrogate": b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", '
+    b'"content": "a\\ud800b"}]}',
     "image content": {
         **OK,
         "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
@@ -38,6 +40,28 @@ def test_bad_request_gets_openai_error(api, case):
     error = r.json()["error"]
     assert error["message"] and error["type"]
     assert set(error) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize(
+    "path,body,named",
+    [
+        (
+            "/v1/chat/completions",
+            b'{"model": "%s", "messages": [{"role": "user", "content": [{"type": "text", '
+            b'"text": "\\udc00"}]}], "max_tokens": 2}',
+            "messages.0.content.0.text",
+        ),
+        ("/v1/completions", b'{"model": "%s", "prompt": "x\\ud83d", "max_tokens": 2}', "prompt"),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_naming_where(api, path, body, named):
+    """JSON's \\ud800-\\udfff escapes, unpaired, decode to no text (UTF-8 and the
+    tokenizer refuse it): a 400 that says where, not a template failure."""
+    r = api.post(path, body.replace(b"%s", MODEL.encode()))
+    assert r.status_code == 400, r.text
+    assert named in r.json()["error"]["message"] and "surrogate" in r.json()["error"]["message"]
+    paired = body.replace(b"%s", MODEL.encode()).replace(b"\\udc00", b"\\ud83d\\ude00")
+    assert api.post(path, paired.replace(b"x\\ud83d", b"x\\ud83d\\ude00")).status_code == 200
 
 
 def test_bad_session_header(api):

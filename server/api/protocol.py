@@ -51,6 +51,32 @@ class StreamOptions(Request):
     include_usage: bool = False
 
 
+def _lone_surrogate(value: Any, path: tuple = ()) -> tuple | None:
+    """Where in decoded JSON `value` a string (or key) holds a lone UTF-16 surrogate, or
+    None. JSON's "\\ud800" escape decodes to one, which is no text: the tokenizer and
+    UTF-8 both refuse it, so it is the client's error, not the template's."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
+    for key, item in items:
+        found = _lone_surrogate(key, (*path, key)) if isinstance(key, str) else None
+        if found is None:
+            found = _lone_surrogate(item, (*path, key))
+        if found is not None:
+            return found
+    return None
+
+
 class SamplingRequest(Request):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
@@ -92,6 +118,17 @@ class SamplingRequest(Request):
         if v and any(not -100 <= b <= 100 for b in v.values()):
             raise ValueError("logit_bias values must lie in [-100, 100]")
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data: Any) -> Any:
+        if (where := _lone_surrogate(data)) is not None:
+            field = ".".join(str(p) for p in where)
+            raise ValueError(
+                f"{field} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
+                "which is not text"
+            )
+        return data
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
