@@ -127,15 +127,15 @@ def _arguments_schema(parameters: dict, i: int) -> dict:
 
 
 def _repointed(schema: Any, root: str) -> Any:
-    """`schema` with every local `$ref` ("#...") resolved from `root` instead of "#"."""
+    """`schema` with every local `$ref` pointer ("#", "#/...") resolved from `root`."""
     if isinstance(schema, list):
         return [_repointed(v, root) for v in schema]
     if not isinstance(schema, dict):
         return schema
     out = {}
     for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
-            out[key] = root + value[1:]
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value[:2] == "#/"):
+            out[key] = root + value[1:]  # a JSON pointer (not an anchor, "#name")
         elif key in _SCHEMA_MAPS and isinstance(value, dict):  # names of schemas
             out[key] = {name: _repointed(sub, root) for name, sub in value.items()}
         elif key in _VALUES:
