@@ -52,6 +52,9 @@ run)
     # the CPU). NOGRAPHS=1 adds the decode rows with CUDA graphs off (what they cost).
     timeout 120 python3 -m bench.gpu_step --synthetic llama-1b --dtype bfloat16 --steps 16 --rounds 2 \
         --policies h2o h2o-merge h2o-q8 h2o-q4 h2o-kvarn --out "$OUT/gpu_step.md" >/dev/null 2>&1
+    # ... and h2o-merge's eviction, its middle-only ranking against every pair ...
+    timeout 45 python3 -m bench.merge_eviction --dtype bfloat16 --max-kv 512 2048 --rounds 3 \
+        --out "$OUT/merge_eviction.md" >/dev/null 2>&1
     [ "${NOGRAPHS:-0}" = 1 ] && MLX_USE_CUDA_GRAPHS=0 timeout 150 python3 -m bench.decode_speed \
         $gpu --context 2048 --rounds 3 --steps 64 --pipelined --out "$OUT/decode_no_graphs.md" \
         >/dev/null 2>&1
