@@ -81,7 +81,8 @@ class MergingH2OKVCache(H2OKVCache):
         middle slot while the recent window holds all its tokens, so the cosines are
         [middle x middle], not [slots x slots] (sinks and the recent window, half the
         slots, never leave). After a trim has left holes in the recent window, its few
-        highest middle ranks sit this eviction out, as sinks do."""
+        highest middle ranks sit this eviction out, as sinks do, and the others seek
+        their nearest higher-ranked key without them."""
         ranks = super().eviction_ranks(pos)
         n = pos.shape[-1]
         mid = mx.argpartition(ranks, kth=n - self.sink - self.recent - 1, axis=-1)

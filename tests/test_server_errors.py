@@ -64,6 +64,32 @@ def test_a_lone_surrogate_is_a_400_naming_where(api, path, body, named):
     assert api.post(path, paired.replace(b"x\\ud83d", b"x\\ud83d\\ude00")).status_code == 200
 
 
+def test_odd_keys_depth_and_tool_arguments_are_a_400_or_ignored_never_a_500(api):
+    """A surrogate in a key (the message names it, escaped), in the JSON text of an
+    earlier call's arguments (decoded only when the template renders it), and a body
+    nested as deep as the JSON parser takes."""
+    body = b'{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "hi",'
+    key = api.post("/v1/chat/completions", (body + b' "\\ud800": 1}]}') % MODEL.encode())
+    assert key.status_code == 400 and "surrogate" in key.json()["error"]["message"], key.text
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "f", "arguments": '{"a": "\\ud800"}'},
+    }
+    history = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    args = api.post("/v1/chat/completions", {**OK, "messages": history})
+    assert args.status_code == 400 and "arguments" in args.json()["error"]["message"], args.text
+    for depth in (500, 900, 2000):
+        deep = b'{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], '
+        deep += b'"extra": ' + b"[" * depth + b"1" + b"]" * depth + b"}"
+        r = api.post("/v1/chat/completions", deep % MODEL.encode())
+        assert r.status_code < 500, (depth, r.text)
+
+
 def test_bad_session_header(api):
     r = api.post("/v1/chat/completions", OK, headers={"X-Session-ID": "a b/c"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_session_id"

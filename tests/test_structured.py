@@ -229,6 +229,15 @@ def test_local_refs_resolve_inside_their_own_function():
     for choice in ("required", {"type": "function", "function": {"name": "other"}}):
         grammar, plan = reply_grammar(request(tools=tools, tool_choice=choice))
         assert grammar and plan.forced
+    # A schema with its own `$id` is a resource: its "#" is itself, wherever it sits.
+    own = {"$id": "https://x/s", "type": "object", "$defs": {"A": {"type": "integer"}}}
+    own["properties"] = {"a": {"$ref": "#/$defs/A"}}
+    nested = {"type": "object", "properties": {"b": {**own, "$id": "https://x/b"}}}
+    either = {"type": ["object", "null"], "properties": {"c": {"type": "integer"}}}
+    assert _arguments_schema(own, 0) == {**own, "type": "object"}
+    assert _arguments_schema(either, 0)["type"] == "object"  # a call's arguments: an object
+    for parameters in (own, nested, either):
+        assert reply_grammar(request(tools=[tool("t", parameters)], tool_choice="required"))[0]
     with pytest.raises(APIError):  # a ref to nowhere is still the client's error
         broken = tool("broken", {"type": "object", "properties": {"z": {"$ref": "#/$defs/No"}}})
         reply_grammar(request(tools=[broken], tool_choice="required"))

@@ -51,30 +51,43 @@ class StreamOptions(Request):
     include_usage: bool = False
 
 
-def _lone_surrogate(value: Any, path: tuple = ()) -> tuple | None:
+def _lone_surrogate(value: Any) -> str | None:
     """Where in decoded JSON `value` a string (or key) holds a lone UTF-16 surrogate, or
     None. JSON's "\\ud800" escape decodes to one, which is no text: the tokenizer and
-    UTF-8 both refuse it, so it is the client's error, not the template's."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
-    items = (
-        value.items()
-        if isinstance(value, dict)
-        else enumerate(value)
-        if isinstance(value, list)
-        else ()
-    )
-    for key, item in items:
-        found = _lone_surrogate(key, (*path, key)) if isinstance(key, str) else None
-        if found is None:
-            found = _lone_surrogate(item, (*path, key))
-        if found is not None:
-            return found
+    UTF-8 both refuse it, so it is the client's error, not the template's. A loop, not
+    recursion: a body as deep as the JSON parser takes must not overflow here."""
+    stack: list[tuple[tuple, Any]] = [((), value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, dict):
+            items = list(v.items())
+        elif isinstance(v, list):
+            items = list(enumerate(v))
+        else:
+            if isinstance(v, str) and not _utf8(v):
+                return _where(path)
+            continue
+        for key, _ in items:
+            if isinstance(key, str) and not _utf8(key):
+                return _where((*path, key))
+        stack += [((*path, key), item) for key, item in reversed(items)]
     return None
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _where(path: tuple) -> str:
+    """A path as a field name, its own surrogates escaped (an error message must encode)."""
+    return ".".join(str(p).encode("utf-8", "backslashreplace").decode() for p in path) or "body"
+
+
+LONE_SURROGATE = "holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape): not text"
 
 
 class SamplingRequest(Request):
@@ -123,11 +136,7 @@ class SamplingRequest(Request):
     @classmethod
     def _text_is_unicode(cls, data: Any) -> Any:
         if (where := _lone_surrogate(data)) is not None:
-            field = ".".join(str(p) for p in where)
-            raise ValueError(
-                f"{field} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
-                "which is not text"
-            )
+            raise ValueError(f"{where} {LONE_SURROGATE}")
         return data
 
     def include_usage(self) -> bool:
@@ -156,6 +165,18 @@ class FunctionCall(Request):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
+    @field_validator("arguments")
+    @classmethod
+    def _decodes_to_text(cls, v: str) -> str:
+        # JSON text inside a string: its own escapes decode only when a template renders it.
+        try:
+            decoded = json.loads(v)
+        except (json.JSONDecodeError, RecursionError):
+            return v  # not JSON: rendered as the text it is
+        if (where := _lone_surrogate(decoded)) is not None:
+            raise ValueError(f"its JSON at {where} {LONE_SURROGATE}")
+        return v
+
 
 class ToolCall(Request):
     """An earlier reply's call, sent back in the history."""
@@ -183,7 +204,8 @@ class FunctionDefinition(Request):
     def _an_object(cls, v: dict[str, Any]) -> dict[str, Any]:
         # A call's arguments are a JSON object (OpenAI's rule; the stream finds their end
         # by their braces): a schema typed otherwise can never be called.
-        if v.get("type", "object") != "object":
+        declared = v.get("type", "object")
+        if declared != "object" and not (isinstance(declared, list) and "object" in declared):
             raise ValueError(
                 f'parameters must be a JSON schema of type "object", got {v["type"]!r}'
             )

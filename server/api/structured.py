@@ -130,8 +130,8 @@ def _repointed(schema: Any, root: str) -> Any:
     """`schema` with every local `$ref` pointer ("#", "#/...") resolved from `root`."""
     if isinstance(schema, list):
         return [_repointed(v, root) for v in schema]
-    if not isinstance(schema, dict):
-        return schema
+    if not isinstance(schema, dict) or "$id" in schema:
+        return schema  # a resource of its own: its "#" is itself, wherever it sits
     out = {}
     for key, value in schema.items():
         if key == "$ref" and isinstance(value, str) and (value == "#" or value[:2] == "#/"):
