@@ -85,8 +85,8 @@ class MergingH2OKVCache(H2OKVCache):
         their nearest higher-ranked key without them."""
         ranks = super().eviction_ranks(pos)
         n = pos.shape[-1]
-        mid = mx.argpartition(ranks, kth=n - self.sink - self.recent - 1, axis=-1)
-        mid = mid[..., : n - self.sink - self.recent]  # [B, H, M]: slots
+        m = n - self.sink - self.recent
+        mid = mx.argpartition(ranks, kth=m - 1, axis=-1)[..., :m]  # [B, H, M]: slots
         mine = mx.take_along_axis(ranks, mid, axis=-1)
         keys = mx.take_along_axis(self.keys[:, :, :n], mid[..., None], axis=2)
         unit = _unit(keys.astype(mx.float32))
