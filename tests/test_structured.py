@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from llguidance import LLMatcher
 
 from server.api.errors import APIError
 from server.api.protocol import ChatCompletionRequest
@@ -67,14 +68,50 @@ def test_a_schema_the_engine_cannot_use_is_a_400_naming_it(schema, named):
     assert e.value.param == "response_format.json_schema.schema"
 
 
-def test_a_forced_call_and_a_json_format_cannot_both_shape_the_reply():
-    with pytest.raises(APIError) as e:
-        reply_grammar(
-            request(
-                tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}
-            )
-        )
-    assert e.value.param == "response_format"
+def test_a_forced_call_comes_first_and_the_format_shapes_a_later_answer():
+    """OpenAI takes both: tool_choice governs the call, response_format the final text."""
+    fmt = {"type": "json_object"}
+    forced, plan = reply_grammar(request(tools=[WEATHER], tool_choice="required"))
+    both, both_plan = reply_grammar(
+        request(tools=[WEATHER], tool_choice="required", response_format=fmt)
+    )
+    assert both == forced and both_plan == plan and plan.forced
+    # Under auto the reply is either calls or the format's JSON: one grammar for both.
+    either, auto = reply_grammar(request(tools=[WEATHER], response_format=fmt))
+    assert either and not auto.forced
+    for text, ok in [
+        ('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>', True),
+        ('{"answer": 1}', True),
+        ('<tool_call>{"name": "other", "arguments": {}}</tool_call>', False),
+        ("plain text", False),
+    ]:
+        assert _matches(either, text) == ok, text
+
+
+def _matches(grammar: str, text: str) -> bool:
+    """Whether the grammar takes `text` whole (bytes, no model: llguidance's byte tokenizer)."""
+    from llguidance import LLTokenizer
+
+    matcher = LLMatcher(LLTokenizer("byte"), grammar)
+    return all(matcher.consume_token(b) for b in text.encode()) and matcher.is_accepting()
+
+
+def test_objects_that_name_their_properties_are_closed_for_the_grammar():
+    from server.api.structured import closed
+
+    open_ = {"type": "object", "properties": {"a": {"type": "object", "properties": {}}}}
+    assert closed(open_) == {
+        "type": "object",
+        "properties": {"a": {"type": "object", "properties": {}, "additionalProperties": False}},
+        "additionalProperties": False,
+    }
+    extra = {"type": "object", "properties": {"a": {}}, "additionalProperties": {"type": "string"}}
+    assert closed(extra) == extra  # extra keys with a schema of their own stay
+    free = {"type": "object"}  # json_object: any object
+    assert closed(free) == free
+    composed = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}
+    assert closed(composed) == composed  # each branch names only some of the keys
+    assert closed({"enum": [{"properties": {}}]}) == {"enum": [{"properties": {}}]}
 
 
 def test_tools_go_into_the_system_message_of_a_template_without_a_tools_section():
@@ -193,6 +230,7 @@ def test_a_forced_call_with_an_untyped_schema_still_takes_an_object():
     assert _arguments_schema({"properties": {"a": {"type": "integer"}}}, 0) == {
         "properties": {"a": {"type": "integer"}},
         "type": "object",
+        "additionalProperties": False,
     }
     untyped = {"type": "function", "function": {"name": "f", "parameters": {}}}
     assert reply_grammar(request(tools=[untyped], tool_choice="required"))[0]
@@ -234,7 +272,7 @@ def test_local_refs_resolve_inside_their_own_function():
     own["properties"] = {"a": {"$ref": "#/$defs/A"}}
     nested = {"type": "object", "properties": {"b": {**own, "$id": "https://x/b"}}}
     either = {"type": ["object", "null"], "properties": {"c": {"type": "integer"}}}
-    assert _arguments_schema(own, 0) == {**own, "type": "object"}
+    assert _arguments_schema(own, 0) == {**own, "type": "object", "additionalProperties": False}
     assert _arguments_schema(either, 0)["type"] == "object"  # a call's arguments: an object
     for parameters in (own, nested, either):
         assert reply_grammar(request(tools=[tool("t", parameters)], tool_choice="required"))[0]

@@ -28,6 +28,7 @@ SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 # OpenAI documents seed as a signed 64-bit integer; unsigned 64-bit seeds are taken too.
 # Sampling reduces a seed modulo 2**64 (so -1 and 2**64 - 1 draw the same tokens).
 SEED_RANGE = (-(2**63), 2**64 - 1)
+MAX_CHOICES = 8  # n at most: each choice decodes as a row beside the request's first
 
 
 # ----------------------------------------------------------------------- requests
@@ -105,7 +106,7 @@ class SamplingRequest(Request):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[int, float] | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     user: str | None = None
     prompt_cache_key: str | None = Field(None, pattern=SESSION_ID_PATTERN)
     kv_cache: CacheOptions | None = None
@@ -117,13 +118,6 @@ class SamplingRequest(Request):
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop takes up to 4 non-empty strings")
         return stops
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("n must be 1: this server returns one choice per request")
-        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -139,8 +133,19 @@ class SamplingRequest(Request):
             raise ValueError(f"{where} {LONE_SURROGATE}")
         return data
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_streamed(cls, v: StreamOptions | None, info: ValidationInfo):
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
+
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def prompt_logprobs(self) -> bool:
+        """Whether the prompt's own tokens' logprobs are asked for (completions' echo)."""
+        return False
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """This request's sampling, with the reply length the server settled on."""
@@ -155,6 +160,7 @@ class SamplingRequest(Request):
             frequency_penalty=self.frequency_penalty,
             logit_bias=self.logit_bias,
             logprobs=self.n_logprobs(),
+            prompt_logprobs=self.prompt_logprobs(),
         )
 
 
@@ -341,26 +347,50 @@ class ChatCompletionRequest(SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+MAX_PROMPTS = 32  # prompts in one /v1/completions request at most (a choice each)
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] = Field(min_length=1)
+    # A text, token ids, or a batch of either: one choice (n of them) per prompt.
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
     _no_suffix = _unsupported("suffix", "this server does not fill in the middle")
 
+    @field_validator("prompt")
+    @classmethod
+    def _prompts(cls, v):
+        batch = v if isinstance(v, list) and v and isinstance(v[0], str | list) else [v]
+        if len(batch) > MAX_PROMPTS:
+            raise ValueError(f"takes at most {MAX_PROMPTS} prompts in one request")
+        if any(len(p) == 0 for p in batch):
+            raise ValueError("a prompt is empty")
+        return v
+
     @field_validator("best_of")
     @classmethod
     def _best_of_one(cls, v: int | None) -> int | None:
         if v not in (None, 1):
-            raise ValueError("best_of must be 1: this server returns one choice per request")
+            raise ValueError(
+                "best_of is not supported: this server returns every choice it samples (n)"
+            )
         return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request: a text or token ids."""
+        v = self.prompt
+        return list(v) if isinstance(v, list) and isinstance(v[0], str | list) else [v]
 
     def token_limit(self) -> int | None:
         return self.max_tokens or 16  # OpenAI's default for completions
 
     def n_logprobs(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs(self) -> bool:
+        return self.echo and self.logprobs is not None
 
 
 # ---------------------------------------------------------------------- responses
@@ -411,8 +441,8 @@ class ChatLogprobs(BaseModel):
 
 class TextLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

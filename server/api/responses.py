@@ -1,12 +1,20 @@
 """Builds OpenAI response bodies and stream chunks from the worker's events.
 
 One builder per request; `kind` is "chat" (chat.completion[.chunk]) or "text"
-(text_completion, the legacy /v1/completions shape). Bodies are the pydantic
+(text_completion, the legacy /v1/completions shape). A request has one or more
+choices: n of them per job (`Delta.choice`), and one job per prompt of a batched
+completion (`job`), numbered as OpenAI does, job by job. Bodies are the pydantic
 models of server/api/protocol.py, dumped to plain dicts for the wire.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from fastapi.responses import Response
+
+from server.api.errors import error_response
 from server.api.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -21,17 +29,54 @@ from server.api.protocol import (
     TokenLogprobEntry,
     TopLogprob,
     Usage,
+    error_body,
     new_id,
     now,
 )
-from server.api.structured import CallStream, ToolPlan, may_become_call, parse_calls
-from server.engine.jobs import Delta, Finished, TokenLogprob
+from server.api.structured import (
+    CallStream,
+    ToolPlan,
+    may_become_call,
+    parse_calls,
+    partial_calls,
+)
+from server.engine.detokenize import decoder, piece
+from server.engine.jobs import Delta, Failed, Finished, Started, TokenLogprob
+
+
+@dataclass
+class Token:
+    """A reply token's logprobs, with its text as it reads after the token before it."""
+
+    text: str
+    offset: int  # where the text starts in the choice's text (an echo's included)
+    before: int | None  # the token before it (its alternatives read after that one too)
+    logprob: TokenLogprob | None  # None: an echoed prompt's first token
+
+
+@dataclass
+class Choice:
+    """One choice as it grows: its text, tokens, what a stream has sent of it."""
+
+    index: int
+    last: int | None  # the newest token (at first its prompt's last)
+    echo: str = ""  # /v1/completions with echo: the prompt leads the text
+    text: str = ""
+    tokens: list[Token] = field(default_factory=list)
+    echoed: list[Token] = field(default_factory=list)  # the echoed prompt's, with logprobs
+    finish_reason: str | None = None
+    sent: int = 0  # characters of text streamed so far
+    held: list[Token] = field(default_factory=list)  # tokens of text held back
+    call_stream: CallStream | None = None
 
 
 class ReplyBuilder:
     """`tools`: how the reply may call tools (server/api/structured.py). A stream sends a
     forced reply's calls as they are generated (CallStream); under "auto" it holds back
-    text that may become a call and sends the calls once they are whole."""
+    text that may become a call and sends the calls once they are whole.
+
+    `prompts`: per job, its prompt's tokens (the reply's first token reads after the
+    last; an echo's logprobs are theirs) and the text echoed before the reply."""
 
     def __init__(
         self,
@@ -39,166 +84,256 @@ class ReplyBuilder:
         model: str,
         tokenizer,
         include_usage: bool,
-        echo: str = "",
+        prompts: Sequence[tuple[Sequence[int], str]] = (((), ""),),
+        n: int = 1,
         tools: ToolPlan | None = None,
     ):
-        self.kind, self.model, self.tokenizer = kind, model, tokenizer
+        self.kind, self.model, self.n = kind, model, n
+        self.decode = decoder(tokenizer)
         self.include_usage = include_usage
         self.tools = tools
-        self.call_stream = CallStream() if tools is not None and tools.forced else None
-        self.sent = 0  # characters of text streamed so far
-        self.held: list[TokenLogprob] = []  # logprobs of text held back
         self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
         self.created = now()
-        self.echo = echo  # /v1/completions with echo: the prompt leads the text
-        self.text = ""
-        self.logprobs: list[TokenLogprob] = []
-        self.finish_reason: str | None = None
+        self.prompts = [list(tokens) for tokens, _ in prompts]
+        forced = tools is not None and tools.forced
+        self.choices = [
+            Choice(
+                j * n + i,
+                tokens[-1] if tokens else None,
+                echo,
+                call_stream=CallStream() if forced else None,
+            )
+            for j, (tokens, echo) in enumerate(prompts)
+            for i in range(n)
+        ]
+        self.usage: list[Finished] = []
+
+    # ------------------------------------------------------------------ streaming.Reply
+
+    def opening(self, started: Started) -> list[dict]:
+        return [{"data": c} for c in self.first_chunks()]
+
+    def on_delta(self, job: int, delta: Delta) -> list[dict]:
+        return [{"data": c} for c in self.chunks(delta, job)]
+
+    def on_finished(self, job: int, finished: Finished) -> list[dict]:
+        self.finish(finished)
+        return []
+
+    def closing(self) -> list[dict]:
+        return [*({"data": c} for c in self.usage_chunks()), {"data": "[DONE]"}]
+
+    def body(self) -> dict:
+        return self.response()
+
+    def error_event(self, failed: Failed) -> list[dict]:
+        return [{"data": error_body(failed.message, "server_error", failed.code)}]
+
+    def error_response(self, failed: Failed) -> Response:
+        return error_response(failed.status, failed.message, failed.code, failed.param)
 
     # ------------------------------------------------------------------ whole reply
 
-    def add(self, delta: Delta) -> None:
-        self.text += delta.text
-        self.logprobs += delta.logprobs
-        self.finish_reason = delta.finish_reason or self.finish_reason
+    def add(self, delta: Delta, job: int = 0) -> tuple[Choice, list[Token]]:
+        """Take a delta of job `job`: its choice, and the tokens it added."""
+        c = self.choices[job * self.n + delta.choice]
+        if delta.prompt_logprobs is not None and not c.echoed:  # every choice echoes them
+            echoed = self._echoed(self.prompts[job], delta.prompt_logprobs)
+            for other in self.choices[job * self.n : (job + 1) * self.n]:
+                other.echoed = echoed
+        new = []
+        for lp in delta.logprobs:
+            text = piece(self.decode, c.last, lp.token)
+            at = c.tokens[-1].offset + len(c.tokens[-1].text) if c.tokens else len(c.echo)
+            c.tokens.append(Token(text, at, c.last, lp))
+            new.append(c.tokens[-1])
+            c.last = lp.token
+        c.text += delta.text
+        c.finish_reason = delta.finish_reason or c.finish_reason
+        return c, new
 
-    def calls(self) -> tuple[list[dict], str | None] | None:
-        """The finished reply's tool calls and remaining content, if it made any."""
-        if self.tools is None or self.finish_reason == "length":
+    def _echoed(self, prompt: list[int], logprobs: list[TokenLogprob | None]) -> list[Token]:
+        out, at, before = [], 0, None
+        for token, lp in zip(prompt, logprobs, strict=True):
+            text = piece(self.decode, before, token)
+            out.append(Token(text, at, before, lp))
+            at, before = at + len(text), token
+        return out
+
+    def finish(self, finished: Finished) -> None:
+        """A job's usage (the request's is their sum)."""
+        self.usage.append(finished)
+
+    def calls(self, c: Choice) -> tuple[list[dict], str | None] | None:
+        """The finished choice's tool calls and remaining content, if it made any. A forced
+        call cut by max_tokens comes back as what it holds (its arguments unfinished)."""
+        if self.tools is None:
             return None
-        return parse_calls(self.text, self.tools)
+        cut = c.finish_reason == "length"
+        if cut and self.tools.forced:
+            return partial_calls(c.text)
+        return parse_calls(c.text, self.tools, cut)
 
-    def response(self, finished: Finished) -> dict:
-        usage = _usage(finished)
+    def response(self) -> dict:
+        usage = self._usage()
         if self.kind == "chat":
-            message = ChatMessageOut(content=self.text)
-            finish = self.finish_reason
-            if calls := self.calls():
-                message = ChatMessageOut(content=calls[1], tool_calls=calls[0])
-                finish = "tool_calls"
-            logprobs = self._chat_logprobs(self.logprobs)
-            choice = ChatChoice(message=message, logprobs=logprobs, finish_reason=finish)
-            body = ChatCompletion(**self._envelope(), choices=[choice], usage=usage)
-        else:
-            text = self.echo + self.text
-            logprobs = self._text_logprobs(self.logprobs)
-            choice = TextChoice(text=text, logprobs=logprobs, finish_reason=self.finish_reason)
-            body = Completion(**self._envelope(), choices=[choice], usage=usage)
-        return body.model_dump()
+            choices = [self._chat_choice(c) for c in self.choices]
+            return ChatCompletion(**self._envelope(), choices=choices, usage=usage).model_dump()
+        choices = [
+            TextChoice(
+                index=c.index,
+                text=c.echo + c.text,
+                logprobs=self._text_logprobs(c.echoed + c.tokens),
+                finish_reason=c.finish_reason,
+            )
+            for c in self.choices
+        ]
+        return Completion(**self._envelope(), choices=choices, usage=usage).model_dump()
+
+    def _chat_choice(self, c: Choice) -> ChatChoice:
+        message, finish = ChatMessageOut(content=c.text), c.finish_reason
+        if calls := self.calls(c):
+            message = ChatMessageOut(content=calls[1], tool_calls=calls[0])
+            finish = "tool_calls" if finish != "length" else finish
+        elif self.tools is not None and self.tools.forced:  # cut before a call's name was whole
+            message = ChatMessageOut(content=None)
+        logprobs = self._chat_logprobs(c.tokens)
+        return ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish)
 
     # ------------------------------------------------------------------ stream
 
-    def first_chunk(self) -> dict:
+    def first_chunks(self) -> list[dict]:
+        """Each choice's opening chunk: the assistant's role (chat) or the echoed prompt."""
         if self.kind == "chat":
-            return self._chunk(ChatDelta(role="assistant", content=""), None, [])
-        return self._chunk(self.echo, None, [])
+            opening = ChatDelta(role="assistant", content="")
+            return [self._chunk(c, opening, None, []) for c in self.choices]
+        return [self._chunk(c, c.echo, None, []) for c in self.choices]
 
-    def chunk(self, delta: Delta) -> dict | None:
-        """The stream chunk of this delta, or None while its text is held back."""
-        self.add(delta)
+    def chunks(self, delta: Delta, job: int = 0) -> list[dict]:
+        """The stream chunks of this delta (none while its text is held back), and the
+        choice's last one when it finishes."""
+        echoing = delta.prompt_logprobs is not None
+        c, new = self.add(delta, job)
         if self.kind != "chat":
-            return self._chunk(delta.text, None, delta.logprobs)
-        self.held += delta.logprobs
-        if self.call_stream is not None:
-            return self._call_deltas()
-        if self.tools is not None and may_become_call(self.text):
-            return None
-        return self._release()
+            out = [self._chunk(c, "", None, c.echoed)] if echoing else []  # the echo's tokens
+            if delta.text or new:
+                out.append(self._chunk(c, delta.text, None, new))
+            if c.finish_reason:
+                out.append(self._chunk(c, "", c.finish_reason, []))
+            return out
+        c.held += new
+        if c.call_stream is not None:
+            out = self._call_deltas(c)
+        elif self.tools is not None and not c.finish_reason and may_become_call(c.text):
+            out = []
+        elif self.tools is not None and c.finish_reason and (calls := self.calls(c)):
+            out = self._call_chunks(c, *calls)
+        else:
+            out = [self._release(c)] if c.sent < len(c.text) or c.held else []
+        if c.finish_reason:
+            finish = c.finish_reason
+            if finish != "length" and self.calls(c) is not None:
+                finish = "tool_calls"
+            out.append(self._chunk(c, ChatDelta(), finish, []))
+        return out
 
-    def _call_deltas(self) -> dict | None:
-        """The forced calls' new deltas as one chunk (None while a name is incomplete)."""
-        deltas = self.call_stream.feed(self.text)
+    def _call_deltas(self, c: Choice) -> list[dict]:
+        """The forced calls' new deltas, a chunk each: one entry per index in a chunk, as
+        OpenAI streams them (clients read an index's first entry in a chunk only)."""
+        deltas = c.call_stream.feed(c.text)
         if not deltas:
-            return None
-        self.sent, logprobs, self.held = len(self.text), self.held, []
-        return self._chunk(ChatDelta(tool_calls=deltas), None, logprobs)
+            return []
+        c.sent, held, c.held = len(c.text), c.held, []
+        return [
+            self._chunk(c, ChatDelta(tool_calls=[d]), None, held if i == 0 else [])
+            for i, d in enumerate(deltas)
+        ]
 
-    def _release(self) -> dict:
-        text, logprobs = self.text[self.sent :], self.held
-        self.sent, self.held = len(self.text), []
-        return self._chunk(ChatDelta(content=text), None, logprobs)
+    def _release(self, c: Choice) -> dict:
+        text, held = c.text[c.sent :], c.held
+        c.sent, c.held = len(c.text), []
+        return self._chunk(c, ChatDelta(content=text), None, held)
 
-    def final_chunks(self, finished: Finished) -> list[dict]:
-        chunks, finish = [], self.finish_reason
-        if self.call_stream is not None:
-            chunks = [c for c in [self._call_deltas()] if c is not None]
-            finish = "tool_calls" if self.calls() else finish
-        elif self.kind == "chat" and self.sent < len(self.text):  # what was held back
-            if calls := self.calls():
-                chunks, finish = self._call_chunks(*calls), "tool_calls"
-            else:
-                chunks = [self._release()]
-        last = self._chunk(ChatDelta() if self.kind == "chat" else "", finish, [])
-        return [*chunks, *self._usage_chunks(finished, last)]
-
-    def _call_chunks(self, calls: list[dict], content: str | None) -> list[dict]:
+    def _call_chunks(self, c: Choice, calls: list[dict], content: str | None) -> list[dict]:
         """A whole call per index: its id and name, then its arguments (as OpenAI streams)."""
-        chunks = [self._chunk(ChatDelta(content=content), None, [])] if content else []
+        chunks = [self._chunk(c, ChatDelta(content=content), None, [])] if content else []
         for i, call in enumerate(calls):
             head = {**call, "index": i, "function": {**call["function"], "arguments": ""}}
             arguments = {"index": i, "function": {"arguments": call["function"]["arguments"]}}
-            chunks += [self._chunk(ChatDelta(tool_calls=[d]), None, []) for d in (head, arguments)]
-        self.sent = len(self.text)
+            chunks += [
+                self._chunk(c, ChatDelta(tool_calls=[d]), None, []) for d in (head, arguments)
+            ]
+        c.sent, c.held = len(c.text), []
         return chunks
 
-    def _usage_chunks(self, finished: Finished, last: dict) -> list[dict]:
+    def usage_chunks(self) -> list[dict]:
+        """After every choice ended: the usage chunk, when the client asked for it."""
         if not self.include_usage:
-            return [last]
+            return []
         chunk_type = ChatCompletionChunk if self.kind == "chat" else Completion
-        usage_chunk = chunk_type(**self._envelope(), choices=[], usage=_usage(finished))
-        return [last, usage_chunk.model_dump()]
+        return [chunk_type(**self._envelope(), choices=[], usage=self._usage()).model_dump()]
 
     # ------------------------------------------------------------------ parts
 
     def _envelope(self) -> dict:
         return {"id": self.id, "created": self.created, "model": self.model}
 
-    def _chunk(self, content, finish_reason: str | None, logprobs: list[TokenLogprob]) -> dict:
+    def _usage(self) -> Usage:
+        prompt = sum(f.prompt_tokens for f in self.usage)
+        completion = sum(f.completion_tokens for f in self.usage)
+        return Usage.of(prompt, completion, sum(f.cached_tokens for f in self.usage))
+
+    def _chunk(self, c: Choice, content, finish_reason: str | None, tokens: list[Token]) -> dict:
         if self.kind == "chat":
-            lp = self._chat_logprobs(logprobs)
-            choice = ChatChunkChoice(delta=content, logprobs=lp, finish_reason=finish_reason)
+            choice = ChatChunkChoice(
+                index=c.index,
+                delta=content,
+                logprobs=self._chat_logprobs(tokens),
+                finish_reason=finish_reason,
+            )
             chunk = ChatCompletionChunk(**self._envelope(), choices=[choice])
         else:
-            lp = self._text_logprobs(logprobs)
-            choice = TextChoice(text=content, logprobs=lp, finish_reason=finish_reason)
+            choice = TextChoice(
+                index=c.index,
+                text=content,
+                logprobs=self._text_logprobs(tokens),
+                finish_reason=finish_reason,
+            )
             chunk = Completion(**self._envelope(), choices=[choice])
         # OpenAI sends `usage: null` on every chunk but the last only with include_usage.
         return chunk.model_dump(exclude=None if self.include_usage else {"usage"})
 
-    def _token(self, token: int) -> str:
-        return self.tokenizer.decode([token])
-
-    def _entry(self, token: int, logprob: float) -> TopLogprob:
-        text = self._token(token)
+    def _alternative(self, before: int | None, token: int, logprob: float) -> TopLogprob:
+        text = piece(self.decode, before, token)
         return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
 
-    def _chat_logprobs(self, logprobs: list[TokenLogprob]) -> ChatLogprobs | None:
-        if not logprobs:
+    def _chat_logprobs(self, tokens: list[Token]) -> ChatLogprobs | None:
+        if not tokens:
             return None
         content = [
             TokenLogprobEntry(
-                **self._entry(lp.token, lp.logprob).model_dump(),
-                top_logprobs=[self._entry(*t) for t in lp.top],
+                token=t.text,
+                logprob=t.logprob.logprob,
+                bytes=list(t.text.encode()),
+                top_logprobs=[self._alternative(t.before, *top) for top in t.logprob.top],
             )
-            for lp in logprobs
+            for t in tokens
         ]
         return ChatLogprobs(content=content)
 
-    def _text_logprobs(self, logprobs: list[TokenLogprob]) -> TextLogprobs | None:
-        if not logprobs:
+    def _text_logprobs(self, tokens: list[Token]) -> TextLogprobs | None:
+        """The legacy logprobs object; an echoed prompt's tokens lead (the first one's
+        logprob null); every offset indexes the choice's text, echo included."""
+        if not tokens:
             return None
-        tokens = [self._token(lp.token) for lp in logprobs]
-        offsets, at = [], len(self.echo)
-        for t in tokens:
-            offsets.append(at)
-            at += len(t)
         return TextLogprobs(
-            tokens=tokens,
-            token_logprobs=[lp.logprob for lp in logprobs],
-            top_logprobs=[{self._token(t): v for t, v in lp.top} for lp in logprobs],
-            text_offset=offsets,
+            tokens=[t.text for t in tokens],
+            token_logprobs=[t.logprob.logprob if t.logprob else None for t in tokens],
+            top_logprobs=[
+                {piece(self.decode, t.before, k): v for k, v in t.logprob.top}
+                if t.logprob
+                else None
+                for t in tokens
+            ],
+            text_offset=[t.offset for t in tokens],
         )
-
-
-def _usage(finished: Finished) -> Usage:
-    return Usage.of(finished.prompt_tokens, finished.completion_tokens, finished.cached_tokens)

@@ -24,14 +24,16 @@ from server.api.protocol import (
     SESSION_ID_PATTERN,
     ChatCompletionRequest,
     CompletionRequest,
+    NamedToolChoice,
     SamplingRequest,
 )
 from server.api.responses import ReplyBuilder
 from server.api.session_protocol import PageOptions, SessionCache
 from server.api.shared_prefix import system_prefix_len
 from server.api.streaming import respond
-from server.api.structured import ToolPlan, reply_grammar, template_messages
+from server.api.structured import answer_hint, answer_schema, reply_grammar, template_messages
 from server.api.ui import PAGE_HEADERS, STATIC, page_options
+from server.engine.detokenize import decoder
 from server.engine.jobs import Job, QueueFull, SessionBusy, ShuttingDown
 
 if TYPE_CHECKING:  # both import MLX
@@ -62,8 +64,19 @@ async def health(request: Request):
 
 @router.get("/v1/models")
 async def models(request: Request):
-    card = {"id": _worker(request).engine.model_id, "object": "model", "created": 0}
-    return {"object": "list", "data": [{**card, "owned_by": "h2o-server"}]}
+    return {"object": "list", "data": [_model_card(_worker(request).engine)]}
+
+
+@router.get("/v1/models/{model:path}")
+async def model(model: str, request: Request):
+    """One model (`client.models.retrieve`): any name requests may use for it."""
+    engine = _worker(request).engine
+    _check_model(engine, model)
+    return {**_model_card(engine), "id": model}
+
+
+def _model_card(engine: Engine) -> dict:
+    return {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "h2o-server"}
 
 
 # /metrics and /v1/sessions read what the session store last published: they answer
@@ -146,8 +159,20 @@ async def chat_completions(
     worker = _worker(request)
     grammar, tools = reply_grammar(body)  # a 400 for a schema the engine cannot use
     prompt, prefix_len = await _chat_prompt(worker.engine, body)
-    shape = {"prefix_len": prefix_len, "grammar": grammar, "tools": tools}
-    return await _generate(worker, body, prompt, request, x_session_id, "chat", **shape)
+    key = body.prompt_cache_key or x_session_id
+    owner = _owner(request, body.user)
+    job = _make_job(worker, body, prompt, key, owner, prefix_len, grammar)
+    engine = worker.engine
+    builder = ReplyBuilder(
+        "chat",
+        engine.model_id,
+        engine.tokenizer,
+        body.include_usage(),
+        [(prompt, "")],
+        body.n,
+        tools,
+    )
+    return await respond([job], request, body.stream, builder, worker.settings.shutdown_timeout)
 
 
 @router.post("/v1/completions")
@@ -155,9 +180,29 @@ async def completions(
     body: CompletionRequest, request: Request, x_session_id: str | None = Header(None)
 ):
     worker = _worker(request)
-    prompt = await _text_prompt(worker.engine, body)
-    echo = body.prompt if body.echo and isinstance(body.prompt, str) else ""
-    return await _generate(worker, body, prompt, request, x_session_id, "text", echo)
+    engine = worker.engine
+    prompts = await _text_prompts(engine, body)
+    key = body.prompt_cache_key or x_session_id
+    if key is not None and len(prompts) > 1:
+        raise APIError(
+            400,
+            "a session key names one conversation; this request has several prompts",
+            param="prompt",
+        )
+    owner = _owner(request, body.user)
+    jobs = []
+    try:
+        for tokens, _ in prompts:  # a batch's prompts: each its own throwaway session
+            jobs.append(_make_job(worker, body, tokens, key, owner, keep=len(prompts) == 1))
+    except APIError:
+        for job in jobs:
+            job.cancel("another prompt of its request was refused")
+        raise
+    echoes = [(tokens, text if body.echo else "") for tokens, text in prompts]
+    builder = ReplyBuilder(
+        "text", engine.model_id, engine.tokenizer, body.include_usage(), echoes, body.n
+    )
+    return await respond(jobs, request, body.stream, builder, worker.settings.shutdown_timeout)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -195,8 +240,23 @@ async def _chat_prompt(engine: Engine, body: ChatCompletionRequest) -> tuple[lis
     tokenizer = engine.tokenizer
     messages, tools = template_messages(body, "tools" in (tokenizer.chat_template or ""))
     template = partial(tokenizer.apply_chat_template, tools=tools)
+    choice = body.tool_choice
+    hint = answer_hint(
+        body.tools or [],
+        choice.function.name if isinstance(choice, NamedToolChoice) else choice or "auto",
+        answer_schema(body.response_format),
+    )
     try:
-        prompt = await run_in_threadpool(template, messages, add_generation_prompt=True)
+        prompt = None
+        if hint is not None:
+            try:  # a template that takes system messages only first does without it
+                prompt = await run_in_threadpool(
+                    template, [*messages, hint], add_generation_prompt=True
+                )
+            except TemplateError:
+                prompt = None
+        if prompt is None:
+            prompt = await run_in_threadpool(template, messages, add_generation_prompt=True)
         prefix_len = await run_in_threadpool(
             system_prefix_len,
             lambda lead: template(lead, add_generation_prompt=False),
@@ -212,40 +272,23 @@ async def _chat_prompt(engine: Engine, body: ChatCompletionRequest) -> tuple[lis
         raise APIError(500, f"the chat template failed: {type(e).__name__}: {e}") from None
 
 
-async def _text_prompt(engine: Engine, body: CompletionRequest) -> list[int]:
+async def _text_prompts(engine: Engine, body: CompletionRequest) -> list[tuple[list[int], str]]:
+    """Each prompt's tokens and text (an echo's: token ids decoded)."""
     _check_model(engine, body.model)
-    if isinstance(body.prompt, str):
-        prompt = await run_in_threadpool(engine.tokenizer.encode, body.prompt)
-    else:
-        vocab = engine.vocab_size
-        if any(not 0 <= t < vocab for t in body.prompt):
-            raise APIError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
-        prompt = body.prompt
-    if not prompt:
-        raise APIError(400, "the prompt is empty", param="prompt")
-    return prompt
-
-
-async def _generate(
-    worker: Worker,
-    body: SamplingRequest,
-    prompt: list[int],
-    request: Request,
-    session_header: str | None,
-    kind: str,
-    echo: str = "",
-    prefix_len: int = 0,
-    grammar: str | None = None,
-    tools: ToolPlan | None = None,
-):
-    owner = _owner(request, body.user)
-    key = body.prompt_cache_key or session_header
-    job = _make_job(worker, body, prompt, key, owner, prefix_len, grammar)
-    engine = worker.engine
-    builder = ReplyBuilder(
-        kind, engine.model_id, engine.tokenizer, body.include_usage(), echo, tools
-    )
-    return await respond(job, request, body.stream, builder, worker.settings.shutdown_timeout)
+    vocab, out = engine.vocab_size, []
+    for prompt in body.prompts():
+        if isinstance(prompt, str):
+            tokens = await run_in_threadpool(engine.tokenizer.encode, prompt)
+            text = prompt
+        else:
+            if any(not 0 <= t < vocab for t in prompt):
+                raise APIError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
+            tokens = prompt
+            text = await run_in_threadpool(decoder(engine.tokenizer), tokens) if body.echo else ""
+        if not tokens:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        out.append((tokens, text))
+    return out
 
 
 def _make_job(
@@ -256,10 +299,18 @@ def _make_job(
     owner: str,
     prefix_len: int = 0,
     grammar: str | None = None,
+    keep: bool = True,
 ) -> Job:
     engine = worker.engine
     if key is not None:
         _check_session_id(key)
+    if body.n > worker.settings.max_sessions:
+        raise APIError(
+            400,
+            f"n {body.n} is more than the {worker.settings.max_sessions} replies this server "
+            "decodes at once (--max-sessions)",
+            param="n",
+        )
     try:
         spec = engine.spec_for(body.kv_cache)
     except ValueError as e:
@@ -300,7 +351,20 @@ def _make_job(
         max_tokens = max_tokens or room
     params = body.sampling_params(max_tokens or DEFAULT_REPLY_TOKENS)
     loop = asyncio.get_running_loop()
-    job = Job(prompt, params, spec, key, loop, owner, field, prefix_len, grammar)
+    job = Job(
+        prompt,
+        params,
+        spec,
+        key,
+        loop,
+        owner,
+        field,
+        prefix_len,
+        grammar,
+        n=body.n,
+        reuse=not params.prompt_logprobs,  # the prompt's logprobs: all of it prefilled
+        keep=keep,
+    )
     try:
         worker.submit(job)
     except QueueFull:

@@ -354,8 +354,10 @@ class Batcher:
         # Right padding, never stored or attended: each cache takes its row's real tokens.
         rows = [g.pending[:n] + [0] * (width - n) for g, n in zip(gens, sizes, strict=True)]
         caches = batch_caches([g.session.caches for g in gens], lengths=sizes)
-        self.model(mx.array(rows), cache=caches)
+        logits = self.model(mx.array(rows), cache=caches)  # lazy: computed only if scored
         mx.eval([c.state for g in gens for c in g.session.caches])
+        for i, (g, n) in enumerate(zip(gens, sizes, strict=True)):
+            g.score_prompt(logits[i], n)
         return sum(g.prefilled(n) for g, n in zip(gens, sizes, strict=True))
 
 

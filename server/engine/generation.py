@@ -12,6 +12,7 @@ leaves a consistent conversation behind.
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Callable
 
@@ -24,6 +25,7 @@ from mlx_lm.sample_utils import (
 )
 
 from cache.batch import kv_slab_layer
+from server.engine.detokenize import IncrementalText, decoder
 from server.engine.grammar import Constraint
 from server.engine.jobs import Delta, Finished, SamplingParams, TokenLogprob
 from server.sessions.store import Session
@@ -31,15 +33,24 @@ from server.sessions.store import Session
 PENALTY_CONTEXT = 64  # tokens the presence/frequency penalties look back on
 
 
-def make_request_sampler(temperature: float, top_p: float, min_p: float, seed: int | None):
+LOGPROB_FLOOR = -9999.0  # a logprob JSON can carry (vLLM's floor): never -inf
+
+
+def make_request_sampler(
+    temperature: float, top_p: float, min_p: float, seed: int | None, choice: int = 0
+):
     """mlx-lm's top-p/min-p filters, then sampling from this request's own random key.
 
     A key per request (not MLX's global one) keeps a seeded request reproducible
-    while other requests are interleaved with it.
+    while other requests are interleaved with it. Choice i > 0 of a request with `n`
+    draws from its own key split off the seed's, so each choice is reproducible and
+    choice 0 is the reply the same request with n = 1 gets.
     """
     if temperature == 0:
         return greedy_sampler
     key = mx.random.key(secrets.randbits(62) if seed is None else seed)
+    if choice:
+        key = mx.random.split(key, choice + 1)[choice]
 
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key
@@ -103,8 +114,10 @@ class Generation:
         prefix_len: int = 0,
         keep_prefix: Callable[[Session], None] | None = None,
         constraint: Constraint | None = None,
+        choice: int = 0,
     ):
         self.tokenizer, self.session = tokenizer, session
+        self.choice = choice  # which of the request's n choices this is
         # A shareable prefix ends here (the system prompt): prefill chunks break at it, and
         # `keep_prefix` gets the session once its caches hold exactly that prefix.
         self.prefix_len, self.keep_prefix = prefix_len, keep_prefix
@@ -114,9 +127,14 @@ class Generation:
         self.generated: list[int] = []
         self.reply = StopText(params.stop)
         self.finish_reason: str | None = None
-        self.detokenizer = tokenizer.detokenizer
+        self.text = IncrementalText(decoder(tokenizer), prompt)
         self.sampler = make_request_sampler(
-            params.temperature, params.top_p, params.min_p, params.seed
+            params.temperature, params.top_p, params.min_p, params.seed, choice
+        )
+        # /v1/completions echo with logprobs: each prompt token's logprob, from the
+        # logits of the prefill (the first token has none); None when not asked for.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] if params.prompt_logprobs and reused == 0 else None
         )
         self.processors = make_logits_processors(
             params.logit_bias,
@@ -159,8 +177,9 @@ class Generation:
         """Feed the next chunk of the prompt (never its last token); return its size."""
         chunk = self.pending[: self.next_chunk(step)]
         caches = self.session.caches
-        model(mx.array(chunk)[None], cache=caches)
+        logits = model(mx.array(chunk)[None], cache=caches)  # lazy: computed only if scored
         mx.eval([c.state for c in caches])
+        self.score_prompt(logits[0], len(chunk))
         return self.prefilled(len(chunk))
 
     @property
@@ -236,20 +255,20 @@ class Generation:
 
     def accept(self, token: int, logprobs: mx.array) -> Delta:
         self.generated.append(token)
-        delta = Delta()
-        if self.params.logprobs is not None:
-            delta.logprobs.append(self._logprob(token, logprobs))
+        delta = Delta(choice=self.choice)
+        if self.prompt_logprobs is not None and len(self.generated) == 1:
+            delta.prompt_logprobs = self.prompt_logprobs
         piece = ""
-        if token in self.tokenizer.eos_token_ids:
+        if token in self.tokenizer.eos_token_ids:  # ends the reply; no part of its text
             self.finish_reason = "stop"
         else:
-            self.detokenizer.add_token(token)
-            piece = self.detokenizer.last_segment
+            if self.params.logprobs is not None:
+                delta.logprobs.append(self._logprob(token, logprobs))
+            piece = self.text.add(token)
             if len(self.generated) >= self.params.max_tokens:
                 self.finish_reason = "length"
         if self.finish_reason:
-            self.detokenizer.finalize()
-            piece += self.detokenizer.last_segment
+            piece += self.text.flush()
         delta.text = self.reply.add(piece, final=self.finish_reason is not None)
         if self.reply.stopped:
             self.finish_reason = "stop"
@@ -257,13 +276,33 @@ class Generation:
         return delta
 
     def _logprob(self, token: int, logprobs: mx.array) -> TokenLogprob:
+        return token_logprob(token, logprobs, self.params.logprobs or 0)
+
+    def score_prompt(self, logits: mx.array, n: int) -> None:
+        """Logprobs of prompt tokens from a prefill chunk's logits [n, vocab] (position j
+        predicts the token after it): kept when the request echoes them."""
+        if self.prompt_logprobs is None:
+            return
+        start = len(self.session.tokens)  # the chunk's first token
+        targets = self.prompt[start + 1 : start + n + 1]
+        logprobs = logits[: len(targets)]
+        logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
         k = self.params.logprobs or 0
-        top: list[tuple[int, float]] = []
-        if k:
-            ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
-            values = logprobs[ids]
-            top = sorted(zip(ids.tolist(), values.tolist(), strict=True), key=lambda t: -t[1])
-        return TokenLogprob(token, logprobs[token].item(), top)
+        for j, token in enumerate(targets):
+            self.prompt_logprobs.append(token_logprob(token, logprobs[j], k))
 
     def finished(self) -> Finished:
         return Finished(len(self.prompt), len(self.generated), self.reused)
+
+
+def token_logprob(token: int, logprobs: mx.array, k: int) -> TokenLogprob:
+    """`token`'s logprob and the k most likely tokens', from logprobs [vocab] of the
+    distribution it was drawn from. Tokens a grammar masked out (-inf) are never among
+    the alternatives: fewer than k when fewer are allowed."""
+    top: list[tuple[int, float]] = []
+    if k:
+        ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
+        values = logprobs[ids]
+        pairs = zip(ids.tolist(), values.tolist(), strict=True)
+        top = sorted(((t, v) for t, v in pairs if math.isfinite(v)), key=lambda t: -t[1])
+    return TokenLogprob(token, max(logprobs[token].item(), LOGPROB_FLOOR), top)

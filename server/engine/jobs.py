@@ -25,6 +25,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None  # None: off; k: the chosen token plus k alternatives
+    prompt_logprobs: bool = False  # the prompt's tokens' logprobs too (completions echo)
 
 
 @dataclass
@@ -47,6 +48,10 @@ class Delta:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None  # set on the last delta: stop | length
+    choice: int = 0  # which of the request's n choices it extends
+    # The first delta of a reply that echoes its prompt's logprobs: one per prompt
+    # token, None for the first (nothing predicts it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -103,6 +108,9 @@ class Job:
     prompt_field: str = "messages"  # the request field holding the prompt (for errors)
     prefix_len: int = 0  # prompt tokens other conversations may share (its system prompt)
     grammar: str | None = None  # llguidance grammar the reply follows (server/api/structured.py)
+    n: int = 1  # choices: the prompt is prefilled once, then its caches are forked n ways
+    reuse: bool = True  # False: prefill the whole prompt (its logprobs are wanted)
+    keep: bool = True  # False: a throwaway session (one of a batch of prompts)
     claim_deadline: float | None = None  # waiting for another replica's session until then
     id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex[:12]}")  # for the logs
     events: asyncio.Queue = field(default_factory=asyncio.Queue)

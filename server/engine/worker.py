@@ -32,6 +32,7 @@ from server.engine.batcher import Batcher
 from server.engine.generation import Generation
 from server.engine.jobs import (
     Failed,
+    Finished,
     Job,
     PromptTooLong,
     QueueFull,
@@ -46,6 +47,27 @@ log = logging.getLogger("h2o_server.worker")
 TICK = 0.25  # seconds between looks for idle and wanted sessions
 
 
+class Choices:
+    """A job's generations: its n choices, forked from the first once its prompt is in."""
+
+    def __init__(self, n: int, first: Generation):
+        self.left = n  # choices not yet finished
+        self.unforked = first if n > 1 else None  # the first, until its copies decode
+        self.completion_tokens = 0
+        self.first: Finished | None = None
+
+    def done(self, gen: Generation) -> None:
+        self.left -= 1
+        self.completion_tokens += len(gen.generated)
+        if gen.choice == 0:
+            self.first = gen.finished()
+
+    def finished(self) -> Finished:
+        """The request's usage: the prompt counted once, every choice's tokens."""
+        first = self.first
+        return Finished(first.prompt_tokens, self.completion_tokens, first.cached_tokens)
+
+
 class Worker:
     def __init__(self, settings: ServerSettings, load_engine: Callable[[ServerSettings], Any]):
         self.settings = settings
@@ -56,6 +78,7 @@ class Worker:
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: deque[Job] = deque()
         self._active: list[tuple[Job, Generation]] = []
+        self._choices: dict[Job, Choices] = {}  # jobs with generations still running
         self._pending = 0  # submitted, not yet started
         self._lock = threading.Lock()
         self._ready = threading.Event()
@@ -210,8 +233,8 @@ class Worker:
                 self._started(job)
                 self._cancelled(job)
                 continue
-            if len(self._active) >= self.settings.max_sessions:
-                still_waiting.append(job)
+            if self._active and len(self._active) + job.n > self.settings.max_sessions:
+                still_waiting.append(job)  # each choice decodes as a session's row
                 continue
             session = None
             try:
@@ -222,18 +245,10 @@ class Worker:
                     job.owner,
                     self._may_borrow(job),
                     max_new=self.engine.new_token_limit() if job.spec.info.reindexes else None,
+                    reuse=job.reuse,
+                    keep=job.keep,
                 )
-                store = self.engine.store
-                gen = Generation(
-                    self.engine.tokenizer,
-                    session,
-                    job.prompt,
-                    reused,
-                    job.params,
-                    job.prefix_len,
-                    store.keep_prefix,
-                    self.engine.grammars.constraint(job.grammar) if job.grammar else None,
-                )
+                gen = self._generation(job, session, reused)
             except (SessionBusy, SessionClaimed):
                 still_waiting.append(job)  # one turn at a time; or another replica hands it over
                 continue
@@ -253,7 +268,42 @@ class Worker:
             self._started(job)
             job.emit(Started(session.id, reused))
             self._active.append((job, gen))
+            self._choices[job] = Choices(job.n, gen)
         self._waiting = still_waiting
+
+    def _generation(self, job: Job, session, reused: int, choice: int = 0) -> Generation:
+        store, grammars = self.engine.store, self.engine.grammars
+        return Generation(
+            self.engine.tokenizer,
+            session,
+            job.prompt,
+            reused,
+            job.params,
+            job.prefix_len if choice == 0 else 0,
+            store.keep_prefix if choice == 0 else None,
+            grammars.constraint(job.grammar) if job.grammar else None,
+            choice,
+        )
+
+    def _fork_choices(self) -> None:
+        """A job with n > 1 whose prompt is in (all but the token that starts decoding):
+        its other choices start from copies of its caches, in this round's decode pass."""
+        for job, choices in self._choices.items():
+            first = choices.unforked
+            if first is None or first.prefilling or first.done:
+                continue
+            choices.unforked = None
+            try:
+                copies = self.engine.store.fork(first.session, job.n - 1)
+                gens = [
+                    self._generation(job, s, len(s.tokens), i + 1) for i, s in enumerate(copies)
+                ]
+            except Exception as e:
+                log.exception("could not fork a request's choices")
+                job.cancel("its choices could not be forked")
+                self._fail(job, 500, f"could not fork the request's choices: {e}")
+                continue
+            self._active += [(job, g) for g in gens]
 
     def _too_long(self, job: Job, e: PromptTooLong) -> str:
         """The 400's message when the part of the prompt its session lacks is over the limit."""
@@ -281,9 +331,11 @@ class Worker:
         for job, gen in list(self._active):
             if job.cancelled.is_set():  # a draw not yet read was never fed: nothing to undo
                 self._finish(job, gen)
-                self._cancelled(job, gen)
+                if job not in self._choices:  # its last choice
+                    self._cancelled(job, gen)
         if not self._active:
             return
+        self._fork_choices()
         jobs = {gen: job for job, gen in self._active}
         decoded = self.batcher.decode(list(jobs))
         self.metrics.add("decode_seconds_total", decoded.decode_seconds)
@@ -301,22 +353,29 @@ class Worker:
                 log.error("generation failed", exc_info=outcome)
                 self._finish(job, gen, broken=True)
                 self._fail(job, 500, f"generation failed: {type(outcome).__name__}: {outcome}")
+                job.cancel("another of its choices failed")  # the rest end next round
                 continue
             job.emit(outcome)
             self.metrics.add("decoded_tokens_total")
             if gen.done:
+                choices = self._choices[job]
                 self._finish(job, gen)
-                finished = gen.finished()
-                self.metrics.add("prompt_tokens_total", finished.prompt_tokens)
-                self.metrics.add("cached_prompt_tokens_total", finished.cached_tokens)
-                self.metrics.add("completion_tokens_total", finished.completion_tokens)
-                job.emit(finished)
+                if job not in self._choices and not job.cancelled.is_set():  # its last choice
+                    finished = choices.finished()
+                    self.metrics.add("prompt_tokens_total", finished.prompt_tokens)
+                    self.metrics.add("cached_prompt_tokens_total", finished.cached_tokens)
+                    self.metrics.add("completion_tokens_total", finished.completion_tokens)
+                    job.emit(finished)
 
     def _finish(self, job: Job, gen: Generation, broken: bool = False) -> None:
         self._active.remove((job, gen))
         self.batcher.leave(gen, broken)  # its session's caches are whole again
         turn = None if broken else gen.finished()  # a stopped turn counts too: its tokens stay
         self.engine.store.release(gen.session, broken=broken, turn=turn)
+        choices = self._choices[job]
+        choices.done(gen)
+        if choices.left == 0 or (choices.unforked is not None and gen.choice == 0):
+            del self._choices[job]  # every choice ended (or the first, before its forks)
 
     def _fail(
         self, job: Job, status: int, message: str, code: str | None = None, param: str | None = None

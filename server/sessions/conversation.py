@@ -31,6 +31,9 @@ class Session:
     evictions: int = 0  # as of the last spill (a spilled session's caches cannot tell)
     claim: Claim | None = None  # held while the caches are in memory (shared spill folder)
     borrowed: bool = False  # a throwaway for one turn: another replica owns the session
+    # Its caches serve one request and are dropped after: a borrowed session, a request's
+    # extra choices (n > 1), the prompts of a batched completion.
+    throwaway: bool = False
     prefix_tokens: int = 0  # tokens its cache started from, forked from the prefix store
     stats: dict = field(default_factory=dict)
     turns: list[dict] = field(default_factory=list)  # per answered request: usage and figures

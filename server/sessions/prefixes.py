@@ -53,6 +53,12 @@ def _detached(state: Any) -> Any:
     return tree_map(lambda x: mx.array(x) if isinstance(x, mx.array) else copy.deepcopy(x), state)
 
 
+def copy_caches(caches: list) -> list:
+    """Independent copies of live caches, from their states (the caller gives them what a
+    state cannot hold: cache/factory.py adopt). Buffers are shared until one side writes."""
+    return [type(c).from_state(_detached(c.state)) for c in caches]
+
+
 class PrefixStore:
     def __init__(self, capacity: int, shared: bool = False):
         self.capacity = capacity

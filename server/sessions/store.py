@@ -57,7 +57,7 @@ from config.cache_spec import CacheSpec
 from server.api.protocol import Usage
 from server.engine.jobs import Finished, PromptTooLong, SessionBusy, SessionClaimed
 from server.sessions.conversation import Session, common_prefix, rewind, rewindable, spilled_session
-from server.sessions.prefixes import Prefix, PrefixStore
+from server.sessions.prefixes import Prefix, PrefixStore, copy_caches
 from server.sessions.spill import SpillError, SpillFolder
 
 log = logging.getLogger("h2o_server.sessions")
@@ -101,6 +101,9 @@ class SessionStore:
         owner: str = "",
         borrow: bool = False,
         max_new: int | None = None,
+        *,
+        reuse: bool = True,
+        keep: bool = True,
     ) -> tuple[Session, int]:
         """The session for this prompt, rewound so it holds a prefix of it; marks it busy.
 
@@ -109,21 +112,27 @@ class SessionStore:
         forgotten: no half-prepared session stays behind. Raises SessionClaimed while
         another replica owns the session, unless `borrow`; PromptTooLong, before the
         session is touched, when more than `max_new` tokens would need prefilling.
+        `reuse` False: the whole prompt is prefilled (its logprobs are wanted); `keep`
+        False: an anonymous throwaway session that no later request finds.
         """
         self._sync()
-        session = self._find(owner, key, prompt)
+        session = self._find(owner, key, prompt) if keep else None
         if session is None:
             session_id = key or f"anon-{uuid.uuid4().hex[:16]}"
-            session = Session(id=session_id, spec=spec, keyed=bool(key), owner=owner)
-        if not self._own(session):
+            session = Session(
+                id=session_id, spec=spec, keyed=bool(key), owner=owner, throwaway=not keep
+            )
+        if not session.throwaway and not self._own(session):  # nobody else finds a throwaway
             if not borrow:
                 raise SessionClaimed(session.id)
             log.info("session %s is held by another replica; this turn is rebuilt", session.id)
             self.counts["borrowed"] += 1
-            session = Session(id=session.id, spec=spec, keyed=True, owner=owner, borrowed=True)
-        elif (owner, session.id) not in self.sessions:
+            session = Session(
+                id=session.id, spec=spec, keyed=True, owner=owner, borrowed=True, throwaway=True
+            )
+        elif (owner, session.id) not in self.sessions and not session.throwaway:
             self.sessions[(owner, session.id)] = session
-        fresh = session.caches is None and session.spill_path is None and not session.borrowed
+        fresh = session.caches is None and session.spill_path is None and not session.throwaway
         if fresh and self.spill is not None:
             on_disk = self.spill.file_for(owner, session.id)  # spilled since _sync looked
             session.spill_path = on_disk if on_disk.exists() else None
@@ -132,8 +141,8 @@ class SessionStore:
             self._make_room(keep=session)
             if session.caches is None and session.spill_path is not None:
                 self._restore(session)
-            match, crosses = self._reuse(session, spec, prompt)
-            prefix = self._prefix_for(owner, spec, prompt, match)
+            match, crosses = self._reuse(session, spec, prompt) if reuse else (0, False)
+            prefix = self._prefix_for(owner, spec, prompt, match) if reuse else None
             kept = len(prefix.tokens) if prefix else match
             if max_new is not None and len(prompt) - kept > max_new:
                 raise PromptTooLong(len(prompt) - kept)
@@ -208,6 +217,25 @@ class SessionStore:
             "tokens": self.counts["prefix_tokens"],
         }
 
+    def fork(self, session: Session, count: int) -> list[Session]:
+        """`count` throwaway copies of a busy session as it stands: a request's extra
+        choices (n > 1), which decode from its prompt prefilled once."""
+        copies = []
+        for i in range(1, count + 1):
+            copy = Session(
+                id=f"{session.id}.{i}",
+                spec=session.spec,
+                keyed=False,
+                owner=session.owner,
+                tokens=list(session.tokens),
+                busy=True,
+                throwaway=True,
+            )
+            copy.caches = copy_caches(session.caches)
+            self._adopt(copy)
+            copies.append(copy)
+        return copies
+
     def keep_prefix(self, session: Session) -> None:
         """The session's caches hold exactly a shareable prefix now: store a copy."""
         if self.prefixes is not None and not session.borrowed:
@@ -236,7 +264,7 @@ class SessionStore:
         """
         session.busy = False
         session.last_used = time.time()
-        if session.borrowed:
+        if session.throwaway:
             session.caches = None
         elif broken:
             log.warning("session %s discarded: its request failed midway", session.id)
