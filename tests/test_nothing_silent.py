@@ -102,12 +102,13 @@ class _Engine:
     [(TemplateError("roles must alternate"), 400), (RuntimeError("tokenizer broke"), 500)],
 )
 def test_a_template_rejection_is_the_clients_error_a_tokenizer_fault_is_ours(error, status):
-    from server.api.protocol import ChatCompletionRequest
-    from server.api.routes import _chat_prompt
+    from server.api.chat.protocol import ChatCompletionRequest
+    from server.api.chat.turn import chat_turn
+    from server.api.turns import prepare
 
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(APIError) as caught:
-        asyncio.run(_chat_prompt(_Engine(error), body))
+        asyncio.run(prepare(_Engine(error), chat_turn(body, None, "")))
     assert caught.value.status == status
 
 

@@ -9,7 +9,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from server.api.responses import ReplyBuilder
+from server.api.chat.replies import ReplyBuilder
 from server.api.structured import ToolPlan
 from server.engine.generation import StopText, stop_holdback
 from server.engine.jobs import Delta, Finished, TokenLogprob

@@ -7,8 +7,9 @@ import json
 import pytest
 from llguidance import LLMatcher
 
+from server.api.chat.protocol import ChatCompletionRequest
+from server.api.chat.turn import chat_turn
 from server.api.errors import APIError
-from server.api.protocol import ChatCompletionRequest
 from server.api.structured import (
     CALL_CLOSE,
     CALL_OPEN,
@@ -16,9 +17,9 @@ from server.api.structured import (
     ToolPlan,
     may_become_call,
     parse_calls,
-    reply_grammar,
-    template_messages,
+    render_tools,
 )
+from server.api.turns import turn_grammar
 
 WEATHER = {
     "type": "function",
@@ -36,6 +37,18 @@ WEATHER = {
 def request(**fields) -> ChatCompletionRequest:
     body = {"model": "default", "messages": [{"role": "user", "content": "hi"}], **fields}
     return ChatCompletionRequest.model_validate(body)
+
+
+def reply_grammar(body: ChatCompletionRequest):
+    """(grammar, tool plan) of a chat request, as the engine makes them."""
+    return turn_grammar(chat_turn(body, None, ""))
+
+
+def template_messages(body: ChatCompletionRequest, template_tools: bool):
+    """(messages, tools argument) of a chat request for the chat template."""
+    turn = chat_turn(body, None, "")
+    offered = turn.functions if turn.tool_choice != "none" else []
+    return render_tools(turn.messages, offered, template_tools)
 
 
 def test_text_and_no_tools_need_no_grammar():

@@ -21,7 +21,7 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.api.protocol import error_body
+from server.api.common import error_body
 
 OPEN_PATHS = frozenset({"/health", "/", "/ui/options"})  # probes; the page and its choices
 OPEN_PREFIXES = ("/static/",)  # the page's scripts and styles

@@ -34,7 +34,7 @@ bitmaps and ~25 bytes per token. A spilled session reports its tokens with `held
 `score` null and no heads (its caches are on disk until its next turn). A session
 answering a request is read between two of the worker's rounds, when its caches and
 tokens agree (server/engine/generation.py), so the report is a consistent snapshot of it.
-The types are server/api/protocol.py's `SessionCache`.
+The types are server/api/session_protocol.py's `SessionCache`.
 """
 
 from __future__ import annotations

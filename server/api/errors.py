@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.api.protocol import error_body
+from server.api.common import error_body
 
 log = logging.getLogger("h2o_server")
 

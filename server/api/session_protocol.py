@@ -1,6 +1,6 @@
 """Types of the session endpoints and the chat page: figures, cache contents, page options.
 
-Apart from server/api/protocol.py (the OpenAI types) so each module stays small.
+Apart from the APIs' protocol modules (server/api/chat/protocol.py, ...) so each stays small.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from config.policies import VIEW_KINDS
-from server.api.protocol import Usage
+from server.api.chat.protocol import Usage
 
 
 class SessionFigures(BaseModel):

@@ -23,15 +23,11 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from llguidance import LLMatcher
 
 from server.api.errors import APIError
-from server.api.protocol import NamedToolChoice
-
-if TYPE_CHECKING:
-    from server.api.protocol import ChatCompletionRequest, ResponseFormat
 
 # Replies look like OpenAI's: ", " and ": " between items, no other whitespace.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -45,6 +41,22 @@ TOOLS_INTRO = (
 
 
 @dataclass
+class Function:
+    """A function the reply may call, from any API's tool list."""
+
+    name: str
+    description: str | None = None
+    parameters: dict = field(default_factory=lambda: {"type": "object"})
+
+    def described(self) -> dict:
+        """As a chat template's `tools` and the tools system message show it."""
+        out: dict[str, Any] = {"name": self.name}
+        if self.description:
+            out["description"] = self.description
+        return {**out, "parameters": self.parameters}
+
+
+@dataclass
 class ToolPlan:
     """How the reply may call tools: `forced` (its whole text is the calls' JSON) or not
     (a reply that starts with CALL_OPEN carries calls)."""
@@ -53,42 +65,25 @@ class ToolPlan:
     names: set[str] = field(default_factory=set)
 
 
-def compile_schema(schema: Any, param: str) -> str:
+def compile_schema(schema: Any, param: str, lenient: bool = False) -> str:
     """The llguidance grammar of a JSON schema; a 400 naming `param` and the part the engine
-    cannot use."""
+    cannot use. `lenient`: keywords the engine does not implement are ignored (a tool's
+    parameters: agents' schemas carry `propertyNames` and the like, and a call is
+    checked by the tool itself), so what it generates may break them."""
+    options = {**JSON_OPTIONS, "lenient": True} if lenient else JSON_OPTIONS
     try:
-        grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        grammar = LLMatcher.grammar_from_json_schema(schema, defaults=options)
     except (ValueError, TypeError) as e:
         raise APIError(400, f"{param} is not a JSON schema: {e}", param=param) from None
     failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    if lenient:
+        messages = [m for m in messages if not m.startswith("Unimplemented keys")]
     if failed or messages:
         why = "; ".join(messages)
         raise APIError(
             400, f"{param}: the grammar engine cannot use this schema: {why}", param=param
         )
     return grammar
-
-
-def reply_grammar(body: ChatCompletionRequest) -> tuple[str | None, ToolPlan | None]:
-    """(the grammar the reply follows or None, how it calls tools or None)."""
-    choice = body.tool_choice
-    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
-    fmt = body.response_format
-    return shape_grammar(
-        [t.function for t in body.tools or []],
-        named or choice or "auto",
-        body.parallel_tool_calls,
-        answer_schema(fmt),
-        "tools[{i}].function.parameters",
-        "response_format.json_schema.schema" if fmt and fmt.json_schema else "response_format",
-    )
-
-
-def answer_schema(fmt: ResponseFormat | None) -> dict | None:
-    """The JSON schema a response_format asks the reply's text to follow, or None."""
-    if fmt is None or fmt.type == "text":
-        return None
-    return {"type": "object"} if fmt.type == "json_object" else fmt.json_schema.schema_
 
 
 def shape_grammar(
@@ -107,7 +102,7 @@ def shape_grammar(
     forced choice: the reply is the call; the answer schema shapes a later, final turn.
     """
     for i, function in enumerate(functions):  # every function's schema, named on error
-        compile_schema(closed(function.parameters), param.format(i=i))
+        compile_schema(closed(function.parameters), param.format(i=i), lenient=True)
     answer_grammar = None if answer is None else compile_schema(closed(answer), answer_param)
     if not functions or choice == "none":
         return answer_grammar, None
@@ -122,14 +117,15 @@ def shape_grammar(
                 "start: calls | answer",
                 f'calls: block ("\\n"? block){more}',
                 f'block: "{CALL_OPEN}" call "{CALL_CLOSE}"',
-                f"call: %json {json.dumps(_with_options(calls))}",
+                f"call: %json {json.dumps(_with_options(calls, lenient=True))}",
                 f"answer: %json {json.dumps(_with_options(closed(answer)))}",
             ]
         )
         return _compile_lark(lark, answer_param), ToolPlan(False, names)
     forced = [f for f in functions if choice in ("required", f.name)]
     many = parallel and choice == "required" and len(forced) > 1
-    return compile_schema(_calls_schema(forced, many), "tools"), ToolPlan(True, names)
+    grammar = compile_schema(_calls_schema(forced, many), "tools", lenient=True)
+    return grammar, ToolPlan(True, names)
 
 
 def _calls_schema(functions: list, many: bool) -> dict:
@@ -146,9 +142,9 @@ def _calls_schema(functions: list, many: bool) -> dict:
     return {**schema, "$defs": defs}
 
 
-def _with_options(schema: dict) -> dict:
+def _with_options(schema: dict, lenient: bool = False) -> dict:
     """A schema embedded in a Lark grammar carries the JSON options itself."""
-    return {**schema, "x-guidance": JSON_OPTIONS}
+    return {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": lenient}}
 
 
 def _compile_lark(lark: str, param: str) -> str:
@@ -159,6 +155,7 @@ def _compile_lark(lark: str, param: str) -> str:
             400, f"{param}: the grammar engine cannot use it: {e}", param=param
         ) from None
     failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    messages = [m for m in messages if not m.startswith("Unimplemented keys")]  # tools' (lenient)
     if failed or messages:
         why = "; ".join(messages)
         raise APIError(400, f"{param}: the grammar engine cannot use it: {why}", param=param)
@@ -269,53 +266,53 @@ def answer_hint(functions: list, choice: str, answer: dict | None) -> dict | Non
     return {"role": "system", "content": ANSWER_FORMAT.format(schema=json.dumps(answer))}
 
 
-def template_messages(
-    body: ChatCompletionRequest, template_tools: bool
+def render_tools(
+    messages: list[dict], functions: list[Function], template_tools: bool
 ) -> tuple[list[dict], list | None]:
-    """(the messages for the chat template, the `tools` argument it takes or None).
+    """(the messages for the chat template, the `tools` argument it takes or None), from
+    chat-template messages whose earlier calls are `tool_calls` entries ({"id", "type",
+    "function": {"name", "arguments": JSON values}}).
 
     `template_tools`: the template has a tools section; else the tools go into a system
     message and earlier calls into their assistant turn's text.
     """
-    messages = []
-    for m in body.messages:
-        entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
-        text = m.text()
-        if m.tool_calls and template_tools:
-            entry["tool_calls"] = [
-                {
-                    "id": c.id,
-                    "type": "function",
-                    "function": {"name": c.function.name, "arguments": c.arguments()},
-                }
-                for c in m.tool_calls
-            ]
-        elif m.tool_calls:
-            calls = [
-                json.dumps({"name": c.function.name, "arguments": c.arguments()})
-                for c in m.tool_calls
-            ]
-            text = "\n".join([text] * bool(text) + [f"{CALL_OPEN}{c}{CALL_CLOSE}" for c in calls])
-        if m.tool_call_id is not None:
-            entry["tool_call_id"] = m.tool_call_id
-        entry["content"] = text
-        messages.append(entry)
-    tools = (
-        [t.model_dump(exclude_none=True) for t in body.tools or []]
-        if body.tool_choice != "none"
-        else []
-    )
-    if not tools:
+    if not template_tools:
+        messages = [_calls_as_text(m) for m in messages]
+    if not functions:
         return messages, None
+    tools = [{"type": "function", "function": f.described()} for f in functions]
     if template_tools:
         return messages, tools
     described = "\n".join(json.dumps(t["function"]) for t in tools)
     intro = f"{TOOLS_INTRO}\n{described}"
     if messages and messages[0]["role"] == "system":
-        messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{intro}"}
+        messages = [
+            {**messages[0], "content": f"{messages[0]['content']}\n\n{intro}"},
+            *messages[1:],
+        ]
     else:
-        messages.insert(0, {"role": "system", "content": intro})
+        messages = [{"role": "system", "content": intro}, *messages]
     return messages, None
+
+
+def _calls_as_text(message: dict) -> dict:
+    """An assistant turn's calls in its text, as a template without tools shows them."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    text = message.get("content") or ""
+    rendered = []
+    for c in calls:
+        call = {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+        rendered.append(f"{CALL_OPEN}{json.dumps(call)}{CALL_CLOSE}")
+    entry = {k: v for k, v in message.items() if k != "tool_calls"}
+    entry["content"] = "\n".join([text] * bool(text) + rendered)
+    return entry
+
+
+def template_call(call_id: str, name: str, arguments: Any) -> dict:
+    """An earlier call as chat templates take it (arguments as JSON values)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 # ---------------------------------------------------------------------- reply

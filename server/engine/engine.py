@@ -14,7 +14,7 @@ from config.cache_spec import CacheSpec
 from config.settings import ServerSettings
 from models.loading import DEFAULT_MODEL, load_model, served_model_id
 from models.shape import kv_shape, layer_windows
-from server.api.protocol import CacheOptions
+from server.api.common import CacheOptions
 from server.engine.grammar import Grammars
 from server.engine.layer_budgets import load_layer_profile
 from server.sessions.prefixes import PrefixStore

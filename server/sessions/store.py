@@ -54,7 +54,7 @@ from pathlib import Path
 from cache import adopt
 from cache.factory import spec_as_held
 from config.cache_spec import CacheSpec
-from server.api.protocol import Usage
+from server.api.chat.protocol import Usage
 from server.engine.jobs import Finished, PromptTooLong, SessionBusy, SessionClaimed
 from server.sessions.conversation import Session, common_prefix, rewind, rewindable, spilled_session
 from server.sessions.prefixes import Prefix, PrefixStore, copy_caches

@@ -7,8 +7,6 @@ they do carry is validated, so bad values become 400s in OpenAI's error shape.
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import (
@@ -21,74 +19,24 @@ from pydantic import (
     model_validator,
 )
 
-from config.cache_spec import KVarNPresetName, PolicyName, PresetName, ScoreRuleName
+from server.api.common import (
+    LONE_SURROGATE,
+    SEED_RANGE,
+    SESSION_ID_PATTERN,
+    CacheOptions,
+    Request,
+    lone_surrogate,
+)
 from server.engine.jobs import SamplingParams
 
-SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
-# OpenAI documents seed as a signed 64-bit integer; unsigned 64-bit seeds are taken too.
-# Sampling reduces a seed modulo 2**64 (so -1 and 2**64 - 1 draw the same tokens).
-SEED_RANGE = (-(2**63), 2**64 - 1)
 MAX_CHOICES = 8  # n at most: each choice decodes as a row beside the request's first
 
 
 # ----------------------------------------------------------------------- requests
 
 
-class Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class CacheOptions(Request):
-    """The `kv_cache` extension object: this conversation's cache, within the server's budget."""
-
-    policy: PolicyName | None = None
-    max_kv: int | None = Field(None, ge=16)
-    preset: PresetName | None = None
-    score: ScoreRuleName | None = None
-    kvarn: KVarNPresetName | None = None
-
-
 class StreamOptions(Request):
     include_usage: bool = False
-
-
-def _lone_surrogate(value: Any) -> str | None:
-    """Where in decoded JSON `value` a string (or key) holds a lone UTF-16 surrogate, or
-    None. JSON's "\\ud800" escape decodes to one, which is no text: the tokenizer and
-    UTF-8 both refuse it, so it is the client's error, not the template's. A loop, not
-    recursion: a body as deep as the JSON parser takes must not overflow here."""
-    stack: list[tuple[tuple, Any]] = [((), value)]
-    while stack:
-        path, v = stack.pop()
-        if isinstance(v, dict):
-            items = list(v.items())
-        elif isinstance(v, list):
-            items = list(enumerate(v))
-        else:
-            if isinstance(v, str) and not _utf8(v):
-                return _where(path)
-            continue
-        for key, _ in items:
-            if isinstance(key, str) and not _utf8(key):
-                return _where((*path, key))
-        stack += [((*path, key), item) for key, item in reversed(items)]
-    return None
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _where(path: tuple) -> str:
-    """A path as a field name, its own surrogates escaped (an error message must encode)."""
-    return ".".join(str(p).encode("utf-8", "backslashreplace").decode() for p in path) or "body"
-
-
-LONE_SURROGATE = "holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape): not text"
 
 
 class SamplingRequest(Request):
@@ -129,7 +77,7 @@ class SamplingRequest(Request):
     @model_validator(mode="before")
     @classmethod
     def _text_is_unicode(cls, data: Any) -> Any:
-        if (where := _lone_surrogate(data)) is not None:
+        if (where := lone_surrogate(data)) is not None:
             raise ValueError(f"{where} {LONE_SURROGATE}")
         return data
 
@@ -179,7 +127,7 @@ class FunctionCall(Request):
             decoded = json.loads(v)
         except (json.JSONDecodeError, RecursionError):
             return v  # not JSON: rendered as the text it is
-        if (where := _lone_surrogate(decoded)) is not None:
+        if (where := lone_surrogate(decoded)) is not None:
             raise ValueError(f"its JSON at {where} {LONE_SURROGATE}")
         return v
 
@@ -307,6 +255,9 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # Thinking models: "none" switches the template's thinking off (enable_thinking).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: to the chat template
     # Refused rather than ignored: a client that sends them expects them honoured.
     functions: Any = None
     function_call: Any = None
@@ -345,6 +296,11 @@ class ChatCompletionRequest(SamplingRequest):
     def n_logprobs(self) -> int | None:
         """None: no logprobs; else how many alternatives per token."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def thinking(self) -> bool | None:
+        """The template's thinking switch: off for effort "none", on for any other effort,
+        the template's default (or chat_template_kwargs') when no effort is given."""
+        return None if self.reasoning_effort is None else self.reasoning_effort != "none"
 
 
 MAX_PROMPTS = 32  # prompts in one /v1/completions request at most (a choice each)
@@ -394,14 +350,6 @@ class CompletionRequest(SamplingRequest):
 
 
 # ---------------------------------------------------------------------- responses
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def now() -> int:
-    return int(time.time())
 
 
 class PromptTokensDetails(BaseModel):
@@ -514,19 +462,3 @@ class Completion(Envelope):
     object: Literal["text_completion"] = "text_completion"
     choices: list[TextChoice]
     usage: Usage | None = None
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
-
-def error_body(message: str, type_: str, code: str | None = None, param: str | None = None):
-    detail = ErrorDetail(message=message, type=type_, param=param, code=code)
-    return ErrorResponse(error=detail).model_dump()

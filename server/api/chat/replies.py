@@ -4,7 +4,7 @@ One builder per request; `kind` is "chat" (chat.completion[.chunk]) or "text"
 (text_completion, the legacy /v1/completions shape). A request has one or more
 choices: n of them per job (`Delta.choice`), and one job per prompt of a batched
 completion (`job`), numbered as OpenAI does, job by job. Bodies are the pydantic
-models of server/api/protocol.py, dumped to plain dicts for the wire.
+models of server/api/chat/protocol.py, dumped to plain dicts for the wire.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import Response
 
-from server.api.errors import error_response
-from server.api.protocol import (
+from server.api.chat.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -29,10 +28,9 @@ from server.api.protocol import (
     TokenLogprobEntry,
     TopLogprob,
     Usage,
-    error_body,
-    new_id,
-    now,
 )
+from server.api.common import error_body, new_id, now
+from server.api.errors import error_response
 from server.api.structured import (
     CallStream,
     ToolPlan,

@@ -1,0 +1,95 @@
+"""What every API's protocol module shares: the request base, the `kv_cache` extension,
+text checks, ids, and OpenAI's error body (server/api/errors.py picks each API's shape).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from config.cache_spec import KVarNPresetName, PolicyName, PresetName, ScoreRuleName
+
+SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+# OpenAI documents seed as a signed 64-bit integer; unsigned 64-bit seeds are taken too.
+# Sampling reduces a seed modulo 2**64 (so -1 and 2**64 - 1 draw the same tokens).
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class CacheOptions(Request):
+    """The `kv_cache` extension object: this conversation's cache, within the server's budget."""
+
+    policy: PolicyName | None = None
+    max_kv: int | None = Field(None, ge=16)
+    preset: PresetName | None = None
+    score: ScoreRuleName | None = None
+    kvarn: KVarNPresetName | None = None
+
+
+def lone_surrogate(value: Any) -> str | None:
+    """Where in decoded JSON `value` a string (or key) holds a lone UTF-16 surrogate, or
+    None. JSON's "\\ud800" escape decodes to one, which is no text: the tokenizer and
+    UTF-8 both refuse it, so it is the client's error, not the template's. A loop, not
+    recursion: a body as deep as the JSON parser takes must not overflow here."""
+    stack: list[tuple[tuple, Any]] = [((), value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, dict):
+            items = list(v.items())
+        elif isinstance(v, list):
+            items = list(enumerate(v))
+        else:
+            if isinstance(v, str) and not _utf8(v):
+                return _where(path)
+            continue
+        for key, _ in items:
+            if isinstance(key, str) and not _utf8(key):
+                return _where((*path, key))
+        stack += [((*path, key), item) for key, item in reversed(items)]
+    return None
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _where(path: tuple) -> str:
+    """A path as a field name, its own surrogates escaped (an error message must encode)."""
+    return ".".join(str(p).encode("utf-8", "backslashreplace").decode() for p in path) or "body"
+
+
+LONE_SURROGATE = "holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape): not text"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def error_body(message: str, type_: str, code: str | None = None, param: str | None = None):
+    detail = ErrorDetail(message=message, type=type_, param=param, code=code)
+    return ErrorResponse(error=detail).model_dump()
