@@ -90,9 +90,7 @@ def table(records: list[dict]) -> list[str]:
         mine = [r for r in records if r["variant"] == variant]
         cells = [statistics.median(r[k] for r in mine) for k in ("wall_s", "cpu_s", "prefilled")]
         tokens = mine[0]["completion_tokens"]
-        rows.append(
-            f"| {variant} | {cells[0]:.2f} | {cells[1]:.1f} | {cells[2]:.0f} | {tokens} |"
-        )
+        rows.append(f"| {variant} | {cells[0]:.2f} | {cells[1]:.1f} | {cells[2]:.0f} | {tokens} |")
     by_round = {}
     for r in records:
         by_round.setdefault(r["round"], {})[r["variant"]] = r
