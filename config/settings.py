@@ -35,6 +35,11 @@ class ServerSettings(BaseSettings):
     model: str = Field(
         "default", description="'default', 'gemma3-270m', a .gguf, a model folder or a repo id"
     )
+    served_model_name: list[str] = Field(
+        default_factory=list,
+        description="names the model is served under (several: clients that insist on a "
+        "model name reach it by any; the first is the id replies and /v1/models give)",
+    )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     policy: ServePolicyName = Field(AUTO, description="KV cache policy of each conversation")

@@ -225,6 +225,8 @@ def _add_serve_parser(sub) -> None:
         text = field.description and field.description.replace("%", "%%")
         if name == "allowed_origins":
             serve.add_argument(flag, nargs="*", default=None, help=text)
+        elif name == "served_model_name":
+            serve.add_argument(flag, nargs="+", default=None, help=text)
         elif field.annotation in (bool, bool | None):  # `--kv-rotate`, `--kv-rotate false`
             serve.add_argument(flag, nargs="?", const="true", default=None, help=text)
         else:

@@ -8,6 +8,9 @@ show it. Every path but /health and the chat page's own files needs the key when
 one is set (the API, the metrics, /docs and /openapi.json alike): the page holds
 no data, it asks the user for the key and sends it with every API call.
 
+The key comes as `Authorization: Bearer <key>` or, as Anthropic's clients send it,
+`x-api-key: <key>`.
+
 `session_owner` names who a session belongs to when `--session-scope caller`:
 a digest of the caller's API key and the request's `user`, so one caller can
 neither list, reuse nor delete another's cache.
@@ -22,6 +25,7 @@ import json
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.api.common import error_body
+from server.api.errors import anthropic_body, anthropic_path
 
 OPEN_PATHS = frozenset({"/health", "/", "/ui/options"})  # probes; the page and its choices
 OPEN_PREFIXES = ("/static/",)  # the page's scripts and styles
@@ -69,15 +73,22 @@ class APIKeyMiddleware:
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         authorization = headers.get(b"authorization", b"").decode("latin-1")
         key = matching_key(bearer_token(authorization), self.keys)
+        if key is None and b"x-api-key" in headers:  # Anthropic's clients send the key so
+            key = matching_key(headers[b"x-api-key"].decode("latin-1").strip(), self.keys)
         if key is None:
-            return await _unauthorized(send)
+            return await _unauthorized(send, anthropic_path(path))
         scope.setdefault("state", {})["api_key"] = key
         await self.app(scope, receive, send)
 
 
-async def _unauthorized(send: Send) -> None:
-    message = "invalid or missing API key: send 'Authorization: Bearer <key>'"
-    body = json.dumps(error_body(message, "authentication_error", "invalid_api_key")).encode()
+async def _unauthorized(send: Send, anthropic: bool) -> None:
+    message = "invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key')"
+    shaped = (
+        anthropic_body(401, message)
+        if anthropic
+        else error_body(message, "authentication_error", "invalid_api_key")
+    )
+    body = json.dumps(shaped).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),

@@ -1,4 +1,6 @@
-"""Errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, from every path."""
+"""Errors in each API's own shape, from every path: OpenAI's {"error": {"message", "type",
+"param", "code"}}, and Anthropic's {"type": "error", "error": {"type", "message"}} under
+/v1/messages (its clients parse only that)."""
 
 from __future__ import annotations
 
@@ -22,20 +24,53 @@ class APIError(Exception):
         self.status, self.message, self.code, self.param = status, message, code, param
 
 
-def error_response(status: int, message: str, code: str | None = None, param: str | None = None):
+ANTHROPIC_PATHS = ("/v1/messages",)
+# Anthropic's error types by status (its API reference, "Errors").
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_path(path: str) -> bool:
+    return path.startswith(ANTHROPIC_PATHS)
+
+
+def anthropic_body(status: int, message: str) -> dict:
+    kind = ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_response(
+    status: int,
+    message: str,
+    code: str | None = None,
+    param: str | None = None,
+    anthropic: bool = False,
+):
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    if anthropic:
+        return JSONResponse(anthropic_body(status, message), status_code=status, headers=headers)
     kind = {
         401: "authentication_error",
         404: "not_found_error",
         429: "rate_limit_error",
     }.get(status, "invalid_request_error" if status < 500 else "server_error")
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
     return JSONResponse(error_body(message, kind, code, param), status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    def shaped(request: Request, status: int, message: str, code=None, param=None):
+        return error_response(status, message, code, param, anthropic_path(request.url.path))
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
-        return error_response(e.status, e.message, e.code, e.param)
+        return shaped(request, e.status, e.message, e.code, e.param)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, e: RequestValidationError):
@@ -43,23 +78,23 @@ def install_error_handlers(app: FastAPI) -> None:
         for err in e.errors():
             if err.get("type") == "json_invalid":
                 reason = err.get("ctx", {}).get("error", "")
-                return error_response(400, f"the request body is not valid JSON: {reason}")
+                return shaped(request, 400, f"the request body is not valid JSON: {reason}")
             where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
             reason = err["msg"].removeprefix("Value error, ")
             problems.append(f"{where}: {reason}" if where else reason)
         first = e.errors()[0].get("loc", ()) if e.errors() else ()
         param = ".".join(str(p) for p in first if p != "body") or None
-        return error_response(400, "; ".join(problems) or "invalid request", None, param)
+        return shaped(request, 400, "; ".join(problems) or "invalid request", None, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
-        return error_response(e.status_code, str(e.detail))
+        return shaped(request, e.status_code, str(e.detail))
 
     @app.exception_handler(HTTPException)
     async def fastapi_http_error(request: Request, e: HTTPException):
-        return error_response(e.status_code, str(e.detail))
+        return shaped(request, e.status_code, str(e.detail))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception):
         log.exception("unexpected error")
-        return error_response(500, f"internal error: {type(e).__name__}")
+        return shaped(request, 500, f"internal error: {type(e).__name__}")

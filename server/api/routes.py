@@ -45,7 +45,10 @@ async def health(request: Request):
 
 @router.get("/v1/models")
 async def models(request: Request):
-    return {"object": "list", "data": [_model_card(_worker(request).engine)]}
+    """The served model, under each --served-model-name when given."""
+    engine = _worker(request).engine
+    names = engine.settings.served_model_name or [engine.model_id]
+    return {"object": "list", "data": [{**_model_card(engine), "id": name} for name in names]}
 
 
 @router.get("/v1/models/{model:path}")

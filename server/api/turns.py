@@ -24,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from server.api.auth import session_owner
 from server.api.common import SESSION_ID_PATTERN, CacheOptions
 from server.api.errors import APIError
+from server.api.reasoning import ThinkingSplit, opened_in_prompt
 from server.api.shared_prefix import system_prefix_len
 from server.api.structured import (
     Function,
@@ -74,6 +75,19 @@ class Prompt:
     prefix_len: int  # tokens other conversations may share (its system prompt)
     grammar: str | None  # the llguidance grammar the reply follows
     tools: ToolPlan | None  # how the reply calls tools
+    thinking: Thinking | None = None  # a thinking model's tags: its reply is split
+
+    def split(self) -> ThinkingSplit | None:
+        """A fresh splitter of one reply into reasoning and content (None: no tags)."""
+        t = self.thinking
+        return None if t is None else ThinkingSplit(t.start, t.end, t.opened)
+
+
+@dataclass
+class Thinking:
+    start: str
+    end: str
+    opened: bool  # the prompt ends inside a thinking block
 
 
 # ---------------------------------------------------------------------- callers
@@ -136,6 +150,9 @@ async def prepare(engine: Engine, turn: Turn) -> Prompt:
     kwargs = dict(turn.template_kwargs)
     if turn.thinking is not None:
         kwargs["enable_thinking"] = turn.thinking
+    thinks = bool(getattr(tokenizer, "has_thinking", False))
+    if grammar is not None and thinks:  # a grammar shapes the reply from its first token
+        kwargs["enable_thinking"] = False
     template = partial(tokenizer.apply_chat_template, tools=tools_arg, **kwargs)
     hint = answer_hint(offered, turn.tool_choice, turn.answer)
     try:
@@ -161,7 +178,12 @@ async def prepare(engine: Engine, turn: Turn) -> Prompt:
     except Exception as e:  # the tokenizer itself failed: the server's fault, not the client's
         log.exception("the chat template could not be applied")
         raise APIError(500, f"the chat template failed: {type(e).__name__}: {e}") from None
-    return Prompt(tokens, prefix_len, grammar, tools)
+    thinking = None
+    if thinks:
+        start, end = tokenizer.think_start, tokenizer.think_end
+        tail = tokenizer.decode(tokens[-8:])
+        thinking = Thinking(start, end, opened_in_prompt(tail, start, end))
+    return Prompt(tokens, prefix_len, grammar, tools, thinking)
 
 
 # ---------------------------------------------------------------------- prompt -> job

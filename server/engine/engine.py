@@ -86,8 +86,10 @@ class Engine:
                 settings.prefill_step,
                 shape.context,
             )
-        model_id = served_model_id(settings.model)
-        profile, layer_budgets = load_layer_profile(settings.layer_budgets, model, model_id)
+        model_id = (settings.served_model_name or [served_model_id(settings.model)])[0]
+        profile, layer_budgets = load_layer_profile(
+            settings.layer_budgets, model, served_model_id(settings.model)
+        )
         shares_for = profile.shares if profile else None
         spec = fit_spec(
             shape,
@@ -152,7 +154,10 @@ class Engine:
         return self.model.args.vocab_size
 
     def model_names(self) -> set[str]:
-        """Names a request may use for this model."""
+        """Names a request may use for this model: --served-model-name's, else its id,
+        --model's and `default`."""
+        if self.settings.served_model_name:
+            return set(self.settings.served_model_name)
         return {self.model_id, self.settings.model, DEFAULT_MODEL}
 
     def spec_for(self, options: CacheOptions | None) -> CacheSpec:

@@ -356,19 +356,26 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens reused from the conversation's cache
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # a thinking model's reply tokens spent thinking
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt: int, completion: int, cached: int) -> Usage:
+    def of(cls, prompt: int, completion: int, cached: int, reasoning: int | None = None) -> Usage:
+        details = None if reasoning is None else CompletionTokensDetails(reasoning_tokens=reasoning)
         return cls(
             prompt_tokens=prompt,
             completion_tokens=completion,
             total_tokens=prompt + completion,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+            completion_tokens_details=details,
         )
 
 
@@ -409,6 +416,14 @@ class ChatMessageOut(BaseModel):
     content: str | None
     refusal: None = None
     tool_calls: list[dict] | None = None  # [{id, type: function, function: {name, arguments}}]
+    reasoning_content: str | None = None  # a thinking model's reasoning (sent only then)
+
+    @model_serializer(mode="wrap")
+    def _reasoning_when_any(self, handler):
+        out = handler(self)
+        if out.get("reasoning_content") is None:
+            out.pop("reasoning_content", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -429,6 +444,7 @@ class ChatDelta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[dict] | None = None  # [{index, id, type, function: {name, arguments}}]
 
     @model_serializer(mode="wrap")

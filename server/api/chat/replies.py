@@ -9,7 +9,7 @@ models of server/api/chat/protocol.py, dumped to plain dicts for the wire.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from fastapi.responses import Response
@@ -31,6 +31,7 @@ from server.api.chat.protocol import (
 )
 from server.api.common import error_body, new_id, now
 from server.api.errors import error_response
+from server.api.reasoning import CONTENT, REASONING, ThinkingSplit
 from server.api.structured import (
     CallStream,
     ToolPlan,
@@ -66,6 +67,9 @@ class Choice:
     sent: int = 0  # characters of text streamed so far
     held: list[Token] = field(default_factory=list)  # tokens of text held back
     call_stream: CallStream | None = None
+    split: ThinkingSplit | None = None  # a thinking model's: reasoning apart from the text
+    reasoning: str = ""
+    new_reasoning: str = ""  # what the latest delta added to it
 
 
 class ReplyBuilder:
@@ -85,6 +89,7 @@ class ReplyBuilder:
         prompts: Sequence[tuple[Sequence[int], str]] = (((), ""),),
         n: int = 1,
         tools: ToolPlan | None = None,
+        thinking: Callable[[], ThinkingSplit | None] | None = None,
     ):
         self.kind, self.model, self.n = kind, model, n
         self.decode = decoder(tokenizer)
@@ -100,6 +105,7 @@ class ReplyBuilder:
                 tokens[-1] if tokens else None,
                 echo,
                 call_stream=CallStream() if forced else None,
+                split=thinking() if thinking else None,
             )
             for j, (tokens, echo) in enumerate(prompts)
             for i in range(n)
@@ -146,7 +152,13 @@ class ReplyBuilder:
             c.tokens.append(Token(text, at, c.last, lp))
             new.append(c.tokens[-1])
             c.last = lp.token
-        c.text += delta.text
+        text = delta.text
+        if c.split is not None:
+            pieces = c.split.feed(text, final=delta.finish_reason is not None)
+            c.new_reasoning = "".join(t for kind, t in pieces if kind == REASONING)
+            c.reasoning += c.new_reasoning
+            text = "".join(t for kind, t in pieces if kind == CONTENT)
+        c.text += text
         c.finish_reason = delta.finish_reason or c.finish_reason
         return c, new
 
@@ -190,11 +202,13 @@ class ReplyBuilder:
 
     def _chat_choice(self, c: Choice) -> ChatChoice:
         message, finish = ChatMessageOut(content=c.text), c.finish_reason
+        reasoning = c.reasoning or None
         if calls := self.calls(c):
             message = ChatMessageOut(content=calls[1], tool_calls=calls[0])
             finish = "tool_calls" if finish != "length" else finish
         elif self.tools is not None and self.tools.forced:  # cut before a call's name was whole
             message = ChatMessageOut(content=None)
+        message.reasoning_content = reasoning
         logprobs = self._chat_logprobs(c.tokens)
         return ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=finish)
 
@@ -220,14 +234,18 @@ class ReplyBuilder:
                 out.append(self._chunk(c, "", c.finish_reason, []))
             return out
         c.held += new
+        out = []
+        if c.new_reasoning:  # reasoning streams apart from the content, never held
+            out.append(self._chunk(c, ChatDelta(reasoning_content=c.new_reasoning), None, []))
+            c.new_reasoning = ""
         if c.call_stream is not None:
-            out = self._call_deltas(c)
+            out += self._call_deltas(c)
         elif self.tools is not None and not c.finish_reason and may_become_call(c.text):
-            out = []
+            pass
         elif self.tools is not None and c.finish_reason and (calls := self.calls(c)):
-            out = self._call_chunks(c, *calls)
-        else:
-            out = [self._release(c)] if c.sent < len(c.text) or c.held else []
+            out += self._call_chunks(c, *calls)
+        elif c.sent < len(c.text) or c.held:
+            out.append(self._release(c))
         if c.finish_reason:
             finish = c.finish_reason
             if finish != "length" and self.calls(c) is not None:
@@ -279,7 +297,9 @@ class ReplyBuilder:
     def _usage(self) -> Usage:
         prompt = sum(f.prompt_tokens for f in self.usage)
         completion = sum(f.completion_tokens for f in self.usage)
-        return Usage.of(prompt, completion, sum(f.cached_tokens for f in self.usage))
+        splits = [c.split for c in self.choices if c.split is not None]
+        reasoning = sum(s.reasoning_deltas for s in splits) if splits else None
+        return Usage.of(prompt, completion, sum(f.cached_tokens for f in self.usage), reasoning)
 
     def _chunk(self, c: Choice, content, finish_reason: str | None, tokens: list[Token]) -> dict:
         if self.kind == "chat":

@@ -38,6 +38,7 @@ async def chat_completions(
         [(prompt.tokens, "")],
         body.n,
         prompt.tools,
+        prompt.split,
     )
     return await respond([job], request, body.stream, builder, worker.settings.shutdown_timeout)
 

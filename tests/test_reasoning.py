@@ -1,0 +1,91 @@
+"""A thinking model's reasoning kept apart from its content, in every API, streamed or not,
+and switched off by each API's switch (tests/thinking_model.py: replies known in advance).
+"""
+
+from __future__ import annotations
+
+import pytest
+from server_harness import running_server
+from thinking_model import CONTENT, REASONING, write_thinking_model
+
+from server.api.reasoning import ThinkingSplit, opened_in_prompt
+
+ASK = [{"role": "user", "content": "What is 2+2?"}]
+
+
+def _split(pieces: list[str], opened: bool = False) -> tuple[str, str]:
+    split, out = ThinkingSplit("<think>", "</think>", opened), {"reasoning": "", "content": ""}
+    for i, piece in enumerate(pieces):
+        for kind, text in split.feed(piece, final=i == len(pieces) - 1):
+            out[kind] += text
+    return out["reasoning"], out["content"]
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ["<think>\nplan</think>\n\nanswer"],
+        ["<thi", "nk>pl", "an</th", "ink>", "\n\nans", "wer"],  # tags cut anywhere
+        [" ", "<think>", "plan", "</think>", "answer"],
+    ],
+)
+def test_the_split_finds_tags_cut_across_deltas(pieces):
+    assert _split(pieces) == ("plan", "answer")
+
+
+def test_the_split_passes_a_reply_that_does_not_think():
+    assert _split(["<b>bold</b>", " text"]) == ("", "<b>bold</b> text")
+    assert _split(["<", "thin"]) == ("", "<thin")  # a tag that never came: content at the end
+    assert _split(["plan</think>answer"], opened=True) == ("plan", "answer")
+    assert _split(["plan so far"], opened=True) == ("plan so far", "")  # cut while thinking
+
+
+def test_a_prompt_that_opens_the_block():
+    assert opened_in_prompt("<|im_start|>assistant\n<think>\n", "<think>", "</think>")
+    assert not opened_in_prompt("assistant\n<think>\n\n</think>\n\n", "<think>", "</think>")
+    assert not opened_in_prompt("assistant\n", "<think>", "</think>")
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["model-opens", "template-opens"])
+def thinker(request, tmp_path_factory):
+    folder = write_thinking_model(tmp_path_factory.mktemp("thinker"), opens=request.param)
+    with running_server(folder.parent, "--model", str(folder), "--kv-budget", "64MiB") as s:
+        s.model = s.client.models.list().data[0].id
+        s.opens = request.param  # the reply then starts inside the block: no <think> token
+        yield s
+
+
+def _chat(server, **kwargs):
+    return server.client.chat.completions.create(
+        model=server.model, messages=ASK, temperature=0, max_tokens=20, **kwargs
+    )
+
+
+def test_chat_completions_reasoning_content(thinker):
+    message = _chat(thinker).choices[0].message
+    assert message.content == CONTENT
+    assert message.model_extra["reasoning_content"].strip() == REASONING
+    usage = _chat(thinker).usage
+    thought = len(["hmm", "let", "me", "see", "</think>"]) + (not thinker.opens)  # <think>
+    assert usage.completion_tokens_details.reasoning_tokens == thought
+    reasoning, content = "", ""
+    for chunk in _chat(thinker, stream=True):
+        for c in chunk.choices:
+            reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            content += c.delta.content or ""
+    assert (reasoning.strip(), content) == (REASONING, CONTENT)
+
+
+@pytest.mark.parametrize(
+    "switch",
+    [
+        {"reasoning_effort": "none"},
+        {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}},
+    ],
+)
+def test_chat_completions_thinking_switched_off(thinker, switch):
+    message = _chat(thinker, **switch).choices[0].message
+    # (this tokenizer joins words with spaces: the first word after the prompt's
+    # "</think>" reads " The"; with no thinking block the content is the text as it is)
+    assert message.content.strip() == CONTENT
+    assert "reasoning_content" not in (message.model_extra or {})
