@@ -24,9 +24,9 @@ class ThinkingSplit:
         self.reasoning_deltas = 0  # deltas that were (partly) reasoning: reasoning tokens
 
     def feed(self, text: str, final: bool = False) -> list[tuple[str, str]]:
-        was_reasoning = self.state != CONTENT and (self.state == REASONING or self.start in (
-            self.pending + text
-        ))
+        was_reasoning = self.state != CONTENT and (
+            self.state == REASONING or self.start in (self.pending + text)
+        )
         self.pending += text
         out: list[tuple[str, str]] = []
         while True:
