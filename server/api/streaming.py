@@ -15,6 +15,7 @@ server bug, logged and answered as an error, never sent as `-Infinity`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -31,6 +32,7 @@ CLIENT_GONE = 499  # nginx's "client closed request": logged, never read by anyo
 # sse-starlette ends open streams on shutdown by itself; the worker's drain ends ours
 # first (with an error event), so the library only steps in if that ever hangs.
 SHUTDOWN_GRACE_MARGIN = 10.0
+KEEPALIVE = 15.0  # seconds without an event before the reply's keepalive events
 
 
 class Reply(Protocol):
@@ -44,6 +46,10 @@ class Reply(Protocol):
     def body(self) -> dict: ...
     def error_event(self, failed: Failed) -> list[dict]: ...
     def error_response(self, failed: Failed) -> Response: ...
+
+    # Optional: keepalive() -> list[dict], events sent when nothing else was for
+    # KEEPALIVE seconds (a long prefill): a client whose idle timer only data events
+    # reset (Codex) keeps waiting. SSE comment pings go out every 15 s regardless.
 
 
 def strict_json(payload) -> str:
@@ -149,10 +155,27 @@ def _text(data) -> str:
 async def _sse(events: AsyncIterator, reply: Reply, started: Started) -> AsyncIterator[dict]:
     """Stream events; a job that fails midway (e.g. cut by a shutdown) ends the stream
     with the API's error event."""
+    pending: asyncio.Queue = asyncio.Queue()
+
+    async def pump() -> None:  # waiting on a queue can time out; an async generator cannot
+        async for item in events:
+            await pending.put(item)
+        await pending.put(None)
+
+    pumping = asyncio.create_task(pump())
     try:
         for e in _encoded(reply.opening(started)):
             yield e
-        async for i, event in events:
+        while True:
+            try:
+                item = await asyncio.wait_for(pending.get(), KEEPALIVE)
+            except TimeoutError:
+                for e in _encoded(getattr(reply, "keepalive", list)()):
+                    yield e
+                continue
+            if item is None:
+                break
+            i, event = item
             if isinstance(event, Delta):
                 out = reply.on_delta(i, event)
             elif isinstance(event, Finished):
@@ -171,4 +194,7 @@ async def _sse(events: AsyncIterator, reply: Reply, started: Started) -> AsyncIt
         for e in _encoded(reply.error_event(failed)):
             yield e
     finally:
+        pumping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pumping  # its cancellation closes the events' generator first
         await events.aclose()
