@@ -1,9 +1,9 @@
 """The layout the docs describe is the layout in the tree, and imports go down the floors.
 
 docs/architecture.md names every module of the product packages (and nothing that is
-gone); README's layout block names every top-level folder and server/'s sub-packages;
-imports follow server -> cache -> {models, kernels} -> config, and bench/ has no cycle.
-"""
+gone); docs/development.md's layout block names every top-level folder and server/'s
+sub-packages; imports follow server -> cache -> {models, kernels} -> config, and bench/
+has no cycle. tests/test_docs.py holds the rest of the docs to the code."""
 
 from __future__ import annotations
 
@@ -57,14 +57,14 @@ def test_architecture_names_every_module_and_nothing_gone():
     assert all(m in files for m in modules())
 
 
-def test_readme_layout_names_every_top_level_folder():
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("## Layout", 1)[1].split("```")[1]
+def test_layout_block_names_every_top_level_folder():
+    page = (ROOT / "docs" / "development.md").read_text()
+    block = page.split("## Layout", 1)[1].split("```")[1]
     listed = set(re.findall(r"(?:^|; )([a-z]+)/", block, re.M))
     folders = {f.split("/")[0] for f in tracked() if "/" in f and not f.startswith(".")}
     assert folders - {"docs"} <= listed, folders - listed
     for name in listed:
-        assert (ROOT / name).is_dir(), f"README's layout names {name}/, which is not there"
+        assert (ROOT / name).is_dir(), f"the layout block names {name}/, which is not there"
     for sub in re.findall(r"\b(api|engine|sessions)/", block):
         assert (ROOT / "server" / sub / "__init__.py").exists()
 
