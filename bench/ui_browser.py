@@ -1,6 +1,6 @@
 """The chat page in a real browser: Debian's headless Chromium driven by Playwright.
 
-Used by the browser test (tests/test_ui_browser.py) and the README screenshots
+Used by the browser test (tests/test_ui_browser.py) and the screenshots in docs/ui.md
 (bench/ui_screenshots.py). Playwright only drives the system's Chromium; nothing
 downloads a browser (never run `playwright install` for this).
 """

@@ -1,4 +1,4 @@
-"""Screenshots of the chat page for the README: a chat, and the cache view after eviction.
+"""Screenshots of the chat page for docs/ui.md: a chat, and the cache view after eviction.
 
     python -m bench.ui_screenshots --out docs
 

@@ -10,7 +10,7 @@ count grows. Each side weighs its rank under the score rule (attention per query
 would have had, the one that draws more dominates the output, and a mean over counts
 pulled kept slots towards the less-attended tokens folded into them (held-out essays,
 max_kv 128, profiled layers: 16x from 0.40 to 0.26 of a sliding window's increase;
-README). Attention adds log(count) to a slot's logit (`logit_bias`, which the router
+docs/performance.md). Attention adds log(count) to a slot's logit (`logit_bias`, which the router
 hands to the kernel), so a slot standing for c alike tokens gets about the attention
 those c tokens would have had (ToMe's proportional attention; CaM and D2O merge evicted
 K/V in this spirit). Without that bias merging is worse than dropping: a merged slot
@@ -24,7 +24,7 @@ the lower-ranked leaves, never both for repeating each other. Sinks and the rece
 stay protected, and stay out of the comparison: its cosines are [middle x middle]
 (leaver candidates among the lowest ranks only measured worse: docs/rules.md). On
 held-out essays (max_kv 128, profiled layers) this took 16x from 0.45 to about 0.40 of
-a sliding window's increase (README). The counts are one more float32 per slot, kept in
+a sliding window's increase (docs/performance.md). The counts are one more float32 per slot, kept in
 step with the slots by every gather, and saved with the cache.
 """
 

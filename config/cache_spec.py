@@ -53,7 +53,7 @@ H2O_KVARN_VALUE_GROUP = 32
 H2O_KVARN_REPACK_SINKHORN_ITERS = 0
 
 DEFAULT_PRESET = "heavy"
-DEFAULT_SCORE = "mean"  # README: measured against attn, tova, snap, h2o-ada
+DEFAULT_SCORE = "mean"  # docs/performance.md: measured against attn, tova, snap, h2o-ada
 DEFAULT_MIXED = "k8v4"
 DEFAULT_KVARN = "k4v2"
 DEFAULT_MAX_KV = 256
