@@ -41,7 +41,7 @@ def test_failed_requests_leave_no_phantom_sessions(api):
     key = f"phantom-{uuid.uuid4().hex[:8]}"
     bad = [
         {"seed": 2**64},
-        {"n": 2},
+        {"n": 9},  # over the most choices a request may ask for
         {"logit_bias": {"99999999": 1}},
         {"kv_cache": {"max_kv": 10**9}},
         {"messages": [{"role": "user", "content": "word " * (CONTEXT + 100)}]},
@@ -74,7 +74,7 @@ def test_a_prompt_longer_than_the_context_is_refused_naming_both_numbers(api):
         ("function_call", "auto"),
         ("response_format", {"type": "xml"}),
         ("tool_choice", "required"),  # without tools
-        ("n", 3),
+        ("n", 9),  # over MAX_CHOICES
     ],
 )
 def test_unsupported_fields_are_a_400_naming_them(api, field, value):
