@@ -12,6 +12,7 @@ from __future__ import annotations
 from cache.scores.attn import AttnScore
 from cache.scores.base import ScoreRule, per_kv_head, softmax_of
 from cache.scores.ema import EmaScore
+from cache.scores.learned import LearnedScore
 from cache.scores.mean import MeanAttnScore
 from cache.scores.snap import SnapScore
 from cache.scores.tova import TovaScore
@@ -20,6 +21,7 @@ from config.cache_spec import SCORE_RULES, choose
 RULES: dict[str, type[ScoreRule]] = {
     "attn": AttnScore,
     "ema": EmaScore,
+    "learned": LearnedScore,
     "mean": MeanAttnScore,
     "snap": SnapScore,
     "tova": TovaScore,
@@ -36,6 +38,7 @@ __all__ = [
     "RULES",
     "AttnScore",
     "EmaScore",
+    "LearnedScore",
     "MeanAttnScore",
     "SnapScore",
     "TovaScore",
