@@ -76,6 +76,17 @@ def bind_rules(model: nn.Module, caches: list) -> str | None:
     return notice
 
 
+def unbound_rule_notices(caches: list) -> list[str]:
+    """[the notice] where a layer's rule that binds to the model found no gates, else []."""
+    from cache.retention import no_weights_notice
+
+    for c in caches:
+        rule = getattr(c, "score_rule", None)
+        if rule is not None and rule.binds_model and not rule.gated:
+            return [no_weights_notice(rule.name)]
+    return []
+
+
 def make_cache(
     model: nn.Module,
     policy: str | CacheSpec = DEFAULT_POLICY,

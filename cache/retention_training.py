@@ -27,6 +27,7 @@ CPU reductions run in a fixed order, so the same text and seed give the same wei
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -46,10 +47,11 @@ from config.cache_spec import split_segments
 class TrainConfig:
     budgets: tuple[int, ...] = (64, 128)  # max_kv the loss evicts at (each its segments)
     rows: int = 32  # query rows per window the loss reads
-    steps: int = 200  # Adam steps per layer
-    lr: float = 0.05
+    steps: int = 30  # Adam steps per layer
+    check: int = 10  # steps between held-out checks (the best check's weights are kept)
+    lr: float = 0.003
     temperature: float = 1.0  # of the soft keep, in log-rank units
-    l2: float = 1e-3  # on the standardised weights
+    l2: float = 0.1  # on the standardised weights (the raw values overfit without it)
     seed: int = 0
 
 
@@ -164,16 +166,42 @@ def _output_loss(data: LayerData, keep: mx.array) -> mx.array:
     return (projected * err).sum(axis=-1).sum(axis=2)  # [W, H, R]
 
 
+BISECTIONS = 24  # steps of the soft threshold's search
+
+
 def _keep(data: LayerData, g: mx.array, middle: mx.array, heavy: int, temperature: float | None):
-    """Soft (temperature) or hard (None) keep shares [W, H, R, T] under gate values g."""
+    """Soft (temperature) or hard (None) keep shares [W, H, R, T] under gate values g: the
+    sinks and recent window 1, the middle keys `heavy` in all (a row with no more middle
+    keys than that keeps them all)."""
     score = data.base + g[:, :, None, :]
-    masked = mx.where(middle, score, -mx.inf)
-    top = mx.sort(mx.topk(masked, heavy + 1, axis=-1), axis=-1)
-    tau = mx.stop_gradient((top[..., 0:1] + top[..., 1:2]) / 2)
+    crowded = middle.sum(axis=-1, keepdims=True) > heavy  # [R, 1]: eviction has to choose
     if temperature is None:
-        inside = score >= tau
+        top = mx.topk(mx.where(middle, score, -mx.inf), heavy, axis=-1).min(axis=-1, keepdims=True)
+        inside = (score >= top) | ~crowded
         return mx.where(middle, inside.astype(mx.float32), 1.0)
-    return mx.where(middle, mx.sigmoid((score - tau) / temperature), 1.0)
+    tau = _soft_threshold(score, middle, heavy, temperature)
+    soft = mx.where(crowded, mx.sigmoid((score - tau) / temperature), 1.0)
+    return mx.where(middle, soft, 1.0)
+
+
+def _soft_threshold(score: mx.array, middle: mx.array, heavy: int, temperature: float):
+    """tau [W, H, R, 1] at which the middle keys' soft shares sum to `heavy`: found by
+    bisection, its gradient the implicit one (d tau / d score_i = s'_i / sum_j s'_j), so a
+    step of the gates swaps who is kept and cannot keep more."""
+    fixed = mx.stop_gradient(score)
+    masked = mx.where(middle, fixed, -mx.inf)
+    lo = mx.topk(masked, heavy + 1, axis=-1).min(axis=-1, keepdims=True) - 8 * temperature
+    hi = masked.max(axis=-1, keepdims=True) + 8 * temperature
+    lo = mx.where(mx.isfinite(lo), lo, hi - 16 * temperature)
+    for _ in range(BISECTIONS):
+        mid = (lo + hi) / 2
+        count = mx.where(middle, mx.sigmoid((fixed - mid) / temperature), 0.0).sum(-1, True)
+        lo, hi = mx.where(count > heavy, mid, lo), mx.where(count > heavy, hi, mid)
+    tau0 = (lo + hi) / 2
+    share = mx.sigmoid((fixed - tau0) / temperature)
+    slope = mx.where(middle, share * (1 - share), 0.0)
+    moved = mx.where(middle, score - fixed, 0.0)  # 0, with score's gradient
+    return tau0 + (slope * moved).sum(-1, True) / mx.maximum(slope.sum(-1, True), 1e-12)
 
 
 def _gate_values(data: LayerData, w: mx.array) -> mx.array:
@@ -201,23 +229,45 @@ def _references(data: LayerData, cuts: list, temperature: float | None) -> list[
     return refs
 
 
-def fit_layer(data: LayerData, cuts: list, config: TrainConfig) -> mx.array:
-    """Standardised weights [H, F] of one layer's gates."""
+@functools.cache
+def _objective(heavies: tuple[int, ...], temperature: float, l2: float) -> Callable:
+    """(w, the layer's arrays, middles, refs) -> (loss, its gradient in w), compiled once:
+    every layer of a model has the same shapes."""
+
+    def objective(w, feats, base, probs, values, out, gram, middles, refs):
+        data = LayerData(feats, base, probs, values, out, gram)
+        cuts = list(zip(middles, heavies, strict=True))
+        return layer_loss(data, w, cuts, refs, temperature) + l2 * (w * w).sum()
+
+    return mx.compile(mx.value_and_grad(objective))
+
+
+def fit_layer(
+    data: LayerData, cuts: list, config: TrainConfig, held: LayerData | None = None
+) -> tuple[mx.array, float | None]:
+    """(standardised weights [H, F] of one layer's gates, their held-out loss): Adam from
+    0 (`mean`). With `held`, the weights kept are those of the check (every `check` steps,
+    and 0 itself) with the lowest held-out loss: a layer whose gates do not carry over
+    keeps `mean`."""
     refs = _references(data, cuts, config.temperature)
-    w = mx.zeros(data.feats.shape[1::2])
+    step = _objective(tuple(h for _, h in cuts), config.temperature, config.l2)
+    arrays = (data.feats, data.base, data.probs, data.values, data.out, data.gram)
+    middles = [m for m, _ in cuts]
+    params = {"w": mx.zeros(data.feats.shape[1::2])}
     opt = optim.Adam(learning_rate=config.lr)
-
-    def objective(params):
-        loss = layer_loss(data, params["w"], cuts, refs, config.temperature)
-        return loss + config.l2 * (params["w"] ** 2).sum()
-
-    grad = mx.value_and_grad(objective)
-    params = {"w": w}
-    for _ in range(config.steps):
-        _, grads = grad(params)
-        params = opt.apply_gradients(grads, params)
+    best, best_loss = params["w"], None
+    if held is not None:
+        held_refs = _references(held, cuts, None)
+        best_loss = 1.0  # g = 0 is mean itself: the ratio 1 by definition
+    for n in range(1, config.steps + 1):
+        _, grad = step(params["w"], *arrays, middles, refs)
+        params = opt.apply_gradients({"w": grad}, params)
         mx.eval(params, opt.state)
-    return params["w"]
+        if held is not None and (n % config.check == 0 or n == config.steps):
+            loss = layer_loss(held, params["w"], cuts, held_refs, None).item()
+            if loss < best_loss:
+                best, best_loss = params["w"], loss
+    return (params["w"] if held is None else best), best_loss
 
 
 def train_retention(
@@ -267,16 +317,16 @@ def train_retention(
         mu = stacked.mean(axis=(0, 2))[None, :, None]
         sigma = mx.maximum(mx.sqrt(((stacked - mu) ** 2).mean(axis=(0, 2))), 1e-6)[None, :, None]
         data = _stack(store, gram, mu, sigma)
-        w_std = fit_layer(data, cuts, config)
+        hdata = None if held is None else _stack(held[n], gram, mu, sigma)
+        w_std, held_loss = fit_layer(data, cuts, config, hdata)
         w = w_std / sigma[0, :, 0]  # g = ((f - mu) / sigma) . w_std = f . w + b
         b = -(mu[0, :, 0] * w).sum(axis=-1)
         w_all.append(w)
         b_all.append(b)
-        if held is not None:
-            hdata = _stack(held[n], gram, mu, sigma)
-            hrefs = _references(hdata, cuts, None)
-            held_losses.append(layer_loss(hdata, w_std, cuts, hrefs, None).item())
-        del data, store
+        if held_loss is not None:
+            held_losses.append(held_loss)
+            held[n] = None
+        del data, store, hdata
         train[n] = None
         tick()
     w = mx.stack(w_all)

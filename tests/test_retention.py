@@ -121,9 +121,9 @@ def test_every_evicting_policy_takes_the_learned_rule(policy, trained):
         assert all(c.size() <= 17 for c in caches)
     rule = caches[0].score_rule
     if policy in WITHOUT_KV:
-        assert all(np.array_equal(a, b) for a, b in zip(kept["learned"], kept["mean"]))
+        assert all(np.array_equal(a, b) for a, b in zip(kept["learned"], kept["mean"], strict=True))
     else:
         assert not all(
             a.shape == b.shape and np.array_equal(a, b)
-            for a, b in zip(kept["learned"], kept["mean"])
+            for a, b in zip(kept["learned"], kept["mean"], strict=True)
         ), f"{policy}: the gates changed nothing ({rule})"

@@ -16,6 +16,7 @@ from cache.scores.learned import LearnedScore
 from cache.scores.mean import MeanAttnScore
 from cache.scores.snap import SnapScore
 from cache.scores.tova import TovaScore
+from cache.scores.value import ValueScore
 from config.cache_spec import SCORE_RULES, choose
 
 RULES: dict[str, type[ScoreRule]] = {
@@ -25,6 +26,7 @@ RULES: dict[str, type[ScoreRule]] = {
     "mean": MeanAttnScore,
     "snap": SnapScore,
     "tova": TovaScore,
+    "value": ValueScore,
 }
 assert set(RULES) == set(SCORE_RULES), "config/cache_spec.SCORE_RULES and RULES disagree"
 
@@ -42,6 +44,7 @@ __all__ = [
     "MeanAttnScore",
     "SnapScore",
     "TovaScore",
+    "ValueScore",
     "ScoreRule",
     "make_score_rule",
     "per_kv_head",
