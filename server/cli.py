@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="--retention: text to train on (windows from its start, then --held-out more); "
-        "default: the train splits of the essays and the standard library (bench/splits.py), "
+        "default: the train splits of the essays and the standard library (cache/text_splits.py), "
         "the held-out windows from their select splits",
     )
     cal.add_argument("--held-out", type=int, default=4, help="--retention: held-out windows")
@@ -382,7 +382,7 @@ def retention_text(args: argparse.Namespace, tokenizer) -> tuple[list, list, str
             raise ValueError(f"{args.text_file}: {len(ids)} tokens, {needed} needed")
         cut = [ids[i * tokens : (i + 1) * tokens] for i in range(windows + args.held_out)]
         return cut[:windows], cut[windows:], f"{args.text_file.name}: windows from its start"
-    from bench.splits import CORPORA, split_windows
+    from cache.text_splits import CORPORA, split_windows
 
     train, held = [], []
     for n, corpus in enumerate(CORPORA):  # half of each from each kind of text
@@ -391,7 +391,7 @@ def retention_text(args: argparse.Namespace, tokenizer) -> tuple[list, list, str
         train += split_windows(tokenizer, corpus, "train", share, tokens)
         if held_share:
             held += split_windows(tokenizer, corpus, "select", held_share, tokens)
-    return train, held, "bench/splits.py: essays + code, train split (held out: select split)"
+    return train, held, "cache/text_splits.py: essays + code, train split (held out: select split)"
 
 
 def cmd_calibrate_retention(args: argparse.Namespace) -> int:
