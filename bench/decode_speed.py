@@ -52,8 +52,19 @@ def cases(context: int, max_kv: int) -> list[tuple[str, dict | None, str | None]
         (f"h2o, no eviction (max_kv {roomy})", {"policy": "h2o", "max_kv": roomy}, STOCK),
         (rotating, {"policy": "rotating", "max_kv": max_kv}, None),
         (h2o, {"policy": "h2o", "max_kv": max_kv}, rotating),
+        # score rule learned: mean's rank times gates of the held K/V at each eviction
+        (
+            f"h2o {max_kv} learned, evicting",
+            {"policy": "h2o", "max_kv": max_kv, "score": "learned"},
+            h2o,
+        ),  # fmt: skip
         (f"h2o-merge {max_kv}, evicting", {"policy": "h2o-merge", "max_kv": max_kv}, h2o),
         (f"h2o-q8 {max_kv}, evicting", {"policy": "h2o-q8", "max_kv": max_kv}, h2o),
+        (
+            f"h2o-q8 {max_kv} learned, evicting",
+            {"policy": "h2o-q8", "max_kv": max_kv, "score": "learned"},
+            f"h2o-q8 {max_kv}, evicting",
+        ),  # fmt: skip
         (f"h2o-recall {max_kv}, evicting", {"policy": "h2o-recall", "max_kv": max_kv}, h2o),
         (f"h2o-q4 {max_kv}, evicting", {"policy": "h2o-q4", "max_kv": max_kv}, h2o),
         (f"h2o-kvarn {max_kv}, evicting", {"policy": "h2o-kvarn", "max_kv": max_kv}, h2o),

@@ -19,7 +19,7 @@ from pathlib import Path
 from bench.eval_cli import eval_records
 from bench.report import command, machine, publish
 
-RULES = ["attn", "mean", "tova", "snap"]
+RULES = ["attn", "mean", "tova", "snap", "value", "learned"]
 ADAPTIVE_RULES = ["mean"]  # h2o-ada at the rule that wins plain h2o (its cost is 3x attention)
 MERGE_RULES = ["mean"]  # h2o-merge: the same choice of who leaves, leavers merged, not dropped
 PROFILED = ["h2o", "h2o-merge"]  # per-layer max_kv from the model's layer profile
@@ -35,11 +35,16 @@ def grid_rows(args: argparse.Namespace) -> list[dict]:
     common = [
         "--max-kv", *map(str, args.max_kv), "--seq-len", *map(str, args.seq_len),
         "--samples", str(args.samples), "--full-one-shot",
+        *(["--text-file", str(args.text_file)] if args.text_file else []),
+        *(["--model", args.model] if args.model else []),
     ]  # fmt: skip
     rows = run(["--policy", "full", "rotating", "h2o", "--score", *args.rules, *common])
     for policy, rules in (("h2o-ada", args.adaptive_rules), ("h2o-merge", args.merge_rules)):
         if rules:
             rows += run(["--policy", policy, "--score", *rules, *common])
+    for extra in args.also:  # e.g. h2o-q8=mean,learned
+        policy, _, rules = extra.partition("=")
+        rows += run(["--policy", policy, "--score", *rules.split(","), *common])
     for policy in args.profiled:  # under the model's layer profile (cache/layer_profiles.py)
         only_profiled = ["--layer-budgets", "auto", "--score", args.profiled_rule]
         rows += run(["--policy", policy, *only_profiled, *common])
@@ -98,13 +103,27 @@ def main(argv: list[str] | None = None) -> int:
         help="policies also run under the model's layer profile (--layer-budgets auto)",
     )
     p.add_argument("--profiled-rule", default="mean", help="their score rule")
+    p.add_argument(
+        "--also",
+        nargs="*",
+        default=[],
+        help="more policies and their rules, POLICY=RULE[,RULE] (e.g. h2o-q8=mean,learned)",
+    )
+    p.add_argument(
+        "--text-file",
+        type=Path,
+        default=None,
+        help="the text (default: the essays; a split: python -m bench.splits --write DIR)",
+    )
+    p.add_argument("--model", default=None, help="as for eval ppl (default: the default model)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     rows = grid_rows(args)
     publish(
         "Eviction rules: rule x max_kv x sequence length",
-        f"Default model, autoregressive, {args.samples} essay samples of {max(args.seq_len)} "
-        "tokens (shorter lengths are their prefixes), `heavy` preset, perplexity increase "
+        f"Model {args.model or 'default'}, autoregressive, {args.samples} samples of "
+        f"{max(args.seq_len)} tokens of {args.text_file.name if args.text_file else 'the essays'}"
+        " (shorter lengths are their prefixes), `heavy` preset, perplexity increase "
         "over the full cache, and in parentheses its ratio to the rotating window's increase "
         f"at the same max_kv and length. Machine: {machine()}.",
         command("bench.rules_grid", argv),

@@ -47,6 +47,10 @@ class AdaptiveH2OKVCache(H2OKVCache):
         self.n_heads = 0
         self.heads = None  # uint8 [B, 1, capacity]: the KV head each slot belongs to
 
+    def ranking_kv(self, n: int) -> None:
+        """Heads share one slot axis: a per-head rule reading K/V ranks without them."""
+        return None
+
     @property
     def _slots_per_token(self) -> int:
         return max(1, self.n_heads)
@@ -148,7 +152,7 @@ class AdaptiveH2OKVCache(H2OKVCache):
         keep = H * (self.max_size + 1 - self.evict_batch)
         pos, heads = self.positions[..., :n], self.heads[..., :n]
         middle = self.in_middle(pos, self.seen)
-        value = self.score_rule.rank(self.scores[..., :n], pos, self.seen)
+        value = self.rule_rank(self.scores[..., :n], pos, self.seen)
         guard = int(self.floor * self.heavy)
         if guard:
             value = mx.where(self._best_of_each_head(value, heads, middle, guard), mx.inf, value)

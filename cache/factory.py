@@ -6,6 +6,7 @@ build each layer (`from_spec`); nothing here knows a policy by name.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import mlx.core as mx
@@ -19,6 +20,8 @@ from cache.router import install_router, verify_routing
 from config.cache_spec import DEFAULT_POLICY, CacheSpec
 from config.policies import FULL, POLICIES, Policy
 from models.shape import layer_windows
+
+log = logging.getLogger("h2o_server.cache")
 
 
 def head_dim_of(model: nn.Module) -> int | None:
@@ -45,6 +48,43 @@ def window_fallback(policy: Policy, windows: list[int | None], max_kv: int) -> s
         f"{policy.name} has no cache inside a window, so those layers keep "
         f"{policy.in_window.name} caches of max_kv {max_kv} tokens"
     )
+
+
+_TOLD: set[int] = set()  # models already told that they have no retention gates
+
+
+def bind_rules(model: nn.Module, caches: list) -> str | None:
+    """Give each layer's rule that binds to the model (`learned`) this model's gates for
+    that layer (cache/retention.py); where the model has none they rank by their base
+    rule, which is logged once per model. Returns that notice, or None."""
+    rules = [c.score_rule for c in caches if getattr(c, "score_rule", None) is not None]
+    if not any(r.binds_model for r in rules):
+        return None
+    from cache.retention import for_model, no_weights_notice
+
+    found = for_model(model)
+    for layer, c in enumerate(caches):
+        rule = getattr(c, "score_rule", None)
+        if rule is not None and rule.binds_model:
+            c.score_rule = rule.bound(found.signature if found else "", layer)
+    if found is not None:
+        return None
+    notice = no_weights_notice(rules[0].name)
+    if id(model) not in _TOLD:
+        _TOLD.add(id(model))
+        log.warning("%s", notice)
+    return notice
+
+
+def unbound_rule_notices(caches: list) -> list[str]:
+    """[the notice] where a layer's rule that binds to the model found no gates, else []."""
+    from cache.retention import no_weights_notice
+
+    for c in caches:
+        rule = getattr(c, "score_rule", None)
+        if rule is not None and rule.binds_model and not rule.gated:
+            return [no_weights_notice(rule.name)]
+    return []
 
 
 def make_cache(
@@ -109,6 +149,7 @@ def make_cache(
             if info.reindexes and wall and rope is not None:  # sliding layers see no far keys
                 cache.set_context(rope, wall)
             caches.append(cache)
+    bind_rules(model, caches)
     if info.scored:
         install_router(model)
         verify_routing(model, caches)

@@ -704,6 +704,10 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         """(slots kept, slots leaving) [B, H, *], the leavers counted as evicted."""
         return self.split(self.eviction_ranks(self.positions[..., : self.used]))
 
+    def ranking_kv(self, n: int) -> tuple[mx.array, mx.array] | None:
+        """Dense K/V of slots [0, n), as stored."""
+        return self.keys[:, :, :n], self.values[:, :, :n]
+
     def eviction_ranks(self, pos: mx.array) -> mx.array:
         """What eviction keeps the top of (HeavyHitters.rank_middle over the held slots)."""
         return self.rank_middle(self.scores[..., : self.used], pos, self.seen)

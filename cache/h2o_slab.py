@@ -288,6 +288,8 @@ class H2OSlabLayer(ScoredCache):
         if key not in _EVICTIONS:
             _EVICTIONS[key] = compiled_on_template(caches[0], _free_leaving, ("held", "scores"))
         buffers = {"scores": self.scores, "positions": self.positions, "held": self.held}
+        if caches[0].score_rule.reads_kv:  # the rule ranks by the rows' keys and values too
+            buffers |= {n: getattr(self, n) for n in self.names if n not in buffers}
         seen = (self.slab.seen_at_start() + 1).reshape(-1, 1, 1)  # this token's counted
         scalars = {"seen": seen, "evicting": mx.array(full)}
         out = _EVICTIONS[key](buffers, scalars)

@@ -67,8 +67,18 @@ class HeavyHitters:
 
     def rank_middle(self, scores: mx.array, pos: mx.array, seen) -> mx.array:
         """What eviction keeps the top of: middle tokens by the rule, sinks and recent +inf."""
-        value = self.score_rule.rank(scores, pos, seen)
-        return mx.where(self.in_middle(pos, seen), value, mx.inf)
+        return mx.where(self.in_middle(pos, seen), self.rule_rank(scores, pos, seen), mx.inf)
+
+    def rule_rank(self, scores: mx.array, pos: mx.array, seen) -> mx.array:
+        """The rule's rank of the first n held slots (n: `scores`' last axis), with their
+        keys and values when the rule reads them (`ranking_kv`)."""
+        kv = self.ranking_kv(scores.shape[-1]) if self.score_rule.reads_kv else None
+        return self.score_rule.rank(scores, pos, seen, kv)
+
+    def ranking_kv(self, n: int) -> tuple[mx.array, mx.array] | None:
+        """Dense (keys, values) [B, H, n, D] of the first n slots, for a rule that reads
+        them; None: this layout cannot hand them over (the rule ranks without)."""
+        return None
 
     def split(self, ranked: mx.array) -> tuple[mx.array, mx.array]:
         """(slots kept, slots leaving) [B, H, *] of `ranked` [B, H, held]; the leavers

@@ -126,7 +126,7 @@ class MergingH2OKVCache(H2OKVCache):
         # What a slot weighs in a merge: the attention it draws per query (the rule's rank;
         # a merged slot's already counts its tokens', through its log(count) bias). Kept
         # above 0 so that a merge never divides by 0.
-        rank = self.score_rule.rank(self.scores[..., :n], self.positions[..., :n], self.seen)
+        rank = self.rule_rank(self.scores[..., :n], self.positions[..., :n], self.seen)
         weight = mx.maximum(rank, 1e-9)
         kept, gone = self._eviction_split()
         keep = kept.shape[-1]

@@ -33,6 +33,10 @@ class MixedH2OKVCache(H2OKVCache):
     exactly the window's tokens (an array, or a packed list when quantized).
     """
 
+    def ranking_kv(self, n: int) -> None:
+        """Two segments at two widths: a rule reading K/V ranks without them here."""
+        return None
+
     def __init__(
         self,
         max_size: int,

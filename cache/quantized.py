@@ -244,6 +244,21 @@ class QuantizedH2OKVCache(H2OKVCache):
         # Read a few times a layer and step: one instance per format, not one per read.
         return _kv_format(self.bits, self.value_bits, self.group_size, self.rotate)
 
+    def ranking_kv(self, n: int) -> tuple[mx.array, mx.array]:
+        """Slots [0, n) unpacked, rotated back and the key centre added: the K/V as they
+        came (to the rounding), for a rule that reads them. Pending packed copies (the dense
+        tail's) sit in the recent window, which no rule ranks."""
+        gs = self.group_size
+        keys = mx.dequantize(*(a[:, :, :n] for a in self.keys), group_size=gs, bits=self.bits)
+        values = mx.dequantize(
+            *(a[:, :, :n] for a in self.values), group_size=gs, bits=self.value_bits
+        )
+        if self.rotate:  # the Hadamard rotation is its own inverse
+            keys, values = rotate(keys), rotate(values)
+        if self.key_center is not None:
+            keys = keys + self.key_center
+        return keys, values
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Centre the keys (the first tokens fix the centre), keep sinks dense, store all."""
         if self.positions is None:  # the first tokens (a restored cache keeps its own)

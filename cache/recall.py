@@ -211,7 +211,7 @@ class RecallH2OKVCache(H2OKVCache):
         n = self.used
         kept, gone = self._eviction_split()
         if self.archive:
-            ranks = self.score_rule.rank(self.scores[..., :n], self.positions[..., :n], self.seen)
+            ranks = self.rule_rank(self.scores[..., :n], self.positions[..., :n], self.seen)
             self._archive(
                 mx.take_along_axis(self.keys[:, :, :n], gone[..., None], axis=2),
                 mx.take_along_axis(self.values[:, :, :n], gone[..., None], axis=2),

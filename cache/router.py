@@ -20,7 +20,8 @@ Without that, its H2O cache would never evict and the memory budget would break.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -85,6 +86,28 @@ def install_router(model: nn.Module) -> list[str]:
         if not hasattr(fn, "h2o_original"):
             setattr(sys.modules[name], _ATTR, _route(fn))
     return list(modules)
+
+
+@contextmanager
+def tapped(model: nn.Module, tap: Callable) -> Iterator[None]:
+    """Inside: `tap(queries, keys, values, scale, mask)` sees every attention call of the
+    model (layer by layer, in order) before it runs as it would (training reads them)."""
+    modules = _attention_modules(model)
+
+    def wrap(fn: Callable) -> Callable:
+        def tapped_sdpa(queries, keys, values, cache=None, scale=1.0, mask=None, **kw):
+            tap(queries, keys, values, scale, mask)
+            return fn(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
+
+        return tapped_sdpa
+
+    for name, fn in modules.items():
+        setattr(sys.modules[name], _ATTR, wrap(fn))
+    try:
+        yield
+    finally:
+        for name, fn in modules.items():
+            setattr(sys.modules[name], _ATTR, fn)
 
 
 def uninstall_router(model: nn.Module) -> None:

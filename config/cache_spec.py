@@ -24,6 +24,9 @@ SCORE_RULES: dict[str, str] = {
     "mean": "accumulated probability per query that has seen the key (no bias toward old keys)",
     "tova": "probability from the newest query only (TOVA)",
     "snap": "SnapKV: a prompt's last 32 queries vote, max-pooled over 5 neighbours",
+    "value": "mean times the value's distance from the held values' mean (DropKV-like)",
+    "learned": "mean times a retention gate of key and value trained per model "
+    "(cache/retention.py; mean where the model has none)",
 }
 # h2o-mixed layouts (cache/quantized.py implements them; docs/quantized.md measures them).
 MIXED_SCHEMES: dict[str, str] = {

@@ -11,6 +11,7 @@ import argparse
 import sys
 import time
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
@@ -192,16 +193,42 @@ def build_parser() -> argparse.ArgumentParser:
 
     cal = sub.add_parser(
         "calibrate",
-        help="measure a layer profile: what bounding each layer's cache alone costs",
-        description="Writes the profile `--layer-budgets PATH` reads (cache/layer_profiles.py).",
+        help="measure a layer profile (what bounding each layer's cache alone costs), or "
+        "with --retention train the `learned` score rule's gates",
+        description="Writes the profile `--layer-budgets PATH` reads (cache/layer_profiles.py); "
+        "with --retention, the retention gates score rule `learned` finds by the model's "
+        "weights (cache/retention.py, cache/retention_training.py).",
     )
     cal.add_argument("--model", default="default")
-    cal.add_argument("--out", required=True, help="the profile file to write (JSON)")
+    cal.add_argument(
+        "--out",
+        default=None,
+        help="the file to write: a profile (JSON, required), or with --retention the gates "
+        "(default: ~/.cache/h2o-server/retention/<model>.safetensors, where `learned` looks)",
+    )
     cal.add_argument(
         "--policy", nargs="+", default=[p.name for p in CALIBRATED], choices=list(POLICIES)
     )
-    cal.add_argument("--windows", type=int, default=8, help="calibration text windows")
-    cal.add_argument("--tokens", type=int, default=512, help="tokens per window")
+    cal.add_argument(
+        "--windows", type=int, default=None, help="text windows (8; --retention: 12 to train)"
+    )
+    cal.add_argument(
+        "--tokens", type=int, default=None, help="tokens per window (512; --retention: 1024)"
+    )
+    cal.add_argument(
+        "--retention", action="store_true", help="train retention gates for score rule learned"
+    )
+    cal.add_argument(
+        "--text-file",
+        type=Path,
+        default=None,
+        help="--retention: text to train on (windows from its start, then --held-out more); "
+        "default: the train splits of the essays and the standard library (cache/text_splits.py), "
+        "the held-out windows from their select splits",
+    )
+    cal.add_argument("--held-out", type=int, default=4, help="--retention: held-out windows")
+    cal.add_argument("--steps", type=int, default=None, help="--retention: Adam steps per layer")
+    cal.add_argument("--seed", type=int, default=0, help="--retention: which query rows it reads")
     cal.add_argument("--max-kv", type=int, default=32, help="the bounded layer's max_kv")
     cal.add_argument("--chunk", type=int, default=16, help="tokens per forward pass")
     _add_serve_parser(sub)
@@ -330,16 +357,76 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from server.engine.layer_budgets import calibrate_profile
 
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+    if args.retention:
+        return cmd_calibrate_retention(args)
+    if args.out is None:
+        raise ValueError("calibrate: --out names the profile file to write")
     model, tokenizer = load_model(args.model)
     profile = calibrate_profile(
-        model, tokenizer, served_model_id(args.model), args.policy, args.windows,
-        args.tokens, args.max_kv, args.chunk,
+        model, tokenizer, served_model_id(args.model), args.policy, args.windows or 8,
+        args.tokens or 512, args.max_kv, args.chunk,
     )  # fmt: skip
     profile.save(args.out)
     for policy in args.policy:
         shares = [s for s in profile.shares(policy) or () if s is not None]
         print(f"{policy}: layer shares {min(shares):.2f}-{max(shares):.2f}", file=sys.stderr)
     print(args.out)
+    return 0
+
+
+def retention_text(args: argparse.Namespace, tokenizer) -> tuple[list, list, str]:
+    """(training windows, held-out windows, what they are) for `calibrate --retention`."""
+    windows, tokens = args.windows or 12, args.tokens or 1024
+    if args.text_file is not None:
+        ids = tokenizer.encode(args.text_file.read_text(), add_special_tokens=False)
+        needed = (windows + args.held_out) * tokens
+        if len(ids) < needed:
+            raise ValueError(f"{args.text_file}: {len(ids)} tokens, {needed} needed")
+        cut = [ids[i * tokens : (i + 1) * tokens] for i in range(windows + args.held_out)]
+        return cut[:windows], cut[windows:], f"{args.text_file.name}: windows from its start"
+    from cache.text_splits import CORPORA, split_windows
+
+    train, held = [], []
+    for n, corpus in enumerate(CORPORA):  # half of each from each kind of text
+        share = windows // len(CORPORA) + (n < windows % len(CORPORA))
+        held_share = args.held_out // len(CORPORA) + (n < args.held_out % len(CORPORA))
+        train += split_windows(tokenizer, corpus, "train", share, tokens)
+        if held_share:
+            held += split_windows(tokenizer, corpus, "select", held_share, tokens)
+    return train, held, "cache/text_splits.py: essays + code, train split (held out: select split)"
+
+
+def cmd_calibrate_retention(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from cache.retention import USER, forget
+    from cache.retention_training import TrainConfig, train_retention
+    from models.loading import load_model, served_model_id
+
+    model, tokenizer = load_model(args.model)
+    train, held, text = retention_text(args, tokenizer)
+    config = TrainConfig(seed=args.seed, **({"steps": args.steps} if args.steps else {}))
+    bar = tqdm(total=1, unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.set_description("recording" if done <= len(train) + len(held) else "fitting layers")
+        bar.update(done - bar.n)
+
+    name = served_model_id(args.model)
+    retention = train_retention(model, train, held, name, config, text, progress)
+    bar.close()
+    out = Path(args.out) if args.out else USER / f"{Path(name).name}.safetensors"
+    retention.save(out)
+    forget(model)
+    loss = retention.training["held_out_loss"]
+    print(
+        f"retention gates for {name}: {len(train)} windows of {len(train[0])} tokens, "
+        f"{retention.training['seconds']:.0f} s; held-out loss {loss} of mean's 1.0 "
+        f"({len(held)} windows: each layer's attention output change under eviction)",
+        file=sys.stderr,
+    )
+    print(out)
     return 0
 
 

@@ -12,17 +12,21 @@ from __future__ import annotations
 from cache.scores.attn import AttnScore
 from cache.scores.base import ScoreRule, per_kv_head, softmax_of
 from cache.scores.ema import EmaScore
+from cache.scores.learned import LearnedScore
 from cache.scores.mean import MeanAttnScore
 from cache.scores.snap import SnapScore
 from cache.scores.tova import TovaScore
+from cache.scores.value import ValueScore
 from config.cache_spec import SCORE_RULES, choose
 
 RULES: dict[str, type[ScoreRule]] = {
     "attn": AttnScore,
     "ema": EmaScore,
+    "learned": LearnedScore,
     "mean": MeanAttnScore,
     "snap": SnapScore,
     "tova": TovaScore,
+    "value": ValueScore,
 }
 assert set(RULES) == set(SCORE_RULES), "config/cache_spec.SCORE_RULES and RULES disagree"
 
@@ -36,9 +40,11 @@ __all__ = [
     "RULES",
     "AttnScore",
     "EmaScore",
+    "LearnedScore",
     "MeanAttnScore",
     "SnapScore",
     "TovaScore",
+    "ValueScore",
     "ScoreRule",
     "make_score_rule",
     "per_kv_head",

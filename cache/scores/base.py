@@ -26,6 +26,10 @@ class ScoreRule:
     # `accumulate` adds each key's softmax probability summed over the rows and heads (the
     # attention's own column sums): a GPU kernel computes that without the logits.
     sums_probabilities: ClassVar[bool] = False
+    # `rank` reads the held keys and values (`kv`), which the cache hands it when it can.
+    reads_kv: ClassVar[bool] = False
+    # make_cache binds each layer's rule to the model (`bound(signature, layer)`).
+    binds_model: ClassVar[bool] = False
 
     def accumulate(
         self, held: mx.array, logits: mx.array, n_kv_heads: int, probs: mx.array | None = None
@@ -38,10 +42,13 @@ class ScoreRule:
         """
         raise NotImplementedError
 
-    def rank(self, importance: mx.array, positions: mx.array, offset: int) -> mx.array:
-        """What eviction keeps the largest of (default: the importance itself).
+    def rank(self, importance: mx.array, positions: mx.array, offset: int, kv=None) -> mx.array:
+        """What eviction keeps the largest of (default: the importance itself); >= 0, since
+        h2o-merge weighs merged slots by it.
 
-        positions: the token index each slot holds; offset: tokens seen so far.
+        positions: the token index each slot holds; offset: tokens seen so far; kv: the
+        held (keys, values), dense [B, H, n, D] in slot order, for rules that read them
+        (`reads_kv`; None where the cache cannot hand them over).
         """
         return importance
 

@@ -22,6 +22,6 @@ class MeanAttnScore(AttnScore):
     name = "mean"
     power: float = 1.0
 
-    def rank(self, importance: mx.array, positions: mx.array, offset: int) -> mx.array:
+    def rank(self, importance: mx.array, positions: mx.array, offset, kv=None) -> mx.array:
         seen_by = (offset - positions).astype(mx.float32)  # >= 1: a key sees its own query
         return importance / (seen_by if self.power == 1.0 else seen_by**self.power)

@@ -33,7 +33,7 @@ class SnapScore(ScoreRule):
         # still counts rows before the last window (a block cannot see the chunk's end).
         return held + per_kv_head(probs[:, :, -self.window :], n_kv_heads)
 
-    def rank(self, importance: mx.array, positions: mx.array, offset: int) -> mx.array:
+    def rank(self, importance: mx.array, positions: mx.array, offset, kv=None) -> mx.array:
         """Each slot's score max-pooled over its neighbours in position order, per head."""
         if self.kernel // 2 == 0:
             return importance

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from cache import configure, make_cache
 from cache.budget import Budget, ModelShape, fit_spec, parse_bytes, session_bytes
-from cache.factory import window_fallback
+from cache.factory import unbound_rule_notices, window_fallback
 from config.cache_spec import CacheSpec
 from config.settings import ServerSettings
 from models.loading import DEFAULT_MODEL, load_model, served_model_id
@@ -103,10 +103,12 @@ class Engine:
             dense_recent=settings.kv_dense_recent,
             kvarn=settings.kvarn,
         )
-        make_cache(model, spec)  # fails now, not on the first request, if the policy cannot run
+        # fails now, not on the first request, if the policy cannot run
+        caches = make_cache(model, spec)
         notices = startup_notices(shape, spec, layer_windows(model))
         for notice in notices:
             log.warning("%s", notice)
+        notices += unbound_rule_notices(caches)  # make_cache logged it
         spill_budget = (
             2 * total if settings.spill_budget == "auto" else parse_bytes(settings.spill_budget)
         )

@@ -1,0 +1,344 @@
+"""Training retention gates against the frozen model, with the budget in the loop.
+
+One full-cache forward pass per training window records, for every layer, what the
+gate's loss needs: each token's gate inputs (cache/retention.py `features` of its key
+and value), the values, and at some sampled query rows t the attention probabilities
+p_ti, the attention output o_t, and `mean`'s rank of every key at that step (the
+probability it drew from the queries before t, per query). The model is never run
+again: each layer's gate is then fitted on its own, a few hundred Adam steps on those
+arrays, the model's weights untouched.
+
+The loss is eviction relaxed. At query t, under a budget of max_kv tokens split as the
+cache splits it (sinks, heavy, recent: config/cache_spec.split_segments), the sinks and
+the recent window are kept and each middle key i is kept by a soft share
+sigmoid((r_ti - tau_t) / temperature), where r_ti = log(mean rank) + g_i and tau_t sits
+between the heavy-th and (heavy+1)-th largest r_ti of the row (no gradient through it):
+the keys eviction would keep, made differentiable. The kept attention renormalised gives
+o'_t = sum_i keep_i p_ti v_i / sum_i keep_i p_ti; the loss is the squared change it
+makes to the layer's output, ||W_o,h (o'_t - o_t)||^2 summed over query heads,
+relative to the same loss at g = 0 (`mean` itself), averaged over budgets. The held-out
+loss (printed by `h2o-server calibrate --retention`) is that ratio under hard eviction
+(keep the top `heavy`) on windows kept out of training: below 1 the gates lose less
+of each layer's attention output than `mean` does.
+
+Deterministic: the rows are drawn from `seed`, the gates start at 0 (`mean`), and MLX's
+CPU reductions run in a fixed order, so the same text and seed give the same weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from cache.retention import Retention, RopeLayout, feature_count, features, rope_layout, signature
+from cache.router import tapped
+from config.cache_spec import split_segments
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    budgets: tuple[int, ...] = (64, 128)  # max_kv the loss evicts at (each its segments)
+    rows: int = 32  # query rows per window the loss reads
+    steps: int = 30  # Adam steps per layer
+    check: int = 10  # steps between held-out checks (the best check's weights are kept)
+    lr: float = 0.003
+    temperature: float = 1.0  # of the soft keep, in log-rank units
+    l2: float = 0.1  # on the standardised weights (the raw values overfit without it)
+    seed: int = 0
+
+
+@dataclass
+class LayerData:
+    """One layer's recorded arrays over W windows (rows shared by every window)."""
+
+    feats: mx.array  # [W, H, T, F] standardised gate inputs
+    base: mx.array  # [W, H, R, T] log of mean's rank at each sampled row (-inf: unseen)
+    probs: mx.array  # [W, H, G, R, T] attention probabilities, query heads grouped
+    values: mx.array  # [W, H, T, D]
+    out: mx.array  # [W, H, G, R, D] the full cache's attention output
+    gram: mx.array  # [H, G, D, D] W_o's Gram per query head (its output change)
+
+
+def _probabilities(q, k, scale: float, mask) -> mx.array:
+    """softmax(q k^T * scale + mask) [B, n_q, L, T], query heads of a KV head together."""
+    B, n_q, L, D = q.shape
+    n_kv, T = k.shape[1], k.shape[2]
+    qg = q.astype(mx.float32).reshape(B, n_kv, n_q // n_kv, L, D)
+    logits = (qg * scale) @ k.astype(mx.float32)[:, :, None].swapaxes(-1, -2)
+    logits = logits.reshape(B, n_q, L, T)
+    if isinstance(mask, str) or mask is None:
+        causal = mx.arange(T - L, T)[:, None] >= mx.arange(T)[None]
+        logits = mx.where(causal, logits, -mx.inf)
+    elif mask.dtype == mx.bool_:
+        logits = mx.where(mask, logits, -mx.inf)
+    else:
+        logits = logits + mask
+    return mx.softmax(logits, axis=-1, precise=True)
+
+
+def _o_proj_weight(layer: nn.Module) -> mx.array | None:
+    proj = getattr(getattr(layer, "self_attn", None), "o_proj", None)
+    if proj is None:
+        return None
+    if hasattr(proj, "scales"):  # a quantized Linear
+        return mx.dequantize(
+            proj.weight, proj.scales, getattr(proj, "biases", None), proj.group_size, proj.bits
+        )
+    return proj.weight
+
+
+_RECORDED = ("feats", "base", "probs", "values", "out")  # what `record` keeps, per window
+
+
+def record(
+    model: nn.Module,
+    windows: list[list[int]],
+    rows: np.ndarray,
+    rope: RopeLayout,
+    tick: Callable[[], None] | None = None,
+) -> list[dict]:
+    """Per layer, the per-window arrays (lists) the loss reads; `rows`: the sampled query
+    positions (ascending). `tick()` after each window."""
+    per_layer: list[dict] = []
+    r = mx.array(rows)
+    for window in windows:
+        calls: list[tuple] = []
+        tokens = mx.array([int(t) for t in window])[None]
+
+        def tap(q, k, v, scale, mask, calls=calls):
+            p = _probabilities(q, k, scale, mask)[0]  # [n_q, T, T]
+            n_q, n_kv, T = p.shape[0], k.shape[1], p.shape[-1]
+            grouped = p.reshape(n_kv, n_q // n_kv, T, T)
+            before = mx.cumsum(grouped.sum(axis=1), axis=1)[:, r - 1]  # queries < t: [H, R, T]
+            age = (r[:, None] - mx.arange(T)[None]).astype(mx.float32)  # t - i
+            seen = age > 0
+            base = mx.where(seen, mx.log(mx.maximum(before / mx.maximum(age, 1), 1e-30)), -mx.inf)
+            vals = v[0].astype(mx.float32)
+            at_rows = grouped[:, :, r]  # [H, G, R, T]
+            out = at_rows @ vals[:, None]
+            feats = features(k[0], vals, rope)
+            mx.eval(base, at_rows, out, feats)
+            calls.append((feats, base, at_rows, vals, out))
+
+        with tapped(model, tap):
+            mx.eval(model(tokens, cache=make_prompt_cache(model)))
+        if not per_layer:
+            per_layer = [{name: [] for name in _RECORDED} for _ in calls]
+        for store, arrays in zip(per_layer, calls, strict=True):
+            for name, a in zip(_RECORDED, arrays, strict=True):
+                store[name].append(a)
+        if tick:
+            tick()
+    return per_layer
+
+
+def _stack(store: dict, gram: mx.array, mu: mx.array, sigma: mx.array) -> LayerData:
+    feats = (mx.stack(store["feats"]) - mu) / sigma
+    return LayerData(
+        feats, mx.stack(store["base"]), mx.stack(store["probs"]), mx.stack(store["values"]),
+        mx.stack(store["out"]), gram,
+    )  # fmt: skip
+
+
+def _segments(budget: int, rows: np.ndarray, T: int) -> tuple[mx.array, int]:
+    """(middle [R, T]: keys at stake at each row, heavy: how many of them stay)."""
+    seg = split_segments(budget)
+    i = np.arange(T)[None]
+    middle = (i >= seg.sink) & (i < rows[:, None] - seg.recent)
+    return mx.array(middle), seg.heavy
+
+
+def _output_loss(data: LayerData, keep: mx.array) -> mx.array:
+    """||W_o (o' - o)||^2 per window and row, with keys weighted by `keep` [W, H, R, T]."""
+    weights = data.probs * keep[:, :, None]
+    kept = weights.sum(axis=-1, keepdims=True)
+    approx = (weights @ data.values[:, :, None]) / mx.maximum(kept, 1e-30)
+    err = approx - data.out  # [W, H, G, R, D]
+    projected = err @ data.gram  # e^T (W^T W) e, per query head
+    return (projected * err).sum(axis=-1).sum(axis=2)  # [W, H, R]
+
+
+BISECTIONS = 24  # steps of the soft threshold's search
+
+
+def _keep(data: LayerData, g: mx.array, middle: mx.array, heavy: int, temperature: float | None):
+    """Soft (temperature) or hard (None) keep shares [W, H, R, T] under gate values g: the
+    sinks and recent window 1, the middle keys `heavy` in all (a row with no more middle
+    keys than that keeps them all)."""
+    score = data.base + g[:, :, None, :]
+    crowded = middle.sum(axis=-1, keepdims=True) > heavy  # [R, 1]: eviction has to choose
+    if temperature is None:
+        top = mx.topk(mx.where(middle, score, -mx.inf), heavy, axis=-1).min(axis=-1, keepdims=True)
+        inside = (score >= top) | ~crowded
+        return mx.where(middle, inside.astype(mx.float32), 1.0)
+    tau = _soft_threshold(score, middle, heavy, temperature)
+    soft = mx.where(crowded, mx.sigmoid((score - tau) / temperature), 1.0)
+    return mx.where(middle, soft, 1.0)
+
+
+def _soft_threshold(score: mx.array, middle: mx.array, heavy: int, temperature: float):
+    """tau [W, H, R, 1] at which the middle keys' soft shares sum to `heavy`: found by
+    bisection, its gradient the implicit one (d tau / d score_i = s'_i / sum_j s'_j), so a
+    step of the gates swaps who is kept and cannot keep more."""
+    fixed = mx.stop_gradient(score)
+    masked = mx.where(middle, fixed, -mx.inf)
+    lo = mx.topk(masked, heavy + 1, axis=-1).min(axis=-1, keepdims=True) - 8 * temperature
+    hi = masked.max(axis=-1, keepdims=True) + 8 * temperature
+    lo = mx.where(mx.isfinite(lo), lo, hi - 16 * temperature)
+    for _ in range(BISECTIONS):
+        mid = (lo + hi) / 2
+        count = mx.where(middle, mx.sigmoid((fixed - mid) / temperature), 0.0).sum(-1, True)
+        lo, hi = mx.where(count > heavy, mid, lo), mx.where(count > heavy, hi, mid)
+    tau0 = (lo + hi) / 2
+    share = mx.sigmoid((fixed - tau0) / temperature)
+    slope = mx.where(middle, share * (1 - share), 0.0)
+    moved = mx.where(middle, score - fixed, 0.0)  # 0, with score's gradient
+    return tau0 + (slope * moved).sum(-1, True) / mx.maximum(slope.sum(-1, True), 1e-12)
+
+
+def _gate_values(data: LayerData, w: mx.array) -> mx.array:
+    return (data.feats * w[None, :, None, :]).sum(axis=-1)  # [W, H, T]
+
+
+def layer_loss(
+    data: LayerData, w: mx.array, cuts: list, reference: list, temperature: float | None
+) -> mx.array:
+    """The mean over budgets of the output loss relative to `reference` (g = 0's)."""
+    g = _gate_values(data, w)
+    total = mx.array(0.0)
+    for (middle, heavy), ref in zip(cuts, reference, strict=True):
+        loss = _output_loss(data, _keep(data, g, middle, heavy, temperature)).mean()
+        total = total + loss / ref
+    return total / len(cuts)
+
+
+def _references(data: LayerData, cuts: list, temperature: float | None) -> list[mx.array]:
+    zero = mx.zeros(data.feats.shape[1::2])
+    refs = []
+    for middle, heavy in cuts:
+        loss = _output_loss(data, _keep(data, _gate_values(data, zero), middle, heavy, temperature))
+        refs.append(mx.maximum(loss.mean(), 1e-12))
+    return refs
+
+
+@functools.cache
+def _objective(heavies: tuple[int, ...], temperature: float, l2: float) -> Callable:
+    """(w, the layer's arrays, middles, refs) -> (loss, its gradient in w), compiled once:
+    every layer of a model has the same shapes."""
+
+    def objective(w, feats, base, probs, values, out, gram, middles, refs):
+        data = LayerData(feats, base, probs, values, out, gram)
+        cuts = list(zip(middles, heavies, strict=True))
+        return layer_loss(data, w, cuts, refs, temperature) + l2 * (w * w).sum()
+
+    return mx.compile(mx.value_and_grad(objective))
+
+
+def fit_layer(
+    data: LayerData, cuts: list, config: TrainConfig, held: LayerData | None = None
+) -> tuple[mx.array, float | None]:
+    """(standardised weights [H, F] of one layer's gates, their held-out loss): Adam from
+    0 (`mean`). With `held`, the weights kept are those of the check (every `check` steps,
+    and 0 itself) with the lowest held-out loss: a layer whose gates do not carry over
+    keeps `mean`."""
+    refs = _references(data, cuts, config.temperature)
+    step = _objective(tuple(h for _, h in cuts), config.temperature, config.l2)
+    arrays = (data.feats, data.base, data.probs, data.values, data.out, data.gram)
+    middles = [m for m, _ in cuts]
+    params = {"w": mx.zeros(data.feats.shape[1::2])}
+    opt = optim.Adam(learning_rate=config.lr)
+    best, best_loss = params["w"], None
+    if held is not None:
+        held_refs = _references(held, cuts, None)
+        best_loss = 1.0  # g = 0 is mean itself: the ratio 1 by definition
+    for n in range(1, config.steps + 1):
+        _, grad = step(params["w"], *arrays, middles, refs)
+        params = opt.apply_gradients({"w": grad}, params)
+        mx.eval(params, opt.state)
+        if held is not None and (n % config.check == 0 or n == config.steps):
+            loss = layer_loss(held, params["w"], cuts, held_refs, None).item()
+            if loss < best_loss:
+                best, best_loss = params["w"], loss
+    return (params["w"] if held is None else best), best_loss
+
+
+def train_retention(
+    model: nn.Module,
+    windows: list[list[int]],
+    held_out: list[list[int]],
+    model_name: str,
+    config: TrainConfig = TrainConfig(),
+    text: str = "",
+    progress: Callable[[int, int], None] | None = None,
+) -> Retention:
+    """Gates for every layer of `model` from `windows` (token lists of one length), their
+    held-out loss measured on `held_out` (see the module doc). `progress(done, total)`:
+    after each window recorded and each layer fitted."""
+    began = time.time()
+    T = len(windows[0])
+    low = max(config.budgets) + 16
+    if T <= low + config.rows:
+        raise ValueError(f"windows of {T} tokens are too short for budgets {config.budgets}")
+    rng = np.random.RandomState(config.seed)
+    rows = np.sort(rng.choice(np.arange(low, T), size=config.rows, replace=False)).astype(np.int32)
+    rope = rope_layout(model)
+    cuts = [_segments(b, rows, T) for b in config.budgets]
+    total = len(windows) + len(held_out) + len(model.layers)
+    done = [0]
+
+    def tick() -> None:
+        done[0] += 1
+        if progress:
+            progress(done[0], total)
+
+    train = record(model, windows, rows, rope, tick)
+    held = record(model, held_out, rows, rope, tick) if held_out else None
+    n_features = feature_count(train[0]["values"][0].shape[-1], rope)
+    w_all, b_all, held_losses = [], [], []
+    for n, store in enumerate(train):
+        weight = _o_proj_weight(model.layers[n])
+        H = store["values"][0].shape[0]
+        G = store["probs"][0].shape[1]
+        D = store["values"][0].shape[-1]
+        if weight is None:
+            gram = mx.broadcast_to(mx.eye(D), (H, G, D, D))
+        else:
+            wo = weight.astype(mx.float32).reshape(weight.shape[0], H, G, D)
+            gram = mx.einsum("ohgd,ohge->hgde", wo, wo)
+        stacked = mx.stack(store["feats"])  # [W, H, T, F]
+        mu = stacked.mean(axis=(0, 2))[None, :, None]
+        sigma = mx.maximum(mx.sqrt(((stacked - mu) ** 2).mean(axis=(0, 2))), 1e-6)[None, :, None]
+        data = _stack(store, gram, mu, sigma)
+        hdata = None if held is None else _stack(held[n], gram, mu, sigma)
+        w_std, held_loss = fit_layer(data, cuts, config, hdata)
+        w = w_std / sigma[0, :, 0]  # g = ((f - mu) / sigma) . w_std = f . w + b
+        b = -(mu[0, :, 0] * w).sum(axis=-1)
+        w_all.append(w)
+        b_all.append(b)
+        if held_loss is not None:
+            held_losses.append(held_loss)
+            held[n] = None
+        del data, store, hdata
+        train[n] = None
+        tick()
+    w = mx.stack(w_all)
+    assert w.shape[-1] == n_features
+    training = {
+        "text": text,
+        "windows": len(windows),
+        "held_out_windows": len(held_out),
+        "tokens": T,
+        **{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()},
+        "held_out_loss": round(float(np.mean(held_losses)), 5) if held_losses else None,
+        "held_out_loss_per_layer": [round(x, 4) for x in held_losses],
+        "seconds": round(time.time() - began, 1),
+    }
+    return Retention(model_name, signature(model), rope, "mean", w, mx.stack(b_all), training)

@@ -1,0 +1,61 @@
+"""`learned`: `mean`'s rank times a per-head retention gate of the token's key and value.
+
+TRIM-KV and KVzap showed that a tiny function of what a token is, trained against the
+frozen model, predicts whether later queries will need it better than its attention so
+far. Here the gate g (cache/retention.py: linear, per layer and KV head, in the
+RoPE-invariant parts of the key and the value) multiplies `mean`'s rank by exp(g) at
+each eviction: attention per query still says what was used, the gate what will be
+(trained with the budget in the loop: cache/retention_training.py). It reads the held
+keys and values the cache hands it (`kv`, dense), so it adds nothing to a decode step
+and nothing per slot; a cache that cannot hand them over (h2o-kvarn's tiles, h2o-ada's
+shared pool) ranks by `mean`. Unbound (no weights for the model: `signature` empty) it
+is `mean`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+
+from cache.retention import find_retention, gate
+from cache.scores.mean import MeanAttnScore
+
+
+@functools.cache
+def _weights(signature: str, layer: int):
+    retention = find_retention(signature)
+    if retention is None or not 0 <= layer < retention.w.shape[0]:
+        return None
+    return retention.layer(layer), retention.rope
+
+
+@dataclass(frozen=True)
+class LearnedScore(MeanAttnScore):
+    name = "learned"
+    reads_kv = True
+    binds_model = True  # make_cache binds each layer's rule to the model's gates
+    signature: str = ""  # cache/retention.signature of the model; "": unbound (mean)
+    layer: int = -1
+
+    def bound(self, signature: str, layer: int) -> LearnedScore:
+        return replace(self, signature=signature, layer=layer)
+
+    @property
+    def gated(self) -> bool:
+        """Whether gates exist for this rule's model and layer."""
+        return bool(self.signature) and _weights(self.signature, self.layer) is not None
+
+    def rank(self, importance: mx.array, positions: mx.array, offset, kv=None) -> mx.array:
+        value = super().rank(importance, positions, offset)
+        found = _weights(self.signature, self.layer) if kv is not None and self.signature else None
+        if found is None:
+            return value
+        (keys, values), ((w, b), rope) = kv, found
+        return value * mx.exp(gate(keys, values, w, b, rope))
+
+
+def forget_weights() -> None:
+    """Read the gates again on next use (cache/retention.forget)."""
+    _weights.cache_clear()

@@ -1,0 +1,129 @@
+"""The `learned` score rule and its retention gates (cache/retention.py, cache/scores/learned.py,
+cache/retention_training.py), on tiny random models: training is deterministic, gates
+save, load and score, a model without gates ranks by `mean` and says so once, and every
+evicting policy takes the rule (the ones that can hand their K/V over rank by the gates)."""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from cache import make_cache
+from cache.retention import G_CLIP, Retention, features, forget, register, rope_layout, signature
+from cache.retention_training import TrainConfig, train_retention
+from cache.scores import LearnedScore, MeanAttnScore, make_score_rule
+from config.policies import POLICIES
+from tests.tiny import tiny
+
+CONFIG = TrainConfig(budgets=(16, 32), rows=8, steps=10)
+EVICTING = [p.name for p in POLICIES.values() if p.bounded and p.scored]
+# Layouts that cannot hand their K/V to a rule: it ranks by `mean` there.
+WITHOUT_KV = {"h2o-ada", "h2o-kvarn"}
+
+
+def model_of(seed: int = 0):
+    """Tiny llama (head dim 64, so packed policies take it) with its own weights."""
+    model = tiny("llama", head_dim=64, hidden_size=128)
+    if seed:
+        mx.random.seed(seed)
+        table = model.model.embed_tokens.weight
+        model.model.embed_tokens.weight = mx.random.normal(table.shape) * 0.02
+    return model
+
+
+def text(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.RandomState(seed)
+    return [[int(t) for t in rng.randint(0, 64, length)] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def trained():
+    model = model_of()
+    windows = text(3, 120)
+    retention = train_retention(model, windows[:2], windows[2:], "tiny", CONFIG)
+    yield model, retention, windows
+    forget(model)
+
+
+def test_training_twice_from_one_seed_gives_the_same_gates(trained):
+    model, first, windows = trained
+    again = train_retention(model, windows[:2], windows[2:], "tiny", CONFIG)
+    assert mx.array_equal(first.w, again.w) and mx.array_equal(first.b, again.b)
+    other = train_retention(model, windows[:2], windows[2:], "tiny", TrainConfig(
+        budgets=(16, 32), rows=8, steps=10, seed=1))  # fmt: skip
+    assert not mx.array_equal(first.w, other.w)  # another seed reads other rows
+    layers, heads = len(model.layers), model.args.num_key_value_heads
+    assert first.w.shape == (layers, heads, 64 // 2 + 64 + 2)
+    assert first.training["held_out_loss"] is not None
+
+
+def test_gates_save_load_and_score(trained, tmp_path):
+    model, retention, windows = trained
+    path = retention.save(tmp_path / "tiny.safetensors")
+    loaded = Retention.load(path)
+    assert loaded.signature == signature(model) and loaded.rope == rope_layout(model)
+    assert mx.array_equal(loaded.w, retention.w) and loaded.training == retention.training
+    register(loaded)
+    caches = make_cache(model, "h2o", max_kv=16, score="learned")
+    rule = caches[1].score_rule
+    assert isinstance(rule, LearnedScore) and rule.gated and rule.layer == 1
+    # its rank: mean's times exp(the gate), from the held keys and values
+    ids = mx.array(windows[0][:40])[None]
+    model(ids, cache=caches)
+    c = caches[1]
+    kv = c.ranking_kv(c.used)
+    ranked = rule.rank(c.scores[..., : c.used], c.positions[..., : c.used], c.seen, kv)
+    mean = MeanAttnScore().rank(c.scores[..., : c.used], c.positions[..., : c.used], c.seen)
+    assert not np.allclose(np.array(ranked), np.array(mean))
+    w, b = retention.layer(1)
+    g = (features(*kv, retention.rope) * w[None, :, None]).sum(-1) + b[None, :, None]
+    g = mx.clip(g, -G_CLIP, G_CLIP)
+    np.testing.assert_allclose(np.array(ranked), np.array(mean * mx.exp(g)), rtol=1e-4)
+    # a restored cache's rule is bound to the same gates (its knobs travel with it)
+    again = make_score_rule("learned", **rule.knobs())
+    assert again == rule and again.gated
+
+
+def test_a_model_without_gates_ranks_by_mean_and_says_so_once(caplog):
+    model = model_of(seed=7)  # weights no gate was trained on
+    with caplog.at_level(logging.WARNING, logger="h2o_server.cache"):
+        caches = make_cache(model, "h2o", max_kv=16, score="learned")
+        make_cache(model, "h2o", max_kv=16, score="learned")
+    told = [r for r in caplog.records if "no retention weights" in r.getMessage()]
+    assert len(told) == 1
+    rule = caches[0].score_rule
+    assert isinstance(rule, LearnedScore) and not rule.gated
+    ids = mx.array(text(1, 60, seed=3)[0])[None]
+    mean = make_cache(model, "h2o", max_kv=16, score="mean")
+    np.testing.assert_allclose(
+        np.array(model(ids, cache=caches)), np.array(model(ids, cache=mean)), atol=1e-5
+    )
+    assert mx.array_equal(caches[0].positions, mean[0].positions)
+
+
+@pytest.mark.parametrize("policy", EVICTING)
+def test_every_evicting_policy_takes_the_learned_rule(policy, trained):
+    model, retention, windows = trained
+    register(retention)
+    ids = windows[0]
+    kept = {}
+    for score in ("learned", "mean"):
+        caches = make_cache(model, policy, max_kv=16, score=score)
+        model(mx.array(ids[:24])[None], cache=caches)
+        for t in range(24, 90):  # decode: evictions every evict batch
+            model(mx.array([[ids[t]]]), cache=caches)
+        mx.eval([c.positions for c in caches if getattr(c, "positions", None) is not None])
+        assert all(c.score_rule.name == score for c in caches if hasattr(c, "score_rule"))
+        kept[score] = [np.sort(np.array(c.positions[..., : c.size()]), -1) for c in caches]
+        assert all(c.size() <= 17 for c in caches)
+    rule = caches[0].score_rule
+    if policy in WITHOUT_KV:
+        assert all(np.array_equal(a, b) for a, b in zip(kept["learned"], kept["mean"], strict=True))
+    else:
+        assert not all(
+            a.shape == b.shape and np.array_equal(a, b)
+            for a, b in zip(kept["learned"], kept["mean"], strict=True)
+        ), f"{policy}: the gates changed nothing ({rule})"
