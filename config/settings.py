@@ -152,6 +152,32 @@ class ServerSettings(BaseSettings):
         description="under --session-scope caller, let every caller fork every stored system "
         "prompt (default: only the caller that sent it; a system prompt can be a secret)",
     )
+    default_temperature: float | None = Field(
+        None,
+        ge=0,
+        le=2,
+        description="sampling temperature of a request that sends none (unset: 1.0, OpenAI's "
+        "default; /v1/responses). Agents send none (Codex CLI), and a small model at 1.0 "
+        "rambles: 0.2 or 0 keeps its replies short",
+    )
+    responses_max_stored: int = Field(
+        10000,
+        ge=1,
+        description="/v1/responses: most stored responses kept (store: true); past it the "
+        "oldest goes out (a chain continued from a later one keeps its history)",
+    )
+    responses_max_bytes: str = Field(
+        "256MiB",
+        description="/v1/responses: most bytes of stored responses (their items and "
+        "Response objects, as JSON), oldest out; with --spill-dir they are on disk too "
+        "(in <spill-dir>/responses, counted in --spill-budget)",
+    )
+    responses_max_age_seconds: float = Field(
+        30 * 24 * 3600.0,
+        gt=0,
+        description="/v1/responses: a stored response expires this long after it was "
+        "made (default 30 days, as OpenAI keeps them); its id then gets a 404",
+    )
     allowed_origins: list[str] = Field(default_factory=list, description="CORS origins")
     ui: bool | None = Field(
         None, description="serve the chat page at / (default: on when --host is loopback)"

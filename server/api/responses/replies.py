@@ -1,0 +1,348 @@
+"""A job's events as a Response object and as the Responses API's typed stream events.
+
+One `ResponseReply` per request (server/api/streaming.py's `Reply`). The reply's text is
+split into its reasoning (a `reasoning` item, first) and its content: a `message` item,
+or `function_call` items when it calls tools. As OpenAI streams them: per item
+`response.output_item.added`, for a message or reasoning `response.content_part.added`,
+its deltas (`response.output_text.delta`, `response.reasoning_text.delta`,
+`response.function_call_arguments.delta`), their `.done`, `response.content_part.done`,
+`response.output_item.done`; around them `response.created`, `response.in_progress`
+and `response.completed` (`response.incomplete` when max_output_tokens cut it,
+`response.failed` when it failed), every event with its `event:` line and
+`sequence_number`. A forced call streams as it is generated (CallStream); under
+"auto" text that may still become a call is held back, and calls go out once whole.
+
+The Response is finished (and handed to `on_done`, which stores it) before the event
+that says so is sent: a client that continues the chain at once finds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastapi.responses import Response
+
+from server.api.common import now
+from server.api.errors import error_response
+from server.api.reasoning import REASONING, ThinkingSplit
+from server.api.responses.protocol import (
+    ArgumentsDeltaEvent,
+    ArgumentsDoneEvent,
+    FunctionCallOut,
+    IncompleteDetails,
+    ItemEvent,
+    MessageOut,
+    OutputTextOut,
+    PartEvent,
+    ReasoningOut,
+    ReasoningTextOut,
+    ResponseError,
+    ResponseEvent,
+    ResponseObject,
+    ResponseUsage,
+    TextDeltaEvent,
+    TextDoneEvent,
+)
+from server.api.responses.turn import item_id
+from server.api.structured import CallStream, ToolPlan, may_become_call, parse_calls
+from server.engine.jobs import Delta, Failed, Finished, Started
+
+Event = dict  # sse-starlette's: {"event": type, "data": payload}
+
+
+class ResponseReply:
+    """`shell`: the Response as it starts (its echo of the request, status in_progress);
+    `names`: each offered function's (namespace, name) by the name the model calls."""
+
+    def __init__(
+        self,
+        shell: ResponseObject,
+        tools: ToolPlan | None,
+        split: ThinkingSplit | None,
+        names: dict[str, tuple[str | None, str]],
+        on_done: Callable[[ResponseObject], None] | None = None,
+    ):
+        self.response, self.tools, self.split = shell, tools, split
+        self.names, self.on_done = names, on_done
+        self.sequence = 0
+        self.text = ""  # the content so far (the reasoning apart)
+        self.sent = 0  # characters of it sent as message text
+        self.released = tools is None  # the text is a message (it can no longer be calls)
+        self.message: MessageOut | None = None  # the item open now, if any
+        self.reasoning: ReasoningOut | None = None
+        self.call: FunctionCallOut | None = None
+        self.calls = CallStream() if tools is not None and tools.forced else None
+        self.cut = False  # max_output_tokens ended it
+
+    # ------------------------------------------------------------------ streaming.Reply
+
+    def opening(self, started: Started) -> list[Event]:
+        return [self._state("response.created"), self._state("response.in_progress")]
+
+    def keepalive(self) -> list[Event]:
+        """During a long prefill: a data event resets clients' idle timers (Codex's)."""
+        return [self._state("response.in_progress")]
+
+    def on_delta(self, job: int, delta: Delta) -> list[Event]:
+        final = delta.finish_reason is not None
+        self.cut = self.cut or delta.finish_reason == "length"
+        pieces = self.split.feed(delta.text, final) if self.split else [("content", delta.text)]
+        out: list[Event] = []
+        for kind, piece in pieces:
+            if kind == REASONING:
+                out += self._reason(piece)
+            else:
+                out += self._close_reasoning()
+                self.text += piece
+        out += self._content(final)
+        if final:
+            out += self._close_reasoning() + self._finish_content()
+        return out
+
+    def on_finished(self, job: int, finished: Finished) -> list[Event]:
+        r = self.response
+        r.status = "incomplete" if self.cut else "completed"
+        if self.cut:
+            r.incomplete_details = IncompleteDetails(reason="max_output_tokens")
+        r.completed_at = now()
+        reasoning = self.split.reasoning_deltas if self.split else 0
+        r.usage = ResponseUsage.of(
+            finished.prompt_tokens, finished.completion_tokens, finished.cached_tokens, reasoning
+        )
+        if self.on_done is not None:
+            self.on_done(r)
+        return [self._state(f"response.{r.status}")]
+
+    def closing(self) -> list[Event]:
+        return []  # the Responses API sends no [DONE]
+
+    def body(self) -> dict:
+        return self.response.model_dump()
+
+    def error_event(self, failed: Failed) -> list[Event]:
+        r = self.response
+        r.status = "failed"
+        r.error = ResponseError(code=failed.code or "server_error", message=failed.message)
+        return [self._state("response.failed")]
+
+    def error_response(self, failed: Failed) -> Response:
+        return error_response(failed.status, failed.message, failed.code, failed.param)
+
+    # ------------------------------------------------------------------ reasoning
+
+    def _reason(self, piece: str) -> list[Event]:
+        out = []
+        if self.reasoning is None:
+            self.reasoning = ReasoningOut(
+                id=item_id("reasoning"), content=[ReasoningTextOut(text="")], status="in_progress"
+            )
+            out += self._open(self.reasoning)
+            out.append(
+                self._part("response.content_part.added", self.reasoning, ReasoningTextOut(text=""))
+            )
+        self.reasoning.content[0].text += piece
+        out.append(self._delta("response.reasoning_text.delta", self.reasoning, piece, None))
+        return out
+
+    def _close_reasoning(self) -> list[Event]:
+        item, self.reasoning = self.reasoning, None
+        if item is None:
+            return []
+        part = item.content[0]
+        return [
+            self._done_text("response.reasoning_text.done", item, part.text, None),
+            self._part("response.content_part.done", item, part),
+            *self._close(item),
+        ]
+
+    # ------------------------------------------------------------------ content
+
+    def _content(self, final: bool) -> list[Event]:
+        """What the content so far lets go out: a forced call's pieces, or message text
+        once it can no longer be a call."""
+        if self.calls is not None:
+            return self._forced_calls()
+        if not self.released:
+            if final or may_become_call(self.text):
+                return []  # decided at the end (_finish_content)
+            self.released = True
+        return self._message_text()
+
+    def _finish_content(self) -> list[Event]:
+        out = []
+        if self.calls is not None:
+            out += self._close_call()
+        elif not self.released:
+            found = parse_calls(self.text, self.tools, self.cut)
+            if found is None:
+                out += self._message_text()
+            else:
+                calls, rest = found
+                if rest:
+                    self.text, self.sent = rest, 0
+                    out += self._message_text() + self._close_message()
+                for call in calls:
+                    out += self._whole_call(call)
+        return out + self._close_message()
+
+    def _message_text(self) -> list[Event]:
+        piece = self.text[self.sent :]
+        if not piece:
+            return []
+        out = []
+        if self.message is None:
+            self.message = MessageOut(
+                id=item_id("message"), content=[OutputTextOut(text="")], status="in_progress"
+            )
+            out += self._open(self.message)
+            out.append(
+                self._part("response.content_part.added", self.message, OutputTextOut(text=""))
+            )
+        self.message.content[0].text += piece
+        self.sent = len(self.text)
+        out.append(self._delta("response.output_text.delta", self.message, piece, []))
+        return out
+
+    def _close_message(self) -> list[Event]:
+        item, self.message = self.message, None
+        if item is None:
+            return []
+        part = item.content[0]
+        return [
+            self._done_text("response.output_text.done", item, part.text, []),
+            self._part("response.content_part.done", item, part),
+            *self._close(item),
+        ]
+
+    # ------------------------------------------------------------------ calls
+
+    def _function_call(self, call: dict) -> FunctionCallOut:
+        """An item for one call (structured.py's {id, function: {name, arguments}})."""
+        offered = call["function"]["name"]
+        namespace, name = self.names.get(offered, (None, offered))
+        return FunctionCallOut(
+            id=item_id("function_call"),
+            call_id=call["id"],
+            name=name,
+            namespace=namespace,
+            arguments="",
+            status="in_progress",
+        )
+
+    def _forced_calls(self) -> list[Event]:
+        out = []
+        for delta in self.calls.feed(self.text):
+            if "id" in delta:  # a new call: the one before it is whole
+                out += self._close_call()
+                self.call = self._function_call(delta)
+                out += self._open(self.call)
+            else:
+                piece = delta["function"]["arguments"]
+                self.call.arguments += piece
+                out.append(self._arguments_delta(self.call, piece))
+        return out
+
+    def _whole_call(self, call: dict) -> list[Event]:
+        self.call = self._function_call(call)
+        out = self._open(self.call)
+        self.call.arguments = call["function"]["arguments"]
+        out.append(self._arguments_delta(self.call, self.call.arguments))
+        return out + self._close_call()
+
+    def _close_call(self) -> list[Event]:
+        item, self.call = self.call, None
+        if item is None:
+            return []
+        done = ArgumentsDoneEvent(
+            type="response.function_call_arguments.done",
+            sequence_number=self._next(),
+            item_id=item.id,
+            output_index=self._index(item),
+            name=item.name,
+            arguments=item.arguments,
+        )
+        return [_sse(done), *self._close(item)]
+
+    def _arguments_delta(self, item: FunctionCallOut, piece: str) -> Event:
+        return _sse(
+            ArgumentsDeltaEvent(
+                type="response.function_call_arguments.delta",
+                sequence_number=self._next(),
+                item_id=item.id,
+                output_index=self._index(item),
+                delta=piece,
+            )
+        )
+
+    # ------------------------------------------------------------------ events
+
+    def _next(self) -> int:
+        self.sequence += 1
+        return self.sequence - 1
+
+    def _index(self, item) -> int:
+        return next(i for i, it in enumerate(self.response.output) if it is item)
+
+    def _state(self, kind: str) -> Event:
+        return _sse(ResponseEvent(type=kind, sequence_number=self._next(), response=self.response))
+
+    def _open(self, item) -> list[Event]:
+        self.response.output.append(item)
+        event = ItemEvent(
+            type="response.output_item.added",
+            sequence_number=self._next(),
+            output_index=self._index(item),
+            item=item,
+        )
+        return [_sse(event)]
+
+    def _close(self, item) -> list[Event]:
+        item.status = "incomplete" if self.cut else "completed"
+        event = ItemEvent(
+            type="response.output_item.done",
+            sequence_number=self._next(),
+            output_index=self._index(item),
+            item=item,
+        )
+        return [_sse(event)]
+
+    def _part(self, kind: str, item, part) -> Event:
+        event = PartEvent(
+            type=kind,
+            sequence_number=self._next(),
+            item_id=item.id,
+            output_index=self._index(item),
+            content_index=0,
+            part=part,
+        )
+        return _sse(event)
+
+    def _delta(self, kind: str, item, piece: str, logprobs: list | None) -> Event:
+        event = TextDeltaEvent(
+            type=kind,
+            sequence_number=self._next(),
+            item_id=item.id,
+            output_index=self._index(item),
+            content_index=0,
+            delta=piece,
+            logprobs=logprobs,
+        )
+        return _sse(event)
+
+    def _done_text(self, kind: str, item, text: str, logprobs: list | None) -> Event:
+        event = TextDoneEvent(
+            type=kind,
+            sequence_number=self._next(),
+            item_id=item.id,
+            output_index=self._index(item),
+            content_index=0,
+            text=text,
+            logprobs=logprobs,
+        )
+        return _sse(event)
+
+
+def _sse(event) -> Event:
+    """One SSE event, its `event:` line naming its type (the payload is dumped now: the
+    objects it holds go on changing)."""
+    return {"event": event.type, "data": event.model_dump()}
