@@ -1,6 +1,7 @@
 """Client libraries as their docs use them, against the server on the default model:
 instructor (TOOLS mode, partial and iterable), the OpenAI Agents SDK (chat-completions
-model, a function tool, an output type, tool_choice required then reset), pydantic-ai
+model, and its default Responses model: a function tool, an output type, tool_choice
+required then reset), pydantic-ai
 (NativeOutput beside a tool) and langchain's with_structured_output.
 
 The model is 135M parameters: what is asserted is the shape each library needs (its
@@ -79,6 +80,44 @@ def test_openai_agents_sdk_calls_the_tool_then_answers_in_its_type(api):
     result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=4))
     assert calls  # the forced first turn called it; reset to auto, the next answered
     assert isinstance(result.final_output, City)
+
+
+def test_openai_agents_sdk_default_responses_model_runs_a_tool_to_its_final_output(api):
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIProvider,
+        RunConfig,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+    calls = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"It is sunny in {city}."
+
+    client = openai.AsyncOpenAI(base_url=api.base_url + "/v1", api_key="unused", max_retries=0)
+    agent = Agent(
+        name="weather",
+        instructions="Answer with the city.",
+        tools=[get_weather],
+        output_type=City,
+        model=MODEL,  # a name: the provider's default model, OpenAI's Responses API
+        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=80),
+    )
+    config = RunConfig(model_provider=OpenAIProvider(openai_client=client))
+    result = asyncio.run(
+        Runner.run(agent, "What is the weather in Paris?", max_turns=4, run_config=config)
+    )
+    assert calls  # the forced first turn called it; reset to auto, the next answered
+    assert isinstance(result.final_output, City)
+    assert all(r.response_id.startswith("resp_") for r in result.raw_responses)
 
 
 def test_pydantic_ai_native_output_beside_a_tool(api):

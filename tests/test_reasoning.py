@@ -89,3 +89,37 @@ def test_chat_completions_thinking_switched_off(thinker, switch):
     # "</think>" reads " The"; with no thinking block the content is the text as it is)
     assert message.content.strip() == CONTENT
     assert "reasoning_content" not in (message.model_extra or {})
+
+
+def _respond(server, **kwargs):
+    return server.client.responses.create(
+        model=server.model, input=ASK[0]["content"], temperature=0, max_output_tokens=20, **kwargs
+    )
+
+
+def test_responses_reasoning_items(thinker):
+    r = _respond(thinker)
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text.strip() == REASONING and r.output_text == CONTENT
+    thought = len(["hmm", "let", "me", "see", "</think>"]) + (not thinker.opens)  # <think>
+    assert r.usage.output_tokens_details.reasoning_tokens == thought
+    reasoning, content, kinds = "", "", []
+    for event in _respond(thinker, stream=True):
+        kinds.append(event.type)
+        if event.type == "response.reasoning_text.delta":
+            reasoning += event.delta
+        elif event.type == "response.output_text.delta":
+            content += event.delta
+    assert (reasoning.strip(), content) == (REASONING, CONTENT)
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    # the reasoning item goes back with the chain (the template drops it: it keeps none)
+    again = _respond(thinker, previous_response_id=r.id)
+    assert again.output_text == CONTENT
+
+
+def test_responses_thinking_switched_off_by_reasoning_effort(thinker):
+    r = _respond(thinker, reasoning={"effort": "none"})
+    assert [item.type for item in r.output] == ["message"]
+    assert r.output_text.strip() == CONTENT and r.usage.output_tokens_details.reasoning_tokens == 0
+    streamed = [e.type for e in _respond(thinker, reasoning={"effort": "none"}, stream=True)]
+    assert "response.reasoning_text.delta" not in streamed
