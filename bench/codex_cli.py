@@ -1,0 +1,210 @@
+"""One `codex exec` turn of the real Codex CLI against a Responses API base URL.
+
+Codex runs in a scratch CODEX_HOME (a provider pointed at a recording proxy, analytics
+and plugins off, so nothing else is contacted) and a scratch working folder; the proxy
+passes every request through unchanged and notes its status, when its first token came
+(the first output delta of its stream) and when it ended. `run_codex_turn` is what
+bench/agents.py composes; `python -m bench.codex_cli --base-url URL` runs one turn.
+
+Codex is not installed by `make setup`: `npm install --prefix DIR @openai/codex`, then
+pass `--codex DIR/node_modules/.bin/codex` (or put `codex` on PATH). Serve a model name
+Codex does not know as OpenAI's (`--served-model-name local-model`): for one it knows
+it sends its tools in another shape. Its first prompt is ~10k tokens, past the default
+model's 8k context: serve it under a policy that evicts (`--policy h2o
+--max-prompt-tokens 32768`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import urlsplit
+
+# The events that carry the reply's first token.
+FIRST_TOKEN = (
+    "response.output_text.delta",
+    "response.function_call_arguments.delta",
+    "response.reasoning_text.delta",
+)
+OUTPUT_KEPT = 2000
+HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
+
+
+@dataclass
+class CodexRequest:
+    method: str
+    path: str
+    status: int
+    request_bytes: int
+    ttft_s: float | None = None  # first token after the request was sent; None: none came
+    seconds: float | None = None  # until the reply ended; None: it had not (killed)
+    events: int = 0  # SSE data events passed through
+    output: str = ""  # the streamed text and call arguments (the first OUTPUT_KEPT chars)
+
+
+@dataclass
+class CodexTurn:
+    exit_status: int
+    stdout: str
+    stderr: str
+    seconds: float
+    requests: list[CodexRequest] = field(default_factory=list)
+
+    @property
+    def all_2xx(self) -> bool:
+        return bool(self.requests) and all(200 <= r.status < 300 for r in self.requests)
+
+
+class _Recorder(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, upstream: str):
+        super().__init__(("127.0.0.1", 0), _Proxy)
+        parts = urlsplit(upstream)
+        self.host, self.port_, self.prefix = parts.hostname, parts.port or 80, parts.path
+        self.records: list[CodexRequest] = []
+        self.lock = threading.Lock()
+
+
+class _Proxy(BaseHTTPRequestHandler):
+    server: _Recorder
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _pass(self) -> None:
+        start = time.monotonic()
+        body = self.rfile.read(int(self.headers.get("content-length") or 0))
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
+        upstream = http.client.HTTPConnection(self.server.host, self.server.port_, timeout=900)
+        upstream.request(self.command, self.path, body, headers)
+        reply = upstream.getresponse()
+        self.send_response(reply.status)
+        for k, v in reply.getheaders():
+            if k.lower() not in HOP_HEADERS:
+                self.send_header(k, v)
+        self.send_header("connection", "close")  # the body ends when the connection does
+        self.end_headers()
+        record = CodexRequest(self.command, self.path, reply.status, len(body))
+        with self.server.lock:  # listed now: a turn cut by its timeout still shows it
+            self.server.records.append(record)
+        while line := reply.readline():
+            self.wfile.write(line)
+            if line.startswith(b"data:"):
+                record.events += 1
+                self.wfile.flush()
+                _note(record, line[5:], time.monotonic() - start)
+        self.wfile.flush()
+        self.close_connection = True
+        upstream.close()
+        record.seconds = time.monotonic() - start
+
+    do_GET = do_POST = do_DELETE = _pass
+
+
+def _note(record: CodexRequest, data: bytes, elapsed: float) -> None:
+    """What one SSE event tells: the first token's time, the output's text."""
+    try:
+        event = json.loads(data)
+    except ValueError:
+        return
+    if event.get("type") in FIRST_TOKEN:
+        if record.ttft_s is None:
+            record.ttft_s = elapsed
+        if len(record.output) < OUTPUT_KEPT:
+            record.output += event.get("delta", "")
+
+
+def codex_config(base_url: str, model: str, idle_timeout_ms: int | None = None) -> str:
+    lines = [
+        f'model = "{model}"',
+        'model_provider = "local"',
+        "[model_providers.local]",
+        'name = "Local"',
+        f'base_url = "{base_url}"',
+        'wire_api = "responses"',
+    ]
+    if idle_timeout_ms is not None:
+        lines.append(f"stream_idle_timeout_ms = {idle_timeout_ms}")
+    lines += ["[analytics]", "enabled = false", "[features]", "plugins = false"]
+    return "\n".join(lines) + "\n"
+
+
+def find_codex(codex: str | None = None) -> str:
+    found = codex or os.environ.get("CODEX_BIN") or shutil.which("codex")
+    if not found:
+        raise FileNotFoundError(
+            "Codex CLI not found: npm install --prefix DIR @openai/codex, then pass "
+            "codex=DIR/node_modules/.bin/codex (or set CODEX_BIN)"
+        )
+    return found
+
+
+def run_codex_turn(
+    base_url: str,
+    prompt: str = "Say hi.",
+    model: str = "local-model",
+    timeout: float = 900,
+    codex: str | None = None,
+    idle_timeout_ms: int | None = None,
+) -> CodexTurn:
+    """One `codex exec` turn against `base_url` (the server's, ending in /v1): its exit
+    status, stdout (the answer), stderr and every request's status and TTFT."""
+    binary = find_codex(codex)
+    recorder = _Recorder(base_url.rstrip("/").removesuffix("/v1"))
+    threading.Thread(target=recorder.serve_forever, daemon=True).start()
+    proxied = f"http://127.0.0.1:{recorder.server_address[1]}/v1"
+    with (
+        tempfile.TemporaryDirectory(prefix="codex-home-") as home,
+        tempfile.TemporaryDirectory(prefix="codex-work-") as work,
+    ):
+        Path(home, "config.toml").write_text(codex_config(proxied, model, idle_timeout_ms))
+        start = time.monotonic()
+        try:
+            done = subprocess.run(
+                [binary, "exec", "--skip-git-repo-check", prompt],
+                cwd=work,
+                env={**os.environ, "CODEX_HOME": home},
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+            status, out, err = done.returncode, done.stdout, done.stderr
+        except subprocess.TimeoutExpired as e:
+            status, out, err = 124, _text(e.stdout), _text(e.stderr) + "\n(timed out)"
+        seconds = time.monotonic() - start
+    recorder.shutdown()
+    return CodexTurn(status, out, err, seconds, list(recorder.records))
+
+
+def _text(data: bytes | str | None) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--prompt", default="Say hi.")
+    p.add_argument("--model", default="local-model")
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--codex", default=None, help="the codex binary (default: CODEX_BIN, PATH)")
+    args = p.parse_args()
+    turn = run_codex_turn(args.base_url, args.prompt, args.model, args.timeout, args.codex)
+    print(json.dumps({**asdict(turn), "all_2xx": turn.all_2xx}, indent=1))
+    return turn.exit_status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
