@@ -3,15 +3,19 @@
 Codex runs in a scratch CODEX_HOME (a provider pointed at a recording proxy, analytics
 and plugins off, so nothing else is contacted) and a scratch working folder; the proxy
 passes every request through unchanged and notes its status, when its first token came
-(the first output delta of its stream) and when it ended. `run_codex_turn` is what
-bench/agents.py composes; `python -m bench.codex_cli --base-url URL` runs one turn.
+(the first output delta of its stream), when it ended and the tokens the server cached.
+`run_codex_turn` and `run_codex_session` (turns resumed with `codex exec resume
+--last`) are what bench/agents.py composes; `python -m bench.codex_cli --base-url URL
+[--prompt P ...]` runs them.
 
 Codex is not installed by `make setup`: `npm install --prefix DIR @openai/codex`, then
 pass `--codex DIR/node_modules/.bin/codex` (or put `codex` on PATH). Serve a model name
 Codex does not know as OpenAI's (`--served-model-name local-model`): for one it knows
 it sends its tools in another shape. Its first prompt is ~10k tokens, past the default
 model's 8k context: serve it under a policy that evicts (`--policy h2o
---max-prompt-tokens 32768`).
+--max-prompt-tokens 32768`). Codex sends no temperature: at OpenAI's 1.0 the default
+model rambles until its reply budget ends the response as incomplete, which Codex takes
+as an error (exit 1); `--default-temperature 0` keeps its replies short.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ class CodexRequest:
     seconds: float | None = None  # until the reply ended; None: it had not (killed)
     events: int = 0  # SSE data events passed through
     output: str = ""  # the streamed text and call arguments (the first OUTPUT_KEPT chars)
+    input_tokens: int | None = None  # from the Response's usage, when it came
+    cached_tokens: int | None = None  # of them, reused from the server's cache
 
 
 @dataclass
@@ -119,6 +125,10 @@ def _note(record: CodexRequest, data: bytes, elapsed: float) -> None:
         event = json.loads(data)
     except ValueError:
         return
+    usage = (event.get("response") or {}).get("usage") or {}
+    if usage:
+        record.input_tokens = usage.get("input_tokens")
+        record.cached_tokens = (usage.get("input_tokens_details") or {}).get("cached_tokens")
     if event.get("type") in FIRST_TOKEN:
         if record.ttft_s is None:
             record.ttft_s = elapsed
@@ -161,32 +171,55 @@ def run_codex_turn(
 ) -> CodexTurn:
     """One `codex exec` turn against `base_url` (the server's, ending in /v1): its exit
     status, stdout (the answer), stderr and every request's status and TTFT."""
+    return run_codex_session(base_url, [prompt], model, timeout, codex, idle_timeout_ms)[0]
+
+
+def run_codex_session(
+    base_url: str,
+    prompts: list[str],
+    model: str = "local-model",
+    timeout: float = 900,
+    codex: str | None = None,
+    idle_timeout_ms: int | None = None,
+) -> list[CodexTurn]:
+    """A session of turns in one scratch CODEX_HOME: `codex exec` with the first prompt,
+    then `codex exec resume --last` with each next one (Codex resends the whole history
+    under the same prompt_cache_key: the server's cache of it serves the next turn).
+    Stops after a turn that fails. `timeout`: seconds per turn."""
     binary = find_codex(codex)
     recorder = _Recorder(base_url.rstrip("/").removesuffix("/v1"))
     threading.Thread(target=recorder.serve_forever, daemon=True).start()
     proxied = f"http://127.0.0.1:{recorder.server_address[1]}/v1"
+    turns: list[CodexTurn] = []
     with (
         tempfile.TemporaryDirectory(prefix="codex-home-") as home,
         tempfile.TemporaryDirectory(prefix="codex-work-") as work,
     ):
         Path(home, "config.toml").write_text(codex_config(proxied, model, idle_timeout_ms))
-        start = time.monotonic()
-        try:
-            done = subprocess.run(
-                [binary, "exec", "--skip-git-repo-check", prompt],
-                cwd=work,
-                env={**os.environ, "CODEX_HOME": home},
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-            )
-            status, out, err = done.returncode, done.stdout, done.stderr
-        except subprocess.TimeoutExpired as e:
-            status, out, err = 124, _text(e.stdout), _text(e.stderr) + "\n(timed out)"
-        seconds = time.monotonic() - start
+        for i, prompt in enumerate(prompts):
+            command = [binary, "exec", "--skip-git-repo-check"]
+            command += ["resume", "--last", prompt] if i else [prompt]
+            before = len(recorder.records)
+            start = time.monotonic()
+            try:
+                done = subprocess.run(
+                    command,
+                    cwd=work,
+                    env={**os.environ, "CODEX_HOME": home},
+                    stdin=subprocess.DEVNULL,
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout,
+                )
+                status, out, err = done.returncode, done.stdout, done.stderr
+            except subprocess.TimeoutExpired as e:
+                status, out, err = 124, _text(e.stdout), _text(e.stderr) + "\n(timed out)"
+            seconds = time.monotonic() - start
+            turns.append(CodexTurn(status, out, err, seconds, recorder.records[before:]))
+            if status != 0:
+                break
     recorder.shutdown()
-    return CodexTurn(status, out, err, seconds, list(recorder.records))
+    return turns
 
 
 def _text(data: bytes | str | None) -> str:
@@ -196,14 +229,17 @@ def _text(data: bytes | str | None) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
-    p.add_argument("--prompt", default="Say hi.")
+    p.add_argument(
+        "--prompt", action="append", help="a turn's prompt; several: a session (default: Say hi.)"
+    )
     p.add_argument("--model", default="local-model")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--codex", default=None, help="the codex binary (default: CODEX_BIN, PATH)")
     args = p.parse_args()
-    turn = run_codex_turn(args.base_url, args.prompt, args.model, args.timeout, args.codex)
-    print(json.dumps({**asdict(turn), "all_2xx": turn.all_2xx}, indent=1))
-    return turn.exit_status
+    prompts = args.prompt or ["Say hi."]
+    turns = run_codex_session(args.base_url, prompts, args.model, args.timeout, args.codex)
+    print(json.dumps([{**asdict(t), "all_2xx": t.all_2xx} for t in turns], indent=1))
+    return max(t.exit_status for t in turns)
 
 
 if __name__ == "__main__":

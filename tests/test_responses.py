@@ -86,6 +86,8 @@ def test_create_and_retrieve_as_openai_types_read_them(api):
     assert usage.input_tokens > 0 and usage.output_tokens > 0
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
     assert api.client.responses.retrieve(body.id).model_dump() == body.model_dump()
+    counted = api.client.responses.input_tokens.count(model=MODEL, input="Say hi")
+    assert counted.input_tokens == usage.input_tokens
 
 
 def test_stream_events_in_order_and_the_sdk_stream_helper(api):

@@ -26,8 +26,7 @@ def _record(text: str, parent: StoredResponse | None = None, owner: str = "", ke
         session_key=parent.session_key if parent else key,
         parent=parent.id if parent else None,
         input=[{"type": "message", "id": f"in-{text}", "role": "user", "content": []}],
-        output=[{"type": "message", "id": f"out-{text}", "role": "assistant", "content": []}],
-        response={"id": "x", "text": text},
+        response={"output": [{"type": "message", "id": f"out-{text}", "role": "assistant"}]},
     )
 
 

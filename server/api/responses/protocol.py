@@ -454,6 +454,17 @@ class ResponseCreate(Request):
         return None if effort is None else effort != "none"
 
 
+class InputTokensCount(ResponseCreate):
+    """POST /v1/responses/input_tokens: the input a create would prefill, counted."""
+
+    model: str | None = None  # the served model's
+
+
+class InputTokens(BaseModel):
+    object: Literal["response.input_tokens"] = "response.input_tokens"
+    input_tokens: int
+
+
 class InputItemsQuery(Request):
     """GET /v1/responses/{id}/input_items: a cursor page."""
 
@@ -534,11 +545,14 @@ class ResponseUsage(BaseModel):
     total_tokens: int
 
     @classmethod
-    def of(cls, prompt: int, completion: int, cached: int, reasoning: int) -> ResponseUsage:
+    def of(
+        cls, prompt: int, completion: int, cached: int, reasoning: int, kept: bool = True
+    ) -> ResponseUsage:
+        """`kept`: the session's cache outlives the reply (what was prefilled was written)."""
         return cls(
             input_tokens=prompt,
             input_tokens_details=InputTokensDetails(
-                cached_tokens=cached, cache_write_tokens=prompt - cached
+                cached_tokens=cached, cache_write_tokens=prompt - cached if kept else 0
             ),
             output_tokens=completion,
             output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning),

@@ -61,9 +61,10 @@ class ResponseReply:
         split: ThinkingSplit | None,
         names: dict[str, tuple[str | None, str]],
         on_done: Callable[[ResponseObject], None] | None = None,
+        kept: bool = True,
     ):
         self.response, self.tools, self.split = shell, tools, split
-        self.names, self.on_done = names, on_done
+        self.names, self.on_done, self.kept = names, on_done, kept
         self.sequence = 0
         self.text = ""  # the content so far (the reasoning apart)
         self.sent = 0  # characters of it sent as message text
@@ -107,7 +108,11 @@ class ResponseReply:
         r.completed_at = now()
         reasoning = self.split.reasoning_deltas if self.split else 0
         r.usage = ResponseUsage.of(
-            finished.prompt_tokens, finished.completion_tokens, finished.cached_tokens, reasoning
+            finished.prompt_tokens,
+            finished.completion_tokens,
+            finished.cached_tokens,
+            reasoning,
+            self.kept,
         )
         if self.on_done is not None:
             self.on_done(r)
@@ -178,6 +183,8 @@ class ResponseReply:
                 out += self._message_text()
             else:
                 calls, rest = found
+                if not self.response.parallel_tool_calls:
+                    calls = calls[:1]  # under "auto" the grammar does not bound them
                 if rest:
                     self.text, self.sent = rest, 0
                     out += self._message_text() + self._close_message()

@@ -1,5 +1,6 @@
 """POST /v1/responses, GET /v1/responses/{id}, GET /v1/responses/{id}/input_items,
-DELETE /v1/responses/{id}: OpenAI's Responses API, stateful.
+DELETE /v1/responses/{id}, POST /v1/responses/input_tokens: OpenAI's Responses API,
+stateful.
 
 Thin handlers: the request, with the history of the chain it continues
 (server/api/responses/store.py), becomes a Turn (server/api/responses/turn.py), the
@@ -28,6 +29,8 @@ from server.api.errors import APIError
 from server.api.responses.protocol import (
     DeletedResponse,
     InputItemsQuery,
+    InputTokens,
+    InputTokensCount,
     ReasoningConfig,
     ResponseCreate,
     ResponseObject,
@@ -39,9 +42,9 @@ from server.api.responses.store import (
     StoredResponse,
     new_response_id,
 )
-from server.api.responses.turn import dumped, responses_turn
+from server.api.responses.turn import ResponsesTurn, dumped, responses_turn
 from server.api.streaming import respond
-from server.api.turns import owner_of, worker_of
+from server.api.turns import Prompt, owner_of, worker_of
 
 router = APIRouter()
 TOOLS_NOT_OFFERED = "X-Tools-Not-Offered"  # the tools left out, comma-separated
@@ -81,31 +84,45 @@ def stored(request: Request, response_id: str) -> StoredResponse:
     return record
 
 
+def previous_of(request: Request, body: ResponseCreate) -> tuple[StoredResponse | None, list]:
+    """The stored response a request continues and its chain's items; a 400 in OpenAI's
+    words for an id that is unknown, expired, deleted or another caller's."""
+    if body.previous_response_id is None:
+        return None, []
+    store = store_of(request)
+    previous = store.get(body.previous_response_id, caller(request))
+    try:
+        if previous is not None:
+            return previous, store.history(previous)
+    except HistoryGone:
+        pass
+    raise APIError(
+        400,
+        f"Previous response with id {body.previous_response_id!r} not found.",
+        "previous_response_not_found",
+        "previous_response_id",
+    )
+
+
+async def prepared(
+    request: Request, body: ResponseCreate, history: list, key: str | None
+) -> tuple[ResponsesTurn, Prompt]:
+    worker = worker_of(request)
+    built = responses_turn(body, history, key, caller(request), worker.settings.default_temperature)
+    try:
+        return built, await turns.prepare(worker.engine, built.turn)
+    except APIError as e:
+        raise built.located(e) from None
+
+
 @router.post("/v1/responses")
 async def create_response(body: ResponseCreate, request: Request) -> Response:
     worker, store, owner = worker_of(request), store_of(request), caller(request)
-    previous, history = None, []
-    if body.previous_response_id is not None:
-        previous = store.get(body.previous_response_id, owner)
-        try:
-            history = store.history(previous) if previous is not None else None
-        except HistoryGone:
-            history = None
-        if history is None:
-            raise APIError(
-                400,
-                f"Previous response with id {body.previous_response_id!r} not found.",
-                "previous_response_not_found",
-                "previous_response_id",
-            )
+    previous, history = previous_of(request, body)
     key = body.prompt_cache_key
     if key is None and (body.store or previous is not None):
         key = store.session_key(previous)
-    built = responses_turn(body, history, key, owner, worker.settings.default_temperature)
-    try:
-        prompt = await turns.prepare(worker.engine, built.turn)
-    except APIError as e:
-        raise built.located(e) from None
+    built, prompt = await prepared(request, body, history, key)
     # Neither stored nor keyed: nothing outlives the reply, its cache included.
     job = turns.job(
         worker, built.turn, prompt.tokens, prompt.prefix_len, prompt.grammar, keep=key is not None
@@ -140,18 +157,31 @@ async def create_response(body: ResponseCreate, request: Request) -> Response:
             session_key=key,
             parent=previous.id if previous is not None else None,
             input=[dumped(item) for item in built.items],
-            output=[item.model_dump() for item in response.output],
             response=response.model_dump(),
         )
         store.put(record)
 
     reply = ResponseReply(
-        shell, prompt.tools, prompt.split(), built.offered.names, keep if body.store else None
+        shell,
+        prompt.tools,
+        prompt.split(),
+        built.offered.names,
+        keep if body.store else None,
+        kept=key is not None,
     )
     answer = await respond([job], request, body.stream, reply, worker.settings.shutdown_timeout)
     if built.offered.left_out:
         answer.headers[TOOLS_NOT_OFFERED] = ", ".join(built.offered.left_out)
     return answer
+
+
+@router.post("/v1/responses/input_tokens")
+async def count_input_tokens(body: InputTokensCount, request: Request) -> dict:
+    """The tokens a create of this body would bring: its prompt as the template renders it."""
+    body.model = body.model or worker_of(request).engine.model_id
+    _, history = previous_of(request, body)
+    _, prompt = await prepared(request, body, history, None)
+    return InputTokens(input_tokens=len(prompt.tokens)).model_dump()
 
 
 @router.get("/v1/responses/{response_id}")

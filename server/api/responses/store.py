@@ -53,10 +53,13 @@ class StoredResponse:
     session_key: str  # its chain's session, whose cache the next turn reuses
     parent: str | None  # the stored response it continues; None: a start, or see `base`
     input: list[dict]
-    output: list[dict]
-    response: dict  # the Response object, as GET returns it
+    response: dict  # the Response object, as GET returns it (its output items too)
     base: list[dict] = field(default_factory=list)  # the history of a parent gone since
     nbytes: int = 0
+
+    @property
+    def output(self) -> list[dict]:
+        return self.response["output"]
 
     def encoded(self) -> str:
         return json.dumps({**asdict(self), "nbytes": 0}, ensure_ascii=False)

@@ -119,6 +119,10 @@ def tool_choice(body: ResponseCreate, offered: Offered) -> str:
             )
         return choice
     if isinstance(choice, FunctionChoice):
+        # a namespace's function by its own name too, where no other function has it
+        bare = [name for name, (_, own) in offered.names.items() if own == choice.name]
+        if choice.name not in offered.names and len(bare) == 1:
+            return bare[0]
         if choice.name not in offered.names:
             raise APIError(
                 400,
