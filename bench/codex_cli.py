@@ -181,20 +181,29 @@ def run_codex_session(
     timeout: float = 900,
     codex: str | None = None,
     idle_timeout_ms: int | None = None,
+    home: str | Path | None = None,
+    workdir: str | Path | None = None,
 ) -> list[CodexTurn]:
-    """A session of turns in one scratch CODEX_HOME: `codex exec` with the first prompt,
-    then `codex exec resume --last` with each next one (Codex resends the whole history
-    under the same prompt_cache_key: the server's cache of it serves the next turn).
-    Stops after a turn that fails. `timeout`: seconds per turn."""
+    """A session of turns in one CODEX_HOME: `codex exec` with the first prompt, then
+    `codex exec resume --last` with each next one (Codex resends the whole history under
+    the same prompt_cache_key: the server's cache of it serves the next turn). Stops
+    after a turn that fails. `timeout`: seconds per turn.
+
+    `home`, `workdir`: folders to use (default: scratch ones, removed after). Codex's
+    system prompt names its CODEX_HOME, so sessions share their system prompt (the
+    server's prefix store) only under one `home`, as a user's ~/.codex is."""
     binary = find_codex(codex)
     recorder = _Recorder(base_url.rstrip("/").removesuffix("/v1"))
     threading.Thread(target=recorder.serve_forever, daemon=True).start()
     proxied = f"http://127.0.0.1:{recorder.server_address[1]}/v1"
     turns: list[CodexTurn] = []
     with (
-        tempfile.TemporaryDirectory(prefix="codex-home-") as home,
-        tempfile.TemporaryDirectory(prefix="codex-work-") as work,
+        tempfile.TemporaryDirectory(prefix="codex-home-") as scratch_home,
+        tempfile.TemporaryDirectory(prefix="codex-work-") as scratch_work,
     ):
+        home, work = home or scratch_home, workdir or scratch_work
+        Path(home).mkdir(parents=True, exist_ok=True)
+        Path(work).mkdir(parents=True, exist_ok=True)
         Path(home, "config.toml").write_text(codex_config(proxied, model, idle_timeout_ms))
         for i, prompt in enumerate(prompts):
             command = [binary, "exec", "--skip-git-repo-check"]
@@ -235,9 +244,19 @@ def main() -> int:
     p.add_argument("--model", default="local-model")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--codex", default=None, help="the codex binary (default: CODEX_BIN, PATH)")
+    p.add_argument("--home", default=None, help="CODEX_HOME to use (default: a scratch one)")
+    p.add_argument("--workdir", default=None, help="the folder Codex works in (default: scratch)")
     args = p.parse_args()
     prompts = args.prompt or ["Say hi."]
-    turns = run_codex_session(args.base_url, prompts, args.model, args.timeout, args.codex)
+    turns = run_codex_session(
+        args.base_url,
+        prompts,
+        args.model,
+        args.timeout,
+        args.codex,
+        home=args.home,
+        workdir=args.workdir,
+    )
     print(json.dumps([{**asdict(t), "all_2xx": t.all_2xx} for t in turns], indent=1))
     return max(t.exit_status for t in turns)
 

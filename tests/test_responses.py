@@ -345,6 +345,15 @@ def test_a_namespace_function_is_called_by_its_namespace(api):
         ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input.0.type", "hosted"),
         ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "does not run"),
         ({"background": True}, "background", "not supported"),
+        (
+            {
+                "input": [
+                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": '"\\ud800"'}
+                ]
+            },
+            "input.0.function_call.arguments",
+            "surrogate",
+        ),
         ({"input": []}, "input", "at least 1"),
         ({"max_output_tokens": 10**6}, "max_output_tokens", "context"),
         (

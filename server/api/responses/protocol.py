@@ -12,6 +12,7 @@ Tools are different: a tool the server cannot run is left out, never a failed re
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -191,6 +192,18 @@ class FunctionCallItem(Request):
     namespace: str | None = None
     arguments: str
     status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    @field_validator("arguments")
+    @classmethod
+    def _decodes_to_text(cls, v: str) -> str:
+        # JSON text inside a string: its own escapes decode only when a template renders it.
+        try:
+            decoded = json.loads(v)
+        except (json.JSONDecodeError, RecursionError):
+            return v  # not JSON: rendered as the text it is
+        if (where := lone_surrogate(decoded)) is not None:
+            raise ValueError(f"its JSON at {where} {LONE_SURROGATE}")
+        return v
 
 
 class FunctionCallOutputItem(Request):
