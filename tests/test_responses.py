@@ -189,6 +189,20 @@ def test_a_function_tool_round_trip(api):
     assert [i.type for i in items] == ["message", "function_call", "function_call_output"]
 
 
+def test_a_client_resending_its_history_reuses_the_cache(api):
+    """As the Agents SDK and chat-style clients do: no previous_response_id, the whole
+    history each time (stored, unkeyed): the session is found by its prompt."""
+    first = api.client.responses.create(input="Name a fruit.", **SHORT)
+    history = [{"role": "user", "content": "Name a fruit."}]
+    history += [item.model_dump(exclude_none=True) for item in first.output]
+    again = [*history, {"role": "user", "content": "Another?"}]
+    second = api.client.responses.create(input=again, **SHORT)
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    # and continuing the second by id keeps to the session that served it
+    third = api.client.responses.create(input="More?", previous_response_id=second.id, **SHORT)
+    assert third.usage.input_tokens_details.cached_tokens >= second.usage.input_tokens
+
+
 def test_store_false_keeps_nothing_but_a_keyed_cache(api):
     body = {**SHORT, "input": "Say hi", "store": False, "prompt_cache_key": "resp-test-key"}
     first = api.post("/v1/responses", body).json()

@@ -34,7 +34,8 @@ def _reply(tools: ToolPlan | None = None, split: bool = False, parallel: bool = 
     )
     stored = []
     thinking = ThinkingSplit("<think>", "</think>") if split else None
-    return ResponseReply(shell, tools, thinking, NAMES, stored.append), stored
+    keep = lambda response, session: stored.append((response, session))  # noqa: E731
+    return ResponseReply(shell, tools, thinking, NAMES, keep), stored
 
 
 def _run(reply: ResponseReply, pieces: list[str], finish: str = "stop") -> list[dict]:
@@ -69,7 +70,7 @@ def test_reasoning_then_text():
     assert [i.type for i in final.output] == ["reasoning", "message"]
     assert final.output_text == "Hello" and final.usage.output_tokens_details.reasoning_tokens
     assert final.usage.input_tokens_details.cached_tokens == 4
-    assert stored == [reply.response]
+    assert stored == [(reply.response, "s")]
 
 
 def test_an_auto_call_is_held_then_sent_whole_with_its_namespace():

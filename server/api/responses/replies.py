@@ -12,8 +12,9 @@ and `response.completed` (`response.incomplete` when max_output_tokens cut it,
 `sequence_number`. A forced call streams as it is generated (CallStream); under
 "auto" text that may still become a call is held back, and calls go out once whole.
 
-The Response is finished (and handed to `on_done`, which stores it) before the event
-that says so is sent: a client that continues the chain at once finds it.
+A streamed Response is finished (and handed to `on_done` with its session, which stores
+it) before the event that says so is sent: a client that continues the chain at once
+finds it.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class ResponseReply:
         tools: ToolPlan | None,
         split: ThinkingSplit | None,
         names: dict[str, tuple[str | None, str]],
-        on_done: Callable[[ResponseObject], None] | None = None,
+        on_done: Callable[[ResponseObject, str], None] | None = None,
         kept: bool = True,
     ):
         self.response, self.tools, self.split = shell, tools, split
@@ -74,10 +75,12 @@ class ResponseReply:
         self.call: FunctionCallOut | None = None
         self.calls = CallStream() if tools is not None and tools.forced else None
         self.cut = False  # max_output_tokens ended it
+        self.session_id = ""  # the session serving it (a stream's start tells)
 
     # ------------------------------------------------------------------ streaming.Reply
 
     def opening(self, started: Started) -> list[Event]:
+        self.session_id = started.session_id
         return [self._state("response.created"), self._state("response.in_progress")]
 
     def keepalive(self) -> list[Event]:
@@ -115,7 +118,7 @@ class ResponseReply:
             self.kept,
         )
         if self.on_done is not None:
-            self.on_done(r)
+            self.on_done(r, self.session_id)
         return [self._state(f"response.{r.status}")]
 
     def closing(self) -> list[Event]:

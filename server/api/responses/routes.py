@@ -8,8 +8,9 @@ Turn a job (server/api/turns.py), the job's events a Response or its stream
 (server/api/responses/replies.py, server/api/streaming.py).
 
 Which session's cache a turn reuses: its `prompt_cache_key` if given (Codex's: it sends
-`store: false` and resends the whole history under one key), else the chain's own
-session when it continues one (`previous_response_id`), else a new chain's when stored;
+`store: false` and resends the whole history under one key), else the session of the
+response it continues (`previous_response_id`), else one the session store finds by the
+prompt (a client that resends its whole history, as the Agents SDK does) or a new one;
 a response neither stored nor keyed keeps nothing past its reply, not even its cache.
 
 Under --session-scope caller a stored response and its chain's session belong to the
@@ -119,14 +120,11 @@ async def prepared(
 async def create_response(body: ResponseCreate, request: Request) -> Response:
     worker, store, owner = worker_of(request), store_of(request), caller(request)
     previous, history = previous_of(request, body)
-    key = body.prompt_cache_key
-    if key is None and (body.store or previous is not None):
-        key = store.session_key(previous)
+    key = body.prompt_cache_key or store.session_key(previous)
     built, prompt = await prepared(request, body, history, key)
     # Neither stored nor keyed: nothing outlives the reply, its cache included.
-    job = turns.job(
-        worker, built.turn, prompt.tokens, prompt.prefix_len, prompt.grammar, keep=key is not None
-    )
+    kept = body.store or key is not None
+    job = turns.job(worker, built.turn, prompt.tokens, prompt.prefix_len, prompt.grammar, keep=kept)
     shell = ResponseObject(
         id=new_response_id(),
         created_at=now(),
@@ -149,27 +147,31 @@ async def create_response(body: ResponseCreate, request: Request) -> Response:
         metadata=body.metadata or {},
     )
 
-    def keep(response: ResponseObject) -> None:
+    def keep(response: ResponseObject, session_id: str) -> None:
         record = StoredResponse(
             id=response.id,
             owner=owner,
             created_at=response.created_at,
-            session_key=key,
+            session_key=session_id,
             parent=previous.id if previous is not None else None,
             input=[dumped(item) for item in built.items],
             response=response.model_dump(),
         )
         store.put(record)
 
+    # Streamed, the response is stored before the event that ends it goes out (the reply
+    # knows its session from the stream's start); whole, before its body goes out.
     reply = ResponseReply(
         shell,
         prompt.tools,
         prompt.split(),
         built.offered.names,
-        keep if body.store else None,
-        kept=key is not None,
+        keep if body.store and body.stream else None,
+        kept,
     )
     answer = await respond([job], request, body.stream, reply, worker.settings.shutdown_timeout)
+    if body.store and not body.stream and reply.response.status in ("completed", "incomplete"):
+        keep(reply.response, answer.headers["x-session-id"])
     if built.offered.left_out:
         answer.headers[TOOLS_NOT_OFFERED] = ", ".join(built.offered.left_out)
     return answer

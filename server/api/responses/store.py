@@ -3,7 +3,9 @@
 A stored response keeps its own input items and output items, the Response object GET
 returns, and the session key of its chain; the conversation a later turn continues is
 the chain of stored responses back to its start (`history`). Items are small; the KV
-cache (large) is the session store's (server/sessions/store.py), found by that key, so a
+cache (large) is the session store's (server/sessions/store.py), found by that key (the
+id of the session that served the response: a client's prompt_cache_key, or the one
+the session store found by the prompt), so a
 turn with `previous_response_id` prefills only its new input while its session lives,
 and a chain whose session was dropped is rebuilt from its history, never lost.
 
@@ -40,17 +42,12 @@ def new_response_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
 
 
-def new_chain_key() -> str:
-    """A session key for a new chain (server/sessions/store.py finds its cache by it)."""
-    return f"responses-{uuid.uuid4().hex[:24]}"
-
-
 @dataclass
 class StoredResponse:
     id: str
     owner: str  # who may read it (server/api/auth.py); "" = everyone
     created_at: float
-    session_key: str  # its chain's session, whose cache the next turn reuses
+    session_key: str  # the session that served it, whose cache the next turn reuses
     parent: str | None  # the stored response it continues; None: a start, or see `base`
     input: list[dict]
     response: dict  # the Response object, as GET returns it (its output items too)
@@ -115,13 +112,14 @@ class ResponseStore:
             items += r.input + r.output
         return items
 
-    def session_key(self, previous: StoredResponse | None) -> str:
-        """The session a new response of `previous`'s chain uses: the chain's own when it
-        continues the newest response (the cache holds just that), a new one when it
-        branches off an older one (the chain's cache stays with its newest turn)."""
+    def session_key(self, previous: StoredResponse | None) -> str | None:
+        """The session a response continuing `previous` uses: the chain's own when it
+        continues the newest response (the cache holds just that); None (a session found
+        by its prompt, or a new one) when it branches off an older one, whose cache the
+        chain's newest turn keeps, or starts a chain."""
         if previous is not None and self.heads.get(previous.session_key) == previous.id:
             return previous.session_key
-        return new_chain_key()
+        return None
 
     # ------------------------------------------------------------------ writing
 
