@@ -134,10 +134,13 @@ class Agent:
             {"type": "function", "name": n, "description": d, "parameters": schema(p)}
             for n, d, p in TOOLS
         ]
+        # Instructions are not carried over by previous_response_id (OpenAI's rule): sent
+        # every turn, as the same text they render at the same place.
+        kwargs = {"instructions": self.system}
         if i == 0:
-            kwargs = {"instructions": self.system, "input": TASK}
+            kwargs["input"] = TASK
         else:
-            kwargs = {"previous_response_id": self.previous, "input": self.history}
+            kwargs.update(previous_response_id=self.previous, input=self.history)
         stream = self.client.responses.create(
             model=self.model,
             tools=tools,
