@@ -729,6 +729,11 @@ BAD = {
         "prefill",
     ),
     "temperature above 1": ({"temperature": 1.5}, "temperature"),
+    # As Anthropic says it: Claude Code reads "prompt is too long: N tokens > M".
+    "a prompt past the context": (
+        {"messages": [{"role": "user", "content": "word " * 9000}]},
+        "prompt is too long: ",
+    ),
     "tool_choice naming no tool": ({"tool_choice": {"type": "tool", "name": "nope"}}, "nope"),
     "an input_schema that is no object": (
         {"tools": [{**WEATHER, "input_schema": {"type": "string"}}]},

@@ -50,6 +50,14 @@ from server.api.reasoning import ThinkingSplit
 from server.api.structured import ToolPlan, may_become_call
 from server.engine.jobs import Delta, Failed, Finished, Started
 
+TOO_LONG = "context_length_exceeded"  # the engine's code for a prompt over the limit
+
+
+def too_long(message: str, tokens: int, limit: int) -> str:
+    """A prompt over the limit, said as Anthropic says it: Claude Code reads "prompt is too
+    long: N tokens > M" (and then tells the user to /compact)."""
+    return f"prompt is too long: {tokens} tokens > {limit} maximum ({message})"
+
 
 def anthropic_id(prefix: str) -> str:
     """Ids as Anthropic spells them: msg_..., toolu_..."""
@@ -68,6 +76,7 @@ class MessagesReply:
         tools: ToolPlan | None = None,
         thinking: Callable[[], ThinkingSplit | None] | None = None,
         prefill_only: bool = False,
+        new_token_limit: int | None = None,
     ):
         self.text = ReplyBuilder(
             "chat", model, tokenizer, False, [(prompt_tokens, "")], 1, tools, thinking
@@ -75,6 +84,7 @@ class MessagesReply:
         self.model, self.id = model, anthropic_id("msg")
         self.prompt_len, self.cached = len(prompt_tokens), 0
         self.prefill_only = prefill_only
+        self.new_token_limit = new_token_limit  # prompt tokens the worker prefills at most
         self.stop_sequence: str | None = None
         self.finished: Finished | None = None
         self.failed = False
@@ -153,10 +163,15 @@ class MessagesReply:
 
     def error_event(self, failed: Failed) -> list[dict]:
         self.failed = True
-        return [{"event": "error", "data": anthropic_body(failed.status, failed.message)}]
+        return [{"event": "error", "data": anthropic_body(failed.status, self._said(failed))}]
 
     def error_response(self, failed: Failed) -> Response:
-        return error_response(failed.status, failed.message, anthropic=True)
+        return error_response(failed.status, self._said(failed), anthropic=True)
+
+    def _said(self, failed: Failed) -> str:
+        if failed.code == TOO_LONG and self.new_token_limit is not None:
+            return too_long(failed.message, self.prompt_len, self.new_token_limit)
+        return failed.message
 
     # ------------------------------------------------------------------ the message
 

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from server.api import turns
 from server.api.errors import APIError
 from server.api.messages.protocol import CountTokensRequest, MessagesRequest, TokenCount
-from server.api.messages.replies import MessagesReply
+from server.api.messages.replies import TOO_LONG, MessagesReply, too_long
 from server.api.messages.turn import MessagesTurn, folded, messages_turn
 from server.api.streaming import respond
 from server.api.turns import Prompt, Turn, owner_of, worker_of
@@ -38,9 +38,22 @@ async def messages(
     user = body.metadata.user_id if body.metadata else None
     made = messages_turn(body, engine.model_id, x_session_id, owner_of(request, user))
     turn, prompt = await prepared(engine, made.turn)
-    job = turns.job(worker, turn, prompt.tokens, prompt.prefix_len, prompt.grammar)
+    try:
+        job = turns.job(worker, turn, prompt.tokens, prompt.prefix_len, prompt.grammar)
+    except APIError as e:
+        if e.code != TOO_LONG:
+            raise
+        spec = engine.spec_for(turn.kv_cache)
+        limit = engine.prompt_limit(spec) or engine.context_limit(spec) or engine.shape.context
+        raise APIError(400, too_long(e.message, len(prompt.tokens), limit), e.code) from None
     reply = MessagesReply(
-        body.model, engine.tokenizer, prompt.tokens, prompt.tools, prompt.split, made.prefill_only
+        body.model,
+        engine.tokenizer,
+        prompt.tokens,
+        prompt.tools,
+        prompt.split,
+        made.prefill_only,
+        engine.new_token_limit(),
     )
     response = await respond([job], request, body.stream, reply, worker.settings.shutdown_timeout)
     return _said(response, made)
