@@ -728,6 +728,7 @@ BAD = {
         {"messages": [*PARIS, {"role": "assistant", "content": "It is"}]},
         "prefill",
     ),
+    "an empty content list": ({"messages": [{"role": "user", "content": []}]}, "empty list"),
     "temperature above 1": ({"temperature": 1.5}, "temperature"),
     # As Anthropic says it: Claude Code reads "prompt is too long: N tokens > M".
     "a prompt past the context": (
@@ -783,3 +784,39 @@ def test_bad_input_leaves_the_conversation_as_it_was(api):
     with pytest.raises(anthropic.NotFoundError) as e:
         client.messages.create(**{**kwargs, "model": "claude-nope"}, messages=PARIS)
     assert e.value.body["error"]["type"] == "not_found_error"
+
+
+# ---------------------------------------------------------------------- bench/claude_cli.py
+
+FAKE_CLAUDE = """
+import os, sys, urllib.request
+import anthropic
+assert "claude-cli-" in os.environ["HOME"]  # a scratch HOME
+base = os.environ["ANTHROPIC_BASE_URL"]
+try:
+    urllib.request.urlopen(urllib.request.Request(base + "/", method="HEAD"))
+except Exception:
+    pass  # any status: a reachability probe, as Claude Code's
+client = anthropic.Anthropic(base_url=base, auth_token=os.environ["ANTHROPIC_AUTH_TOKEN"])
+ask = {"model": os.environ["ANTHROPIC_MODEL"], "max_tokens": 4}
+with client.messages.stream(messages=[{"role": "user", "content": sys.argv[2]}], **ask) as stream:
+    print("".join(stream.text_stream))
+"""
+
+
+def test_the_claude_cli_runner_records_each_request(api, tmp_path):
+    """bench/claude_cli.py with a stand-in for `claude -p` that talks as it does."""
+    import sys
+
+    from bench.claude_cli import claude_turn
+
+    fake = tmp_path / "claude"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_CLAUDE}")
+    fake.chmod(0o755)
+    turn = claude_turn(api.base_url, "Say hi", model=MODEL, claude=str(fake), timeout=120)
+    assert turn.exit_status == 0, turn.stderr
+    assert turn.stdout.strip() and turn.all_ok()
+    head, post = turn.requests
+    assert (head.method, head.path) == ("HEAD", "/")
+    assert (post.path, post.status, post.stream) == ("/v1/messages", 200, True)
+    assert 0 < post.ttft_s <= post.seconds

@@ -144,6 +144,8 @@ def _check_block_types(content: Any) -> None:
     """A clear 400 for a block type this server does not take, before the union's own."""
     if not isinstance(content, list):
         return
+    if not content:
+        raise ValueError("content is an empty list: a turn holds a string or at least one block")
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind in BLOCK_TYPES:
