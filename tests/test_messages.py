@@ -314,6 +314,10 @@ def test_a_forced_call_streams_its_input_and_an_auto_call_comes_whole():
     assert parts == ['{"a": 1}']
     body = Message.model_validate(auto.body())
     assert body.content[0].input == {"a": 1} and body.stop_reason == "tool_use"
+    two = '<tool_call>{"name": "f", "arguments": {}}</tool_call>' * 2
+    one = MessagesReply("m", None, [1], tools=ToolPlan(False, {"f"}), parallel=False)
+    _events(one, _deltas(two), Finished(1, 2, 0))  # disable_parallel_tool_use: the first call
+    assert [b.type for b in Message.model_validate(one.body()).content] == ["tool_use"]
 
 
 def test_a_failure_midway_ends_the_stream_with_an_error_event():

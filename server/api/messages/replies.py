@@ -77,13 +77,14 @@ class MessagesReply:
         thinking: Callable[[], ThinkingSplit | None] | None = None,
         prefill_only: bool = False,
         new_token_limit: int | None = None,
+        parallel: bool = True,
     ):
         self.text = ReplyBuilder(
             "chat", model, tokenizer, False, [(prompt_tokens, "")], 1, tools, thinking
         )
         self.model, self.id = model, anthropic_id("msg")
         self.prompt_len, self.cached = len(prompt_tokens), 0
-        self.prefill_only = prefill_only
+        self.prefill_only, self.parallel = prefill_only, parallel
         self.new_token_limit = new_token_limit  # prompt tokens the worker prefills at most
         self.stop_sequence: str | None = None
         self.finished: Finished | None = None
@@ -123,7 +124,7 @@ class MessagesReply:
             c.sent = len(c.text)
         elif plan is not None and not c.finish_reason and may_become_call(c.text):
             pass  # held back: it may be a call, sent whole once it is
-        elif plan is not None and c.finish_reason and (calls := self.text.calls(c)):
+        elif plan is not None and c.finish_reason and (calls := self.calls()):
             if calls[1]:
                 events += self._extend("text", TextDelta(text=calls[1]))
             for call in calls[0]:
@@ -180,7 +181,7 @@ class MessagesReply:
             return []
         c = self.choice
         blocks: list[BlockOut] = [ThinkingOut(thinking=c.reasoning)] if c.reasoning else []
-        if calls := self.text.calls(c):
+        if calls := self.calls():
             if calls[1]:
                 blocks.append(TextOut(text=calls[1]))
             for call in calls[0]:
@@ -192,13 +193,22 @@ class MessagesReply:
             blocks.append(TextOut(text=c.text))  # (a forced call cut before its name: none)
         return blocks
 
+    def calls(self) -> tuple[list[dict], str | None] | None:
+        """The reply's calls (OpenAI's shape) and its other text; with
+        `disable_parallel_tool_use`, an auto reply's first call only (a forced one's
+        grammar allows one)."""
+        calls = self.text.calls(self.choice)
+        if calls and not self.parallel:
+            return calls[0][:1], calls[1]
+        return calls
+
     def stop_reason(self) -> StopReason:
         c = self.choice
         if self.prefill_only or c.finish_reason == "length":
             return "max_tokens"
         if self.stop_sequence is not None:
             return "stop_sequence"
-        return "tool_use" if self.text.calls(c) else "end_turn"
+        return "tool_use" if self.calls() else "end_turn"
 
     def usage(self) -> Usage:
         """The prompt split as Anthropic splits it: prefilled now (`input_tokens`) and read

@@ -54,6 +54,7 @@ async def messages(
         prompt.split,
         made.prefill_only,
         engine.new_token_limit(),
+        turn.parallel_tool_calls,
     )
     response = await respond([job], request, body.stream, reply, worker.settings.shutdown_timeout)
     return _said(response, made)
