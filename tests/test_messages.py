@@ -176,6 +176,10 @@ def test_switches_reach_the_turn():
                 "tool_choice": {"type": "tool", "name": "bash"},
             }
         )
+    typed_only = {**body, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}
+    assert _turn({**typed_only, "tool_choice": {"type": "auto"}}).turn.functions == []
+    with pytest.raises(APIError, match="not offered: web_search_20250305:web_search"):
+        _turn({**typed_only, "tool_choice": {"type": "any"}})
     counted = messages_turn(
         CountTokensRequest.model_validate({"model": "m", "messages": PARIS}), "m"
     )

@@ -124,10 +124,13 @@ def tool_choice(body: PromptRequest, names: set[str], not_offered: list[str]) ->
             message = f"tool_choice names {choice.name!r}, which {why}"
             raise APIError(400, message, param="tool_choice")
         return choice.name, parallel
+    if not isinstance(choice, ToolChoiceAny):
+        return "auto", parallel  # (with no tool offered: a reply of text)
     if not names:
-        message = f"tool_choice {choice.type!r} needs a tool to call"
+        left = f" (not offered: {', '.join(not_offered)})" if not_offered else ""
+        message = f"tool_choice 'any' needs a tool the model is offered{left}"
         raise APIError(400, message, param="tool_choice")
-    return ("required" if isinstance(choice, ToolChoiceAny) else "auto"), parallel
+    return "required", parallel
 
 
 # ---------------------------------------------------------------------- messages
