@@ -21,6 +21,7 @@ under $CLAUDE_NPM, or given as `claude=`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -97,13 +98,27 @@ def claude_turn(
     api_key: str = "local",
     claude: str | None = None,
     extra_env: dict[str, str] | None = None,
+    max_output_tokens: int | None = None,
+    scratch: str | Path | None = None,
 ) -> ClaudeTurn:
-    """Run `claude -p PROMPT` once against `base_url` (the server's root, no /v1)."""
+    """Run `claude -p PROMPT` once against `base_url` (the server's root, no /v1).
+
+    `max_output_tokens`: Claude Code's own cap on a reply (CLAUDE_CODE_MAX_OUTPUT_TOKENS;
+    else it asks for 32000, which a small model at temperature 1 may fill). `scratch`: a
+    folder kept for HOME and the working directory; two turns in the same one send the
+    same system prompt (it names the working directory), so the second finds the first's
+    cache. Else a fresh temporary folder."""
     claude = claude or find_claude()
-    with tempfile.TemporaryDirectory(prefix="claude-cli-") as scratch, _Proxy(base_url) as proxy:
+    with contextlib.ExitStack() as stack:
+        if scratch is None:
+            scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="claude-cli-"))
+        proxy = stack.enter_context(_Proxy(base_url))
         home, work = Path(scratch, "home"), Path(scratch, "work")
-        home.mkdir()
-        work.mkdir()
+        home.mkdir(parents=True, exist_ok=True)
+        work.mkdir(exist_ok=True)
+        capped = (
+            {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_output_tokens)} if max_output_tokens else {}
+        )
         env = {
             **{k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE"))},
             "HOME": str(home),
@@ -113,6 +128,7 @@ def claude_turn(
             "ANTHROPIC_SMALL_FAST_MODEL": small_model or model,
             **QUIET_ENV,
             **SLOW_PREFILL_ENV,
+            **capped,
             **(extra_env or {}),
         }
         start = time.perf_counter()
@@ -233,14 +249,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", default="say hi")
     parser.add_argument("--model", default="local-model")
     parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--max-output-tokens", type=int, default=None)
+    parser.add_argument("--scratch", default=None, help="HOME and cwd kept here (see claude_turn)")
+    parser.add_argument("--turns", type=int, default=1, help="the same prompt again, in --scratch")
     args = parser.parse_args(argv)
-    turn = claude_turn(args.base_url, args.prompt, args.model, timeout=args.timeout)
+    ok = True
+    for _ in range(args.turns):
+        turn = claude_turn(
+            args.base_url,
+            args.prompt,
+            args.model,
+            timeout=args.timeout,
+            max_output_tokens=args.max_output_tokens,
+            scratch=args.scratch,
+        )
+        _print(turn)
+        ok = ok and turn.all_ok()
+    return 0 if ok else 1
+
+
+def _print(turn: ClaudeTurn) -> None:
     for r in turn.requests:
         ttft = f"{r.ttft_s:.1f} s" if r.ttft_s is not None else "-"
         size = f"{r.request_bytes} B"
         print(f"{r.method} {r.path} -> {r.status}  {size}  ttft {ttft}  {r.seconds:.1f} s")
     print(json.dumps({k: v for k, v in asdict(turn).items() if k != "requests"}, indent=1))
-    return 0 if turn.all_ok() else 1
 
 
 if __name__ == "__main__":
