@@ -620,6 +620,13 @@ def test_claude_codes_requests_replayed(api):
     usage = events[0][1]["message"]["usage"]
     assert usage["cache_read_input_tokens"] >= first["input_tokens"] - 1  # all the first turn
     assert events[-1][0] == "message_stop"
+    # A sub-agent (or a new conversation): the same system prompt and tools, another task.
+    # It forks the stored system prompt (system blocks and tools) instead of prefilling it.
+    task = [{"role": "user", "content": [{"type": "text", "text": "list the files"}]}]
+    r = api.post("/v1/messages?beta=true", {**_claude_request(task, stream=False), "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    forked = r.json()["usage"]["cache_read_input_tokens"]
+    assert 256 <= forked < first["input_tokens"]  # --prefix-min-tokens 256 .. the first turn
 
 
 def test_claude_codes_title_request_answers_in_its_schema(api):
