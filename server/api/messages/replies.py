@@ -79,7 +79,7 @@ class MessagesReply:
         new_token_limit: int | None = None,
         parallel: bool = True,
     ):
-        self.text = ReplyBuilder(
+        self.chat = ReplyBuilder(  # the reply taken in as chat completions take it
             "chat", model, tokenizer, False, [(prompt_tokens, "")], 1, tools, thinking
         )
         self.model, self.id = model, anthropic_id("msg")
@@ -94,7 +94,7 @@ class MessagesReply:
 
     @property
     def choice(self) -> Choice:
-        return self.text.choices[0]
+        return self.chat.choices[0]
 
     # ------------------------------------------------------------------ streaming.Reply
 
@@ -110,11 +110,11 @@ class MessagesReply:
         if self.prefill_only:
             return []
         self.stop_sequence = delta.stop_sequence or self.stop_sequence
-        c, _ = self.text.add(delta)
+        c, _ = self.chat.add(delta)
         events = []
         if c.new_reasoning:
             events += self._extend("thinking", ThinkingDelta(thinking=c.new_reasoning))
-        plan = self.text.tools
+        plan = self.chat.tools
         if c.call_stream is not None:  # a forced call: its input as it is generated
             for d in c.call_stream.feed(c.text):
                 if "id" in d:
@@ -189,7 +189,7 @@ class MessagesReply:
                 block = self._tool_use(function["name"])
                 block.input = _input(function["arguments"])
                 blocks.append(block)
-        elif c.text and not (self.text.tools and self.text.tools.forced):
+        elif c.text and not (self.chat.tools and self.chat.tools.forced):
             blocks.append(TextOut(text=c.text))  # (a forced call cut before its name: none)
         return blocks
 
@@ -197,7 +197,7 @@ class MessagesReply:
         """The reply's calls (OpenAI's shape) and its other text; with
         `disable_parallel_tool_use`, an auto reply's first call only (a forced one's
         grammar allows one)."""
-        calls = self.text.calls(self.choice)
+        calls = self.chat.calls(self.choice)
         if calls and not self.parallel:
             return calls[0][:1], calls[1]
         return calls
