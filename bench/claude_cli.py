@@ -104,7 +104,8 @@ def claude_turn(
     """Run `claude -p PROMPT` once against `base_url` (the server's root, no /v1).
 
     `max_output_tokens`: Claude Code's own cap on a reply (CLAUDE_CODE_MAX_OUTPUT_TOKENS;
-    else it asks for 32000, which a small model at temperature 1 may fill). `scratch`: a
+    else it asks for 32000, which a small model at temperature 1 may fill); a reply that
+    reaches it makes Claude Code exit 1, so keep it well above a turn's. `scratch`: a
     folder kept for HOME and the working directory; two turns in the same one send the
     same system prompt (it names the working directory), so the second finds the first's
     cache. Else a fresh temporary folder."""
