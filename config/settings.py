@@ -156,9 +156,9 @@ class ServerSettings(BaseSettings):
         None,
         ge=0,
         le=2,
-        description="sampling temperature of a request that sends none (unset: 1.0, OpenAI's "
-        "default; /v1/responses). Agents send none (Codex CLI), and a small model at 1.0 "
-        "rambles: 0.2 or 0 keeps its replies short",
+        description="sampling temperature of a request that sends none, in every API (unset: "
+        "1.0, OpenAI's and Anthropic's default). Agents send none (Codex CLI, Claude Code), "
+        "and a small model at 1.0 rambles: 0.2 or 0 keeps its replies short",
     )
     responses_max_stored: int = Field(
         10000,

@@ -123,3 +123,45 @@ def test_responses_thinking_switched_off_by_reasoning_effort(thinker):
     assert r.output_text.strip() == CONTENT and r.usage.output_tokens_details.reasoning_tokens == 0
     streamed = [e.type for e in _respond(thinker, reasoning={"effort": "none"}, stream=True)]
     assert "response.reasoning_text.delta" not in streamed
+
+
+def _message(server, **kwargs):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    return client, {
+        "model": server.model,
+        "messages": ASK,
+        "max_tokens": 20,
+        "extra_body": {"temperature": 0},
+        **kwargs,
+    }
+
+
+def test_messages_thinking_blocks(thinker):
+    client, request = _message(thinker)
+    message = client.messages.create(**request)
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking.strip() == REASONING and message.content[1].text == CONTENT
+    thought = len(["hmm", "let", "me", "see", "</think>"]) + (not thinker.opens)
+    assert message.usage.output_tokens_details.thinking_tokens == thought
+    with client.messages.stream(**request) as stream:
+        kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert kinds[0] == "thinking_delta" and kinds[-1] == "text_delta"
+    assert set(kinds) == {"thinking_delta", "text_delta"}
+    assert final.content[0].thinking.strip() == REASONING and final.content[1].text == CONTENT
+    # The reply's thinking block taken back in the next turn's history is accepted.
+    history = [*ASK, {"role": "assistant", "content": [b.model_dump() for b in message.content]}]
+    again = client.messages.create(**{**request, "messages": [*history, *ASK]})
+    assert again.content[-1].text == CONTENT
+
+
+def test_messages_thinking_disabled(thinker):
+    client, request = _message(thinker, thinking={"type": "disabled"})
+    message = client.messages.create(**request)
+    assert [b.type for b in message.content] == ["text"]
+    assert message.content[0].text.strip() == CONTENT
+    with client.messages.stream(**request) as stream:
+        kinds = {e.delta.type for e in stream if e.type == "content_block_delta"}
+    assert kinds == {"text_delta"}

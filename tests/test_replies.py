@@ -140,3 +140,23 @@ def test_stop_text_releases_a_false_alarm_and_everything_at_the_end():
 def test_stop_text_without_stops_passes_everything():
     reply = StopText([])
     assert reply.add("a") + reply.add("b", final=True) == "ab"
+
+
+def test_stop_text_names_the_stop_string_that_ended_it():
+    reply = StopText(["two", "one"])  # the earliest in the text wins, not the first listed
+    assert reply.add("zero one two") == "zero " and reply.matched == "one"
+    assert StopText(["x"]).matched is None
+
+
+def test_top_k_draws_only_among_the_k_likeliest():
+    import mlx.core as mx
+
+    from server.engine.generation import make_request_sampler
+
+    logprobs = mx.log(mx.array([[0.1, 0.4, 0.2, 0.3]]))
+    top1 = make_request_sampler(1.0, 1.0, 0.0, seed=7, top_k=1)
+    assert {top1(logprobs).item() for _ in range(20)} == {1}
+    top2 = make_request_sampler(1.0, 1.0, 0.0, seed=7, top_k=2)
+    assert {top2(logprobs).item() for _ in range(60)} == {1, 3}
+    whole = make_request_sampler(1.0, 1.0, 0.0, seed=7, top_k=4)  # the vocabulary: no filter
+    assert len({whole(logprobs).item() for _ in range(100)}) == 4

@@ -23,6 +23,7 @@ from config.settings import ServerSettings
 from server.api.auth import APIKeyMiddleware, parse_keys
 from server.api.chat.routes import router as chat_router
 from server.api.errors import install_error_handlers
+from server.api.messages.routes import router as messages_router
 from server.api.responses.routes import router as responses_router
 from server.api.routes import page_router, router
 from server.api.ui import STATIC, ui_enabled
@@ -63,6 +64,7 @@ def create_app(settings: ServerSettings | None = None, load_engine=None) -> Fast
     app.include_router(router)
     app.include_router(chat_router)
     app.include_router(responses_router)
+    app.include_router(messages_router)
     if ui_enabled(settings):  # the chat page: its files and the choices it offers
         app.mount("/static", StaticFiles(directory=STATIC), name="static")
         app.include_router(page_router)

@@ -16,6 +16,17 @@ SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 # OpenAI documents seed as a signed 64-bit integer; unsigned 64-bit seeds are taken too.
 # Sampling reduces a seed modulo 2**64 (so -1 and 2**64 - 1 draw the same tokens).
 SEED_RANGE = (-(2**63), 2**64 - 1)
+# The reply header naming the tools a request offered that the server cannot run
+# (web search, MCP...): left out of the prompt, never a failed request.
+TOOLS_NOT_OFFERED = "X-Tools-Not-Offered"
+
+
+def temperature_or_default(sent: float | None, default: float | None) -> float:
+    """A request's temperature: the one it sent, else --default-temperature, else 1.0 (the
+    default of OpenAI's and Anthropic's APIs). Agents send none (Codex CLI, Claude Code)."""
+    if sent is not None:
+        return sent
+    return 1.0 if default is None else default
 
 
 class Request(BaseModel):

@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from server.api.cache_view import cache_report, read_contents
 from server.api.errors import APIError
+from server.api.messages.replies import model_info, model_list
 from server.api.session_protocol import PageOptions, SessionCache
 from server.api.turns import check_model, check_session_id, owner_of
 from server.api.ui import PAGE_HEADERS, STATIC, page_options
@@ -45,9 +46,12 @@ async def health(request: Request):
 
 @router.get("/v1/models")
 async def models(request: Request):
-    """The served model, under each --served-model-name when given."""
+    """The served model, under each --served-model-name when given (in Anthropic's shape
+    for its clients, which send `anthropic-version`)."""
     engine = _worker(request).engine
     names = engine.settings.served_model_name or [engine.model_id]
+    if "anthropic-version" in request.headers:
+        return model_list(names)
     return {"object": "list", "data": [{**_model_card(engine), "id": name} for name in names]}
 
 
@@ -56,6 +60,8 @@ async def model(model: str, request: Request):
     """One model (`client.models.retrieve`): any name requests may use for it."""
     engine = _worker(request).engine
     check_model(engine, model)
+    if "anthropic-version" in request.headers:
+        return model_info(model).model_dump()
     return {**_model_card(engine), "id": model}
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx_lm.sample_utils import (
     apply_min_p,
+    apply_top_k,
     apply_top_p,
     greedy_sampler,
     make_logits_processors,
@@ -37,9 +38,14 @@ LOGPROB_FLOOR = -9999.0  # a logprob JSON can carry (vLLM's floor): never -inf
 
 
 def make_request_sampler(
-    temperature: float, top_p: float, min_p: float, seed: int | None, choice: int = 0
+    temperature: float,
+    top_p: float,
+    min_p: float,
+    seed: int | None,
+    choice: int = 0,
+    top_k: int = 0,
 ):
-    """mlx-lm's top-p/min-p filters, then sampling from this request's own random key.
+    """mlx-lm's top-k/top-p/min-p filters, then sampling from this request's own random key.
 
     A key per request (not MLX's global one) keeps a seeded request reproducible
     while other requests are interleaved with it. Choice i > 0 of a request with `n`
@@ -55,6 +61,8 @@ def make_request_sampler(
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key
         key, draw = mx.random.split(key)
+        if 0 < top_k < logprobs.shape[-1]:  # k as large as the vocabulary filters nothing
+            logprobs = apply_top_k(logprobs, top_k)
         if 0 < top_p < 1:
             logprobs = apply_top_p(logprobs, top_p)
         if min_p > 0:
@@ -86,15 +94,17 @@ class StopText:
         self.stops = stops
         self.text, self.sent = "", 0  # the reply so far; how much of it was released
         self.stopped = False  # a stop string was found (the reply ends before it)
+        self.matched: str | None = None  # which one (the earliest in the text)
 
     def add(self, piece: str, final: bool = False) -> str:
         """Append `piece`; return the newly releasable text (all of it when `final`)."""
         self.text += piece
         if self.stops:
             start = max(0, self.sent - max(len(s) for s in self.stops))
-            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+            hits = [(at, s) for s in self.stops if (at := self.text.find(s, start)) >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
+                at, self.matched = min(hits, key=lambda hit: hit[0])
+                self.text = self.text[:at]
                 self.stopped = True
         end = len(self.text)
         if self.stops and not (final or self.stopped):
@@ -129,7 +139,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.text = IncrementalText(decoder(tokenizer), prompt)
         self.sampler = make_request_sampler(
-            params.temperature, params.top_p, params.min_p, params.seed, choice
+            params.temperature, params.top_p, params.min_p, params.seed, choice, params.top_k
         )
         # /v1/completions echo with logprobs: each prompt token's logprob, from the
         # logits of the prefill (the first token has none); None when not asked for.
@@ -272,6 +282,7 @@ class Generation:
         delta.text = self.reply.add(piece, final=self.finish_reason is not None)
         if self.reply.stopped:
             self.finish_reason = "stop"
+            delta.stop_sequence = self.reply.matched
         delta.finish_reason = self.finish_reason
         return delta
 

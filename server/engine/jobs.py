@@ -19,6 +19,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     min_p: float = 0.0
+    top_k: int = 0  # 0: off; else only the k likeliest tokens are drawn from (Anthropic's)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     presence_penalty: float = 0.0
@@ -48,6 +49,7 @@ class Delta:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None  # set on the last delta: stop | length
+    stop_sequence: str | None = None  # the stop string that ended it (finish_reason stop)
     choice: int = 0  # which of the request's n choices it extends
     # The first delta of a reply that echoes its prompt's logprobs: one per prompt
     # token, None for the first (nothing predicts it).

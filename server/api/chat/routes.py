@@ -27,7 +27,8 @@ async def chat_completions(
     body: ChatCompletionRequest, request: Request, x_session_id: str | None = Header(None)
 ):
     worker = worker_of(request)
-    turn = chat_turn(body, body.prompt_cache_key or x_session_id, owner_of(request, body.user))
+    key = body.prompt_cache_key or x_session_id
+    turn = chat_turn(body, key, owner_of(request, body.user), worker.settings.default_temperature)
     job, prompt = await turns.submit(worker, turn)
     engine = worker.engine
     builder = ReplyBuilder(
@@ -58,7 +59,9 @@ async def completions(
             "a session key names one conversation; this request has several prompts",
             param="prompt",
         )
-    turn = completion_turn(body, key, owner_of(request, body.user))
+    turn = completion_turn(
+        body, key, owner_of(request, body.user), worker.settings.default_temperature
+    )
     jobs = []
     try:
         for tokens, _ in prompts:  # a batch's prompts: each its own throwaway session

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from server.api.chat.protocol import (
@@ -11,6 +12,7 @@ from server.api.chat.protocol import (
     ResponseFormat,
     SamplingRequest,
 )
+from server.api.common import temperature_or_default
 from server.api.structured import Function, template_call
 from server.api.turns import Turn
 
@@ -18,13 +20,18 @@ from server.api.turns import Turn
 CHAT_PARAMS = {"parameters": "tools[{i}].function.parameters"}
 
 
-def chat_turn(body: ChatCompletionRequest, key: str | None, owner: str) -> Turn:
+def chat_turn(
+    body: ChatCompletionRequest,
+    key: str | None,
+    owner: str,
+    default_temperature: float | None = None,
+) -> Turn:
     choice = body.tool_choice
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
     fmt = body.response_format
     answer_param = "response_format.json_schema.schema" if fmt and fmt.json_schema else None
     return Turn(
-        **_common(body, key, owner),
+        **_common(body, key, owner, default_temperature),
         messages=chat_messages(body),
         max_tokens=body.token_limit(),
         functions=[
@@ -40,20 +47,28 @@ def chat_turn(body: ChatCompletionRequest, key: str | None, owner: str) -> Turn:
     )
 
 
-def completion_turn(body: CompletionRequest, key: str | None, owner: str) -> Turn:
+def completion_turn(
+    body: CompletionRequest, key: str | None, owner: str, default_temperature: float | None = None
+) -> Turn:
     """A completion's Turn: no messages (each prompt is its own job's tokens)."""
     return Turn(
-        **_common(body, key, owner),
+        **_common(body, key, owner, default_temperature),
         messages=[],
         max_tokens=body.token_limit(),
         prompt_field="prompt",
     )
 
 
-def _common(body: SamplingRequest, key: str | None, owner: str) -> dict[str, Any]:
+def _common(
+    body: SamplingRequest, key: str | None, owner: str, default_temperature: float | None
+) -> dict[str, Any]:
+    sent = body.temperature if "temperature" in body.model_fields_set else None
+    sampling = replace(
+        body.sampling_params(0), temperature=temperature_or_default(sent, default_temperature)
+    )
     return {
         "model": body.model,
-        "sampling": body.sampling_params(0),
+        "sampling": sampling,
         "session_key": key,
         "owner": owner,
         "kv_cache": body.kv_cache,

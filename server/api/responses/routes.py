@@ -25,7 +25,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from server.api import turns
-from server.api.common import now
+from server.api.common import TOOLS_NOT_OFFERED, now
 from server.api.errors import APIError
 from server.api.responses.protocol import (
     DeletedResponse,
@@ -48,7 +48,6 @@ from server.api.streaming import respond
 from server.api.turns import Prompt, owner_of, worker_of
 
 router = APIRouter()
-TOOLS_NOT_OFFERED = "X-Tools-Not-Offered"  # the tools left out, comma-separated
 
 
 def store_of(request: Request) -> ResponseStore:

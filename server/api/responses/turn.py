@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
+from server.api.common import temperature_or_default
 from server.api.errors import APIError
 from server.api.responses.protocol import (
     AdditionalToolsItem,
@@ -283,9 +284,7 @@ def responses_turn(
     ]
     offered = offer([("tools", body.tools), *extra])
     choice = tool_choice(body, offered)
-    temperature = body.temperature
-    if temperature is None:
-        temperature = 1.0 if default_temperature is None else default_temperature
+    temperature = temperature_or_default(body.temperature, default_temperature)
     sampling = SamplingParams(max_tokens=0, temperature=temperature, top_p=body.top_p)
     fmt = body.text.format
     turn = Turn(
