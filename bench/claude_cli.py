@@ -3,7 +3,8 @@
 Claude Code runs in a scratch HOME with the environment that keeps it to the server it
 is pointed at (no telemetry, no attribution block, few retries) and talks to the server
 through a small logging proxy in this process, which records each request's status,
-time to its first token (the first `content_block_delta` of a stream) and duration.
+time to its first token (the first `content_block_delta` of a stream), duration and
+the prompt tokens the server cached (bench/recording_proxy.py).
 
     from bench.claude_cli import claude_turn
     turn = claude_turn("http://127.0.0.1:8000", "say hi", model="local-model")
@@ -13,7 +14,7 @@ time to its first token (the first `content_block_delta` of a stream) and durati
 
 Serve the default model so that Claude Code's ~20k-token first prompt fits: an evicting
 policy and the names it sends, e.g. `h2o-server serve --policy h2o --max-prompt-tokens
-32768 --served-model-name local-model` (docs/api_messages.md, "Claude Code").
+32768 --served-model-name local-model` (docs/agents.md, "Claude Code").
 Claude Code is an npm package (`@anthropic-ai/claude-code`); `claude` is found on PATH,
 under $CLAUDE_NPM, or given as `claude=`.
 """
@@ -22,19 +23,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import urlsplit
+
+from bench.recording_proxy import ProxiedRequest, RecordingProxy, SseNotes, run_cli
 
 # Keeps Claude Code to the server: no telemetry or title requests, no per-prompt
 # attribution block (it changes the system prompt's first tokens with every prompt, so
@@ -49,19 +47,26 @@ QUIET_ENV = {
 # prefill of its ~20k-token first prompt can outlast that. API_TIMEOUT_MS bounds its
 # non-streaming fallback the same way.
 SLOW_PREFILL_ENV = {"CLAUDE_STREAM_IDLE_TIMEOUT_MS": "3600000", "API_TIMEOUT_MS": "3600000"}
-HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host"}
-FIRST_TOKEN = b"event: content_block_delta"
 
 
-@dataclass
-class RequestLog:
-    method: str
-    path: str
-    status: int
-    stream: bool
-    request_bytes: int
-    ttft_s: float | None  # to the first content_block_delta (streams only)
-    seconds: float
+def _token(event: dict) -> str | None:
+    if event.get("type") != "content_block_delta":
+        return None
+    delta = event.get("delta") or {}
+    return delta.get("text") or delta.get("partial_json") or delta.get("thinking") or ""
+
+
+def _usage(event: dict) -> tuple[int, int] | None:
+    """Anthropic's input_tokens leaves out the cached ones: the prompt is the sum."""
+    usage = (event.get("message") or {}).get("usage") or event.get("usage") or {}
+    if "input_tokens" not in usage:
+        return None
+    read = usage.get("cache_read_input_tokens") or 0
+    prompt = usage["input_tokens"] + read + (usage.get("cache_creation_input_tokens") or 0)
+    return prompt, read
+
+
+MESSAGES_EVENTS = SseNotes(_token, _usage)
 
 
 @dataclass
@@ -70,7 +75,7 @@ class ClaudeTurn:
     stdout: str
     stderr: str
     seconds: float
-    requests: list[RequestLog] = field(default_factory=list)
+    requests: list[ProxiedRequest] = field(default_factory=list)
 
     def all_ok(self) -> bool:
         """Exit status 0 and every request to the API answered 2xx (Claude Code's HEAD /
@@ -113,7 +118,7 @@ def claude_turn(
     with contextlib.ExitStack() as stack:
         if scratch is None:
             scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="claude-cli-"))
-        proxy = stack.enter_context(_Proxy(base_url))
+        proxy = stack.enter_context(RecordingProxy(base_url, MESSAGES_EVENTS))
         home, work = Path(scratch, "home"), Path(scratch, "work")
         home.mkdir(parents=True, exist_ok=True)
         work.mkdir(exist_ok=True)
@@ -132,116 +137,9 @@ def claude_turn(
             **capped,
             **(extra_env or {}),
         }
-        start = time.perf_counter()
-        try:
-            done = subprocess.run(
-                [claude, "-p", prompt],
-                cwd=work,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-            )
-            status, out, err = done.returncode, done.stdout, done.stderr
-        except subprocess.TimeoutExpired as e:
-            status, out, err = 124, _text(e.stdout), _text(e.stderr) + f"\n(timed out: {timeout} s)"
-        seconds = time.perf_counter() - start
+        status, out, err, seconds = run_cli([claude, "-p", prompt], work, env, timeout)
         time.sleep(0.2)  # the proxy's last log line lands after the reply's last byte
-        return ClaudeTurn(status, out, err, seconds, list(proxy.log))
-
-
-def _text(data: bytes | str | None) -> str:
-    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request, client_address) -> None:
-        if not isinstance(sys.exc_info()[1], OSError):  # a client that hung up: no news
-            super().handle_error(request, client_address)
-
-
-class _Proxy:
-    """A logging reverse proxy on a free loopback port, replies streamed unbuffered."""
-
-    def __init__(self, target: str):
-        self.target = urlsplit(target)
-        self.log: list[RequestLog] = []
-        self.server = _Server(("127.0.0.1", 0), self._handler())
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def __enter__(self) -> _Proxy:
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-    def _handler(self):
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
-            def forward(self):
-                start = time.perf_counter()
-                length = int(self.headers.get("content-length") or 0)
-                body = self.rfile.read(length) if length else b""
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP}
-                t = proxy.target
-                upstream = http.client.HTTPConnection(t.hostname, t.port or 80, timeout=3600)
-                status, stream, ttft = 502, False, None  # 502: the server never answered
-                try:
-                    upstream.request(self.command, self.path, body=body or None, headers=headers)
-                    reply = upstream.getresponse()
-                    status = reply.status
-                    stream = reply.getheader("content-type", "").startswith("text/event-stream")
-                    ttft = self.relay(reply, start)
-                except OSError:
-                    if status == 502:
-                        self.send_error(502)
-                finally:
-                    upstream.close()
-                    seconds = time.perf_counter() - start
-                    log = RequestLog(
-                        self.command, self.path, status, stream, len(body), ttft, seconds
-                    )
-                    proxy.log.append(log)
-
-            def relay(self, reply, start: float) -> float | None:
-                """Send the reply on as it comes; the time its first token passed."""
-                self.send_response(reply.status)
-                length = reply.getheader("content-length")
-                for k, v in reply.getheaders():
-                    if k.lower() not in HOP and k.lower() != "content-length":
-                        self.send_header(k, v)
-                chunked = length is None and self.command != "HEAD"
-                if chunked:
-                    self.send_header("transfer-encoding", "chunked")
-                else:
-                    self.send_header("content-length", length or "0")
-                self.end_headers()
-                ttft, tail = None, b""
-                while self.command != "HEAD" and (piece := reply.read1(65536)):
-                    if ttft is None and FIRST_TOKEN in tail + piece:
-                        ttft = time.perf_counter() - start
-                    tail = piece[-len(FIRST_TOKEN) :]
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
-                    self.wfile.flush()
-                if chunked:
-                    self.wfile.write(b"0\r\n\r\n")
-                    self.wfile.flush()
-                return ttft
-
-            do_GET = do_POST = do_HEAD = do_PUT = do_DELETE = do_OPTIONS = forward
-
-        return Handler
+        return ClaudeTurn(status, out, err, seconds, list(proxy.records))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
 def _print(turn: ClaudeTurn) -> None:
     for r in turn.requests:
         ttft = f"{r.ttft_s:.1f} s" if r.ttft_s is not None else "-"
-        size = f"{r.request_bytes} B"
-        print(f"{r.method} {r.path} -> {r.status}  {size}  ttft {ttft}  {r.seconds:.1f} s")
+        size, cached = f"{r.request_bytes} B", f"cached {r.cached_tokens}/{r.input_tokens}"
+        took = f"{r.seconds:.1f} s" if r.seconds is not None else "cut off"
+        print(f"{r.method} {r.path} -> {r.status}  {size}  ttft {ttft}  {took}  {cached}")
     print(json.dumps({k: v for k, v in asdict(turn).items() if k != "requests"}, indent=1))
 
 

@@ -2,8 +2,9 @@
 
 Codex runs in a scratch CODEX_HOME (a provider pointed at a recording proxy, analytics
 and plugins off, so nothing else is contacted) and a scratch working folder; the proxy
-passes every request through unchanged and notes its status, when its first token came
-(the first output delta of its stream), when it ended and the tokens the server cached.
+(bench/recording_proxy.py) passes every request through unchanged and notes its status,
+when its first token came (the first output delta of its stream), when it ended and the
+tokens the server cached.
 `run_codex_turn` and `run_codex_session` (turns resumed with `codex exec resume
 --last`) are what bench/agents.py composes; `python -m bench.codex_cli --base-url URL
 [--prompt P ...]` runs them.
@@ -21,41 +22,35 @@ as an error (exit 1); `--default-temperature 0` keeps its replies short.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import shutil
-import subprocess
 import tempfile
-import threading
-import time
 from dataclasses import asdict, dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import urlsplit
 
-# The events that carry the reply's first token.
+from bench.recording_proxy import ProxiedRequest, RecordingProxy, SseNotes, run_cli
+
+# The events that carry the reply's tokens.
 FIRST_TOKEN = (
     "response.output_text.delta",
     "response.function_call_arguments.delta",
     "response.reasoning_text.delta",
 )
-OUTPUT_KEPT = 2000
-HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
 
 
-@dataclass
-class CodexRequest:
-    method: str
-    path: str
-    status: int
-    request_bytes: int
-    ttft_s: float | None = None  # first token after the request was sent; None: none came
-    seconds: float | None = None  # until the reply ended; None: it had not (killed)
-    events: int = 0  # SSE data events passed through
-    output: str = ""  # the streamed text and call arguments (the first OUTPUT_KEPT chars)
-    input_tokens: int | None = None  # from the Response's usage, when it came
-    cached_tokens: int | None = None  # of them, reused from the server's cache
+def _token(event: dict) -> str | None:
+    return event.get("delta", "") if event.get("type") in FIRST_TOKEN else None
+
+
+def _usage(event: dict) -> tuple[int, int] | None:
+    usage = (event.get("response") or {}).get("usage") or {}
+    if not usage:
+        return None
+    return usage.get("input_tokens"), (usage.get("input_tokens_details") or {}).get("cached_tokens")
+
+
+RESPONSES_EVENTS = SseNotes(_token, _usage)
 
 
 @dataclass
@@ -64,76 +59,11 @@ class CodexTurn:
     stdout: str
     stderr: str
     seconds: float
-    requests: list[CodexRequest] = field(default_factory=list)
+    requests: list[ProxiedRequest] = field(default_factory=list)
 
     @property
     def all_2xx(self) -> bool:
         return bool(self.requests) and all(200 <= r.status < 300 for r in self.requests)
-
-
-class _Recorder(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, upstream: str):
-        super().__init__(("127.0.0.1", 0), _Proxy)
-        parts = urlsplit(upstream)
-        self.host, self.port_, self.prefix = parts.hostname, parts.port or 80, parts.path
-        self.records: list[CodexRequest] = []
-        self.lock = threading.Lock()
-
-
-class _Proxy(BaseHTTPRequestHandler):
-    server: _Recorder
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def _pass(self) -> None:
-        start = time.monotonic()
-        body = self.rfile.read(int(self.headers.get("content-length") or 0))
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
-        upstream = http.client.HTTPConnection(self.server.host, self.server.port_, timeout=900)
-        upstream.request(self.command, self.path, body, headers)
-        reply = upstream.getresponse()
-        self.send_response(reply.status)
-        for k, v in reply.getheaders():
-            if k.lower() not in HOP_HEADERS:
-                self.send_header(k, v)
-        self.send_header("connection", "close")  # the body ends when the connection does
-        self.end_headers()
-        record = CodexRequest(self.command, self.path, reply.status, len(body))
-        with self.server.lock:  # listed now: a turn cut by its timeout still shows it
-            self.server.records.append(record)
-        while line := reply.readline():
-            self.wfile.write(line)
-            if line.startswith(b"data:"):
-                record.events += 1
-                self.wfile.flush()
-                _note(record, line[5:], time.monotonic() - start)
-        self.wfile.flush()
-        self.close_connection = True
-        upstream.close()
-        record.seconds = time.monotonic() - start
-
-    do_GET = do_POST = do_DELETE = _pass
-
-
-def _note(record: CodexRequest, data: bytes, elapsed: float) -> None:
-    """What one SSE event tells: the first token's time, the output's text."""
-    try:
-        event = json.loads(data)
-    except ValueError:
-        return
-    usage = (event.get("response") or {}).get("usage") or {}
-    if usage:
-        record.input_tokens = usage.get("input_tokens")
-        record.cached_tokens = (usage.get("input_tokens_details") or {}).get("cached_tokens")
-    if event.get("type") in FIRST_TOKEN:
-        if record.ttft_s is None:
-            record.ttft_s = elapsed
-        if len(record.output) < OUTPUT_KEPT:
-            record.output += event.get("delta", "")
 
 
 def codex_config(base_url: str, model: str, idle_timeout_ms: int | None = None) -> str:
@@ -193,14 +123,13 @@ def run_codex_session(
     system prompt names its CODEX_HOME, so sessions share their system prompt (the
     server's prefix store) only under one `home`, as a user's ~/.codex is."""
     binary = find_codex(codex)
-    recorder = _Recorder(base_url.rstrip("/").removesuffix("/v1"))
-    threading.Thread(target=recorder.serve_forever, daemon=True).start()
-    proxied = f"http://127.0.0.1:{recorder.server_address[1]}/v1"
     turns: list[CodexTurn] = []
     with (
+        RecordingProxy(base_url.rstrip("/").removesuffix("/v1"), RESPONSES_EVENTS) as recorder,
         tempfile.TemporaryDirectory(prefix="codex-home-") as scratch_home,
         tempfile.TemporaryDirectory(prefix="codex-work-") as scratch_work,
     ):
+        proxied = f"{recorder.url}/v1"
         home, work = home or scratch_home, workdir or scratch_work
         Path(home).mkdir(parents=True, exist_ok=True)
         Path(work).mkdir(parents=True, exist_ok=True)
@@ -209,30 +138,12 @@ def run_codex_session(
             command = [binary, "exec", "--skip-git-repo-check"]
             command += ["resume", "--last", prompt] if i else [prompt]
             before = len(recorder.records)
-            start = time.monotonic()
-            try:
-                done = subprocess.run(
-                    command,
-                    cwd=work,
-                    env={**os.environ, "CODEX_HOME": home},
-                    stdin=subprocess.DEVNULL,
-                    capture_output=True,
-                    text=True,
-                    timeout=timeout,
-                )
-                status, out, err = done.returncode, done.stdout, done.stderr
-            except subprocess.TimeoutExpired as e:
-                status, out, err = 124, _text(e.stdout), _text(e.stderr) + "\n(timed out)"
-            seconds = time.monotonic() - start
+            env = {**os.environ, "CODEX_HOME": str(home)}
+            status, out, err, seconds = run_cli(command, work, env, timeout)
             turns.append(CodexTurn(status, out, err, seconds, recorder.records[before:]))
             if status != 0:
                 break
-    recorder.shutdown()
     return turns
-
-
-def _text(data: bytes | str | None) -> str:
-    return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
 
 
 def main() -> int:

@@ -369,16 +369,21 @@ def test_messages_stream_text(api):
     assert final.usage.output_tokens > 0 and final.stop_reason in ("end_turn", "max_tokens")
 
 
-def test_tool_use_streamed_as_input_json_delta_then_a_tool_result_reuses_the_cache(api):
-    client = _client(api)
+def _weather_request() -> dict:
+    """A new conversation's fields (its own system prompt) with the weather tool."""
     system = _unique("You check the weather.")
-    kwargs = {
+    return {
         "model": MODEL,
         "system": system,
         "max_tokens": 24,
         "tools": [WEATHER],
         "extra_body": GREEDY,
     }
+
+
+def test_tool_use_streamed_as_input_json_delta_then_a_tool_result_reuses_the_cache(api):
+    client = _client(api)
+    kwargs = _weather_request()
     with client.messages.stream(
         messages=PARIS, tool_choice={"type": "tool", "name": "get_weather"}, **kwargs
     ) as s:
@@ -771,14 +776,7 @@ def test_bad_input_is_anthropics_400(api, case):
 
 def test_bad_input_leaves_the_conversation_as_it_was(api):
     client = _client(api)
-    system = _unique("You check the weather.")
-    kwargs = {
-        "model": MODEL,
-        "system": system,
-        "max_tokens": 24,
-        "tools": [WEATHER],
-        "extra_body": GREEDY,
-    }
+    kwargs = _weather_request()
     call = client.messages.create(messages=PARIS, tool_choice={"type": "any"}, **kwargs)
     history = [*PARIS, {"role": "assistant", "content": [b.model_dump() for b in call.content]}]
     kwargs["max_tokens"] = 4  # what follows needs no more

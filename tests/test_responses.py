@@ -217,7 +217,7 @@ def test_store_false_keeps_nothing_but_a_keyed_cache(api):
 
 # ------------------------------------------------------------------ Codex's shape
 
-# Codex CLI's first request, field by field as captured (docs/api_responses.md), with
+# Codex CLI's first request, field by field as captured (docs/agents.md), with
 # short texts of our own in place of its prompts and tool descriptions.
 CODEX_HEADERS = {
     "originator": "codex_exec",
@@ -403,3 +403,44 @@ def test_a_bad_turn_leaves_the_chain_as_it_was(api):
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
     assert api.get("/v1/responses/resp_unknown").status_code == 404
     assert api.request("DELETE", "/v1/responses/" + "resp_" + "1" * 32).status_code == 404
+
+
+# ---------------------------------------------------------------------- bench/codex_cli.py
+
+FAKE_CODEX = """
+import os, re, sys
+from pathlib import Path
+from openai import OpenAI
+config = (Path(os.environ["CODEX_HOME"]) / "config.toml").read_text()
+base = re.search(r'base_url = "([^"]+)"', config).group(1)
+model = re.search(r'^model = "([^"]+)"', config, re.M).group(1)
+client = OpenAI(base_url=base, api_key="unused", max_retries=0)
+ask = [{"role": "developer", "content": "You are a stand-in agent."},
+       {"role": "user", "content": sys.argv[-1]}]
+with client.responses.stream(model=model, input=ask, max_output_tokens=6, temperature=0,
+                             extra_body={"prompt_cache_key": "fake-codex"}) as stream:
+    print("".join(e.delta for e in stream if e.type == "response.output_text.delta"))
+"""
+
+
+def test_the_codex_cli_runner_records_each_request(api, tmp_path):
+    """bench/codex_cli.py (through bench/recording_proxy.py) with a stand-in for `codex
+    exec` that reads its CODEX_HOME's provider and streams a response, twice: the
+    resumed turn's request shows the tokens the server had cached."""
+    import sys
+
+    from bench.codex_cli import run_codex_session
+
+    fake = tmp_path / "codex"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_CODEX}")
+    fake.chmod(0o755)
+    turns = run_codex_session(
+        f"{api.base_url}/v1", ["Say hi.", "Say hi."], MODEL, timeout=120, codex=str(fake)
+    )
+    assert [t.exit_status for t in turns] == [0, 0], turns[-1].stderr
+    assert all(t.all_2xx and t.stdout.strip() for t in turns)
+    first, again = (t.requests[0] for t in turns)
+    assert (first.method, first.path, first.stream) == ("POST", "/v1/responses", True)
+    assert 0 < first.ttft_s <= first.seconds and first.output == turns[0].stdout.strip()
+    assert first.input_tokens == again.input_tokens > 0
+    assert again.cached_tokens >= again.input_tokens - 1  # the key's session served it

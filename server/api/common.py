@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from config.cache_spec import KVarNPresetName, PolicyName, PresetName, ScoreRuleName
 
@@ -21,6 +21,16 @@ SEED_RANGE = (-(2**63), 2**64 - 1)
 TOOLS_NOT_OFFERED = "X-Tools-Not-Offered"
 
 
+def object_schema(schema: dict[str, Any] | None, field: str) -> dict[str, Any] | None:
+    """`schema` if it is a JSON schema of an object (or leaves the type open), else a
+    ValueError naming `field`. A call's arguments are a JSON object (every API's rule; a
+    stream finds their end by their braces): a tool typed otherwise can never be called."""
+    declared = (schema or {}).get("type", "object")
+    if declared != "object" and not (isinstance(declared, list) and "object" in declared):
+        raise ValueError(f'{field} must be a JSON schema of type "object", got {declared!r}')
+    return schema
+
+
 def temperature_or_default(sent: float | None, default: float | None) -> float:
     """A request's temperature: the one it sent, else --default-temperature, else 1.0 (the
     default of OpenAI's and Anthropic's APIs). Agents send none (Codex CLI, Claude Code)."""
@@ -31,6 +41,18 @@ def temperature_or_default(sent: float | None, default: float | None) -> float:
 
 class Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class TextRequest(Request):
+    """A request body whose every string must be text: a lone surrogate is a 400 naming
+    where it is (`lone_surrogate`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data: Any) -> Any:
+        if (where := lone_surrogate(data)) is not None:
+            raise ValueError(f"{where} {LONE_SURROGATE}")
+        return data
 
 
 class CacheOptions(Request):

@@ -25,7 +25,9 @@ from server.api.common import (
     SESSION_ID_PATTERN,
     CacheOptions,
     Request,
+    TextRequest,
     lone_surrogate,
+    object_schema,
 )
 from server.engine.jobs import SamplingParams
 
@@ -39,7 +41,7 @@ class StreamOptions(Request):
     include_usage: bool = False
 
 
-class SamplingRequest(Request):
+class SamplingRequest(TextRequest):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
     model: str
@@ -73,13 +75,6 @@ class SamplingRequest(Request):
         if v and any(not -100 <= b <= 100 for b in v.values()):
             raise ValueError("logit_bias values must lie in [-100, 100]")
         return v
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text_is_unicode(cls, data: Any) -> Any:
-        if (where := lone_surrogate(data)) is not None:
-            raise ValueError(f"{where} {LONE_SURROGATE}")
-        return data
 
     @field_validator("stream_options")
     @classmethod
@@ -156,14 +151,7 @@ class FunctionDefinition(Request):
     @field_validator("parameters")
     @classmethod
     def _an_object(cls, v: dict[str, Any]) -> dict[str, Any]:
-        # A call's arguments are a JSON object (OpenAI's rule; the stream finds their end
-        # by their braces): a schema typed otherwise can never be called.
-        declared = v.get("type", "object")
-        if declared != "object" and not (isinstance(declared, list) and "object" in declared):
-            raise ValueError(
-                f'parameters must be a JSON schema of type "object", got {v["type"]!r}'
-            )
-        return v
+        return object_schema(v, "parameters")
 
 
 class Tool(Request):

@@ -23,7 +23,12 @@ from pydantic import (
     model_validator,
 )
 
-from server.api.common import LONE_SURROGATE, CacheOptions, Request, lone_surrogate
+from server.api.common import (
+    CacheOptions,
+    Request,
+    TextRequest,
+    object_schema,
+)
 
 # ----------------------------------------------------------------------- content blocks
 
@@ -207,12 +212,7 @@ class CustomTool(Request):
     @field_validator("input_schema")
     @classmethod
     def _an_object(cls, v: dict[str, Any]) -> dict[str, Any]:
-        declared = v.get("type", "object")
-        if declared != "object" and not (isinstance(declared, list) and "object" in declared):
-            raise ValueError(
-                f'input_schema must be a JSON schema of type "object", got {declared!r}'
-            )
-        return v
+        return object_schema(v, "input_schema")
 
 
 class TypedTool(Request):
@@ -294,7 +294,7 @@ class Metadata(Request):
     user_id: str | None = None  # accepted, ignored (it names a user, not a conversation)
 
 
-class PromptRequest(Request):
+class PromptRequest(TextRequest):
     """What /v1/messages and /v1/messages/count_tokens share: everything that makes the
     prompt."""
 
@@ -310,13 +310,6 @@ class PromptRequest(Request):
     context_management: Any = None
     mcp_servers: Any = None
     cache_control: Any = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text_is_unicode(cls, data: Any) -> Any:
-        if (where := lone_surrogate(data)) is not None:
-            raise ValueError(f"{where} {LONE_SURROGATE}")
-        return data
 
     @field_validator("tools")
     @classmethod

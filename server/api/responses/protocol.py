@@ -31,7 +31,9 @@ from server.api.common import (
     SESSION_ID_PATTERN,
     CacheOptions,
     Request,
+    TextRequest,
     lone_surrogate,
+    object_schema,
 )
 
 ROLES = ("user", "assistant", "system", "developer")
@@ -111,11 +113,7 @@ class FunctionTool(Request):
     @field_validator("parameters")
     @classmethod
     def _an_object(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        # A call's arguments are a JSON object: a schema typed otherwise can never be called.
-        declared = (v or {}).get("type", "object")
-        if declared != "object" and not (isinstance(declared, list) and "object" in declared):
-            raise ValueError(f'parameters must be a JSON schema of type "object", got {declared!r}')
-        return v
+        return object_schema(v, "parameters")
 
     def schema(self) -> dict[str, Any]:
         return self.parameters if self.parameters is not None else {"type": "object"}
@@ -397,7 +395,7 @@ class ReasoningConfig(Request):
 NOT_SUPPORTED = "is not supported by this server"
 
 
-class ResponseCreate(Request):
+class ResponseCreate(TextRequest):
     """POST /v1/responses."""
 
     model: str
@@ -431,8 +429,6 @@ class ResponseCreate(Request):
     @model_validator(mode="before")
     @classmethod
     def _text_input(cls, data: Any) -> Any:
-        if (where := lone_surrogate(data)) is not None:
-            raise ValueError(f"{where} {LONE_SURROGATE}")
         if isinstance(data, dict) and isinstance(data.get("input"), str):
             return {
                 **data,
