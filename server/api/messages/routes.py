@@ -25,8 +25,6 @@ from server.api.streaming import respond
 from server.api.turns import Prompt, Turn, owner_of, worker_of
 
 router = APIRouter()
-# Tools the request offered that the model was not (Anthropic's own typed tools), named;
-# the Responses door says the same with the same header.
 
 
 @router.post("/v1/messages")
@@ -87,6 +85,8 @@ async def prepared(engine, turn: Turn) -> tuple[Turn, Prompt]:
 
 
 def _said(response: Response, made: MessagesTurn) -> Response:
+    """The reply, naming the tools it was sent that the model was not offered (Anthropic's
+    own typed tools), as the Responses door does."""
     if made.not_offered:
         response.headers[TOOLS_NOT_OFFERED] = ", ".join(made.not_offered)
     return response
