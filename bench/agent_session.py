@@ -177,8 +177,8 @@ class Agent:
             messages=self.history,
             tools=tools,
             tool_choice={"type": "any"},
-            temperature=0,
             max_tokens=self.reply_tokens,
+            extra_body={"temperature": 0},  # the SDK no longer types its sampling fields
         ) as stream:
             for event in stream:
                 if event.type == "content_block_delta":
@@ -264,7 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--turns", type=int, default=20)
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--system-tokens", type=int, default=4000)
+    p.add_argument(
+        "--system-tokens",
+        type=int,
+        default=3600,
+        help="the system prompt's essay text (with the instructions and tools ~4k tokens; "
+        "20 turns then stay inside the 8k context a full cache has)",
+    )
     p.add_argument("--result-tokens", type=int, default=150)
     p.add_argument("--reply-tokens", type=int, default=48)
     p.add_argument("--apis", nargs="+", default=["chat", "responses", "messages"])

@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,11 +34,18 @@ from bench.report import command, machine, publish
 
 PACKAGES = {"codex": "@openai/codex@0.171.0", "claude": "@anthropic-ai/claude-code@2.1.197"}
 MODEL = "local-model"
-# Both prompts pass the default model's 8k context: an evicting policy serves them.
+# Both prompts pass the default model's 8k context: an evicting policy serves them, in
+# caches of 4096 tokens a layer on average (the layer profile's shares), which also
+# bounds each decode step's reads.
 SERVE = [
-    "--model", "default", "--policy", "h2o", "--max-prompt-tokens", "32768",
-    "--served-model-name", MODEL, "--default-temperature", "0",
+    "--model", "default", "--policy", "h2o", "--max-kv", "4096", "--max-prompt-tokens",
+    "32768", "--served-model-name", MODEL,
 ]  # fmt: skip
+# Neither CLI sends a temperature. At 1.0 the default model rambles on Codex's prompt
+# until the reply budget ends the response as incomplete (Codex: exit 1); greedy, it
+# loops on Claude Code's until Claude Code's own cap (exit 1). Each CLI is served as it
+# ends its turns.
+TEMPERATURE = {"codex": ["--default-temperature", "0"], "claude": []}
 # A reply that reaches Claude Code's own cap makes `claude -p` exit 1; this one bounds
 # a reply that loops at CPU decode speed without cutting a normal turn.
 CLAUDE_MAX_OUTPUT = 4096
@@ -123,18 +132,21 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     found = binaries(args.npm)
     clis = args.cli or ["codex", "claude"]
-    log = tempfile.NamedTemporaryFile("w", prefix="agents-server-", suffix=".log", delete=False)
-    process, port = start_server(SERVE, stdout=log, timeout=300)
-    base, records, began = f"http://127.0.0.1:{port}", [], time.time()
-    cpu = os.times()
-    try:
-        with tempfile.TemporaryDirectory(prefix="agents-") as scratch:
-            if "codex" in clis:
-                records += run_codex(base, found["codex"], Path(scratch), [args.prompt, args.again])
-            if "claude" in clis:
-                records += run_claude(base, found["claude"], Path(scratch), args.prompt)
-    finally:
-        stop_server(process)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run stops its server
+    records, began, cpu = [], time.time(), os.times()
+    with tempfile.TemporaryDirectory(prefix="agents-") as scratch:
+        for cli in clis:  # one server each, started fresh: each CLI's first turn is cold
+            log = open(Path(scratch, f"server-{cli}.log"), "w")
+            process, port = start_server([*SERVE, *TEMPERATURE[cli]], stdout=log, timeout=300)
+            base = f"http://127.0.0.1:{port}"
+            try:
+                if cli == "codex":
+                    prompts = [args.prompt, args.again]
+                    records += run_codex(base, found["codex"], Path(scratch), prompts)
+                else:
+                    records += run_claude(base, found["claude"], Path(scratch), args.prompt)
+            finally:
+                stop_server(process)
     children = os.times()
     server_cpu = (children.children_user + children.children_system) - (
         cpu.children_user + cpu.children_system
@@ -145,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         r["exit"] == 0 and 200 <= r["status"] < 300 for r in records if r["request"] != "HEAD /"
     )
     intro = (
-        f"{machine()}. One server, `h2o-server serve {' '.join(SERVE)}`; Codex CLI "
+        f"{machine()}. For each CLI a fresh server, `h2o-server serve {' '.join(SERVE)}` "
+        f"(Codex: with `{' '.join(TEMPERATURE['codex'])}`); Codex CLI "
         f"{PACKAGES['codex'].rsplit('@', 1)[1]} and Claude Code "
         f"{PACKAGES['claude'].rsplit('@', 1)[1]}, unmodified, each in a scratch home, "
         f"prompts {args.prompt!r} then {args.again!r}. {time.time() - began:.0f} s wall, "
