@@ -34,12 +34,13 @@ from bench.report import command, machine, publish
 
 PACKAGES = {"codex": "@openai/codex@0.171.0", "claude": "@anthropic-ai/claude-code@2.1.197"}
 MODEL = "local-model"
-# Both prompts pass the default model's 8k context: an evicting policy serves them, in
-# caches of 4096 tokens a layer on average (the layer profile's shares), which also
-# bounds each decode step's reads.
+# Both prompts pass the default model's 8k context: an evicting policy serves them, in a
+# budget that gives each of 4 conversations ~4000 tokens a layer on average (the layer
+# profile's shares; it also bounds each decode step's reads) and keeps 30% for the
+# system prompts new conversations fork.
 SERVE = [
-    "--model", "default", "--policy", "h2o", "--max-kv", "4096", "--max-prompt-tokens",
-    "32768", "--served-model-name", MODEL,
+    "--model", "default", "--policy", "h2o", "--kv-budget", "1GiB", "--max-sessions", "4",
+    "--prefix-share", "0.3", "--max-prompt-tokens", "32768", "--served-model-name", MODEL,
 ]  # fmt: skip
 # Neither CLI sends a temperature. At 1.0 the default model rambles on Codex's prompt
 # until the reply budget ends the response as incomplete (Codex: exit 1); greedy, it
