@@ -124,6 +124,13 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     )
     ppl.add_argument("--batch", type=int, default=8, help="samples per forward pass")
     ppl.add_argument(
+        "--cases-per-pass",
+        type=int,
+        default=1,
+        help="autoregressive caches run together, each (cache, sample) a session of one "
+        "batched pass (the same numbers; ~2x faster at 8 on this CPU)",
+    )
+    ppl.add_argument(
         "--stride",
         type=int,
         default=None,
@@ -269,6 +276,7 @@ def eval_records(args: argparse.Namespace) -> list[dict[str, Any]]:
                 stride=args.stride,
                 progress=progress,
                 offset=args.offset,
+                cases_per_pass=args.cases_per_pass,
             )
         from bench.throughput import run_throughput_grid
 

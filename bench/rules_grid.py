@@ -35,6 +35,7 @@ def grid_rows(args: argparse.Namespace) -> list[dict]:
     common = [
         "--max-kv", *map(str, args.max_kv), "--seq-len", *map(str, args.seq_len),
         "--samples", str(args.samples), "--full-one-shot",
+        "--cases-per-pass", str(args.cases_per_pass), "--preset", args.preset,
         *(["--text-file", str(args.text_file)] if args.text_file else []),
         *(["--model", args.model] if args.model else []),
     ]  # fmt: skip
@@ -116,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the text (default: the essays; a split: python -m bench.splits --write DIR)",
     )
     p.add_argument("--model", default=None, help="as for eval ppl (default: the default model)")
+    p.add_argument(
+        "--cases-per-pass",
+        type=int,
+        default=8,
+        help="caches run as sessions of one batched pass (eval ppl --cases-per-pass)",
+    )
+    p.add_argument("--preset", default="heavy", help="the H2O caches' segments (eval ppl --preset)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     rows = grid_rows(args)
@@ -123,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         "Eviction rules: rule x max_kv x sequence length",
         f"Model {args.model or 'default'}, autoregressive, {args.samples} samples of "
         f"{max(args.seq_len)} tokens of {args.text_file.name if args.text_file else 'the essays'}"
-        " (shorter lengths are their prefixes), `heavy` preset, perplexity increase "
+        f" (shorter lengths are their prefixes), `{args.preset}` preset, perplexity increase "
         "over the full cache, and in parentheses its ratio to the rotating window's increase "
         f"at the same max_kv and length. Machine: {machine()}.",
         command("bench.rules_grid", argv),

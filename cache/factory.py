@@ -66,7 +66,8 @@ def bind_rules(model: nn.Module, caches: list) -> str | None:
     for layer, c in enumerate(caches):
         rule = getattr(c, "score_rule", None)
         if rule is not None and rule.binds_model:
-            c.score_rule = rule.bound(found.signature if found else "", layer)
+            size = getattr(c, "max_size", 0)
+            c.score_rule = rule.bound(found.signature if found else "", layer, size)
     if found is not None:
         return None
     notice = no_weights_notice(rules[0].name)

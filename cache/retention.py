@@ -74,6 +74,14 @@ def gate(keys: mx.array, values: mx.array, w: mx.array, b: mx.array, rope: RopeL
     return mx.clip(g, -G_CLIP, G_CLIP)
 
 
+def age_term(age: mx.array, positions: mx.array, seen, max_kv: int) -> mx.array:
+    """[B, H, n]: per head a log(t - i) + c (t - i) / max_kv, `age` [H, 2] = (a, c), for
+    tokens at `positions` [B, H, n] with `seen` tokens seen (t - i >= 1)."""
+    since = mx.maximum(seen - positions, 1).astype(mx.float32)
+    a, c = age[None, :, None, 0], age[None, :, None, 1]
+    return a * mx.log(since) + c * (since / max_kv)
+
+
 @dataclass(frozen=True)
 class Retention:
     """A model's gates: `w` [layers, kv_heads, features], `b` [layers, kv_heads], and how
@@ -86,9 +94,15 @@ class Retention:
     w: mx.array = field(repr=False)
     b: mx.array = field(repr=False)
     training: dict = field(default_factory=dict)  # text, windows, budgets, losses, seconds
+    # [layers, kv_heads, 2]: per head, g also adds a log(t - i) + c (t - i) / max_kv (how
+    # much the head prefers recent tokens); None: no age terms (older files).
+    age: mx.array | None = field(default=None, repr=False)
 
     def layer(self, i: int) -> tuple[mx.array, mx.array]:
         return self.w[i], self.b[i]
+
+    def layer_age(self, i: int) -> mx.array | None:
+        return None if self.age is None else self.age[i]
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -100,9 +114,10 @@ class Retention:
             "base": self.base,
             "training": self.training,
         }
-        mx.save_safetensors(
-            str(path), {"w": self.w, "b": self.b}, metadata={"retention": json.dumps(meta)}
-        )
+        arrays = {"w": self.w, "b": self.b}
+        if self.age is not None:
+            arrays["age"] = self.age
+        mx.save_safetensors(str(path), arrays, metadata={"retention": json.dumps(meta)})
         return path
 
     @classmethod
@@ -112,7 +127,7 @@ class Retention:
             meta = json.loads(metadata["retention"])
             return cls(
                 meta["model"], meta["signature"], RopeLayout(**meta["rope"]), meta["base"],
-                arrays["w"], arrays["b"], meta.get("training", {}),
+                arrays["w"], arrays["b"], meta.get("training", {}), arrays.get("age"),
             )  # fmt: skip
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}: not a retention file ({e})") from e

@@ -40,7 +40,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from cache.retention import Retention, RopeLayout, feature_count, features, rope_layout, signature
 from cache.router import tapped
-from config.cache_spec import split_segments
+from config.cache_spec import CacheSpec, split_segments
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,10 @@ class TrainConfig:
     temperature: float = 1.0  # of the soft keep, in log-rank units
     l2: float = 0.1  # on the standardised weights (the raw values overfit without it)
     seed: int = 0
+    # Per head, g also takes a_h log(t - i) + c_h (t - i) / max_kv: how much the head
+    # prefers recent tokens, learned (0, 0 is mean's own balance).
+    age: bool = False
+    preset: str = "heavy"  # the segments the loss evicts under (config/cache_spec.PRESETS)
 
 
 @dataclass
@@ -148,12 +152,15 @@ def _stack(store: dict, gram: mx.array, mu: mx.array, sigma: mx.array) -> LayerD
     )  # fmt: skip
 
 
-def _segments(budget: int, rows: np.ndarray, T: int) -> tuple[mx.array, int]:
-    """(middle [R, T]: keys at stake at each row, heavy: how many of them stay)."""
-    seg = split_segments(budget)
+def _segments(budget: int, rows: np.ndarray, T: int, preset: str = "heavy") -> tuple:
+    """(middle [R, T]: keys at stake at each row, heavy: how many of them stay, ages
+    [2, R, T]: log(t - i) and (t - i) / budget, the age terms' inputs)."""
+    seg = split_segments(budget, preset)
     i = np.arange(T)[None]
     middle = (i >= seg.sink) & (i < rows[:, None] - seg.recent)
-    return mx.array(middle), seg.heavy
+    age = np.maximum(rows[:, None] - i, 1).astype(np.float32)
+    ages = mx.array(np.stack([np.log(age), age / budget]))
+    return mx.array(middle), seg.heavy, ages
 
 
 def _output_loss(data: LayerData, keep: mx.array) -> mx.array:
@@ -169,11 +176,16 @@ def _output_loss(data: LayerData, keep: mx.array) -> mx.array:
 BISECTIONS = 24  # steps of the soft threshold's search
 
 
-def _keep(data: LayerData, g: mx.array, middle: mx.array, heavy: int, temperature: float | None):
-    """Soft (temperature) or hard (None) keep shares [W, H, R, T] under gate values g: the
-    sinks and recent window 1, the middle keys `heavy` in all (a row with no more middle
-    keys than that keeps them all)."""
+def _keep(
+    data: LayerData, g: mx.array, middle: mx.array, heavy: int, temperature: float | None,
+    aged: mx.array | None = None,
+):  # fmt: skip
+    """Soft (temperature) or hard (None) keep shares [W, H, R, T] under gate values g (and
+    the age terms `aged` [H, R, T]): the sinks and recent window 1, the middle keys
+    `heavy` in all (a row with no more middle keys than that keeps them all)."""
     score = data.base + g[:, :, None, :]
+    if aged is not None:
+        score = score + aged[None]
     crowded = middle.sum(axis=-1, keepdims=True) > heavy  # [R, 1]: eviction has to choose
     if temperature is None:
         top = mx.topk(mx.where(middle, score, -mx.inf), heavy, axis=-1).min(axis=-1, keepdims=True)
@@ -208,14 +220,22 @@ def _gate_values(data: LayerData, w: mx.array) -> mx.array:
     return (data.feats * w[None, :, None, :]).sum(axis=-1)  # [W, H, T]
 
 
+def _aged(age: mx.array | None, ages: mx.array) -> mx.array | None:
+    """The age terms [H, R, T] of per-head coefficients `age` [H, 2] (None: none)."""
+    if age is None:
+        return None
+    return (age[:, :, None, None] * ages[None]).sum(axis=1)
+
+
 def layer_loss(
-    data: LayerData, w: mx.array, cuts: list, reference: list, temperature: float | None
+    data: LayerData, params: dict, cuts: list, reference: list, temperature: float | None
 ) -> mx.array:
     """The mean over budgets of the output loss relative to `reference` (g = 0's)."""
-    g = _gate_values(data, w)
+    g = _gate_values(data, params["w"])
     total = mx.array(0.0)
-    for (middle, heavy), ref in zip(cuts, reference, strict=True):
-        loss = _output_loss(data, _keep(data, g, middle, heavy, temperature)).mean()
+    for (middle, heavy, ages), ref in zip(cuts, reference, strict=True):
+        aged = _aged(params.get("age"), ages)
+        loss = _output_loss(data, _keep(data, g, middle, heavy, temperature, aged)).mean()
         total = total + loss / ref
     return total / len(cuts)
 
@@ -223,7 +243,7 @@ def layer_loss(
 def _references(data: LayerData, cuts: list, temperature: float | None) -> list[mx.array]:
     zero = mx.zeros(data.feats.shape[1::2])
     refs = []
-    for middle, heavy in cuts:
+    for middle, heavy, _ in cuts:
         loss = _output_loss(data, _keep(data, _gate_values(data, zero), middle, heavy, temperature))
         refs.append(mx.maximum(loss.mean(), 1e-12))
     return refs
@@ -231,13 +251,14 @@ def _references(data: LayerData, cuts: list, temperature: float | None) -> list[
 
 @functools.cache
 def _objective(heavies: tuple[int, ...], temperature: float, l2: float) -> Callable:
-    """(w, the layer's arrays, middles, refs) -> (loss, its gradient in w), compiled once:
-    every layer of a model has the same shapes."""
+    """(params, the layer's arrays, middles, ages, refs) -> (loss, its gradient), compiled
+    once per budget split: every layer of a model has the same shapes."""
 
-    def objective(w, feats, base, probs, values, out, gram, middles, refs):
+    def objective(params, feats, base, probs, values, out, gram, middles, ages, refs):
         data = LayerData(feats, base, probs, values, out, gram)
-        cuts = list(zip(middles, heavies, strict=True))
-        return layer_loss(data, w, cuts, refs, temperature) + l2 * (w * w).sum()
+        cuts = list(zip(middles, heavies, ages, strict=True))
+        w = params["w"]
+        return layer_loss(data, params, cuts, refs, temperature) + l2 * (w * w).sum()
 
     return mx.compile(mx.value_and_grad(objective))
 
@@ -250,24 +271,27 @@ def fit_layer(
     and 0 itself) with the lowest held-out loss: a layer whose gates do not carry over
     keeps `mean`."""
     refs = _references(data, cuts, config.temperature)
-    step = _objective(tuple(h for _, h in cuts), config.temperature, config.l2)
+    step = _objective(tuple(h for _, h, _ in cuts), config.temperature, config.l2)
     arrays = (data.feats, data.base, data.probs, data.values, data.out, data.gram)
-    middles = [m for m, _ in cuts]
+    middles, ages = [m for m, _, _ in cuts], [a for _, _, a in cuts]
+    H = data.feats.shape[1]
     params = {"w": mx.zeros(data.feats.shape[1::2])}
+    if config.age:
+        params["age"] = mx.zeros((H, 2))
     opt = optim.Adam(learning_rate=config.lr)
-    best, best_loss = params["w"], None
+    best, best_loss = params, None
     if held is not None:
         held_refs = _references(held, cuts, None)
         best_loss = 1.0  # g = 0 is mean itself: the ratio 1 by definition
     for n in range(1, config.steps + 1):
-        _, grad = step(params["w"], *arrays, middles, refs)
-        params = opt.apply_gradients({"w": grad}, params)
+        _, grad = step(params, *arrays, middles, ages, refs)
+        params = opt.apply_gradients(grad, params)
         mx.eval(params, opt.state)
         if held is not None and (n % config.check == 0 or n == config.steps):
-            loss = layer_loss(held, params["w"], cuts, held_refs, None).item()
+            loss = layer_loss(held, params, cuts, held_refs, None).item()
             if loss < best_loss:
-                best, best_loss = params["w"], loss
-    return (params["w"] if held is None else best), best_loss
+                best, best_loss = params, loss
+    return (params if held is None else best), best_loss
 
 
 def train_retention(
@@ -278,19 +302,33 @@ def train_retention(
     config: TrainConfig = TrainConfig(),
     text: str = "",
     progress: Callable[[int, int], None] | None = None,
+    layer_shares: tuple[float | None, ...] | None = None,
 ) -> Retention:
     """Gates for every layer of `model` from `windows` (token lists of one length), their
     held-out loss measured on `held_out` (see the module doc). `progress(done, total)`:
-    after each window recorded and each layer fitted."""
+    after each window recorded and each layer fitted. `layer_shares` (a layer profile's):
+    each layer's loss evicts at its own share of each budget, as the cache will."""
     began = time.time()
     T = len(windows[0])
-    low = max(config.budgets) + 16
+    sizes = [
+        CacheSpec("h2o", budget, layer_shares=layer_shares).layer_sizes()
+        if layer_shares is not None else [budget] * len(model.layers)
+        for budget in config.budgets
+    ]  # fmt: skip
+    low = max(max(s) for s in sizes) + 16  # rows where every layer's budget is full
     if T <= low + config.rows:
-        raise ValueError(f"windows of {T} tokens are too short for budgets {config.budgets}")
+        raise ValueError(f"windows of {T} tokens are too short for layer budgets up to {low - 16}")
     rng = np.random.RandomState(config.seed)
     rows = np.sort(rng.choice(np.arange(low, T), size=config.rows, replace=False)).astype(np.int32)
     rope = rope_layout(model)
-    cuts = [_segments(b, rows, T) for b in config.budgets]
+    cut_cache: dict = {}
+
+    def cuts_of(layer: int) -> list:
+        budgets = tuple(s[layer] for s in sizes)
+        if budgets not in cut_cache:
+            cut_cache[budgets] = [_segments(b, rows, T, config.preset) for b in budgets]
+        return cut_cache[budgets]
+
     total = len(windows) + len(held_out) + len(model.layers)
     done = [0]
 
@@ -302,7 +340,7 @@ def train_retention(
     train = record(model, windows, rows, rope, tick)
     held = record(model, held_out, rows, rope, tick) if held_out else None
     n_features = feature_count(train[0]["values"][0].shape[-1], rope)
-    w_all, b_all, held_losses = [], [], []
+    w_all, b_all, held_losses, ages = [], [], [], []
     for n, store in enumerate(train):
         weight = _o_proj_weight(model.layers[n])
         H = store["values"][0].shape[0]
@@ -318,7 +356,9 @@ def train_retention(
         sigma = mx.maximum(mx.sqrt(((stacked - mu) ** 2).mean(axis=(0, 2))), 1e-6)[None, :, None]
         data = _stack(store, gram, mu, sigma)
         hdata = None if held is None else _stack(held[n], gram, mu, sigma)
-        w_std, held_loss = fit_layer(data, cuts, config, hdata)
+        fitted, held_loss = fit_layer(data, cuts_of(n), config, hdata)
+        w_std = fitted["w"]
+        ages.append(fitted.get("age", mx.zeros((H, 2))))
         w = w_std / sigma[0, :, 0]  # g = ((f - mu) / sigma) . w_std = f . w + b
         b = -(mu[0, :, 0] * w).sum(axis=-1)
         w_all.append(w)
@@ -339,6 +379,8 @@ def train_retention(
         **{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()},
         "held_out_loss": round(float(np.mean(held_losses)), 5) if held_losses else None,
         "held_out_loss_per_layer": [round(x, 4) for x in held_losses],
+        "layer_budgets": [list(s) for s in sizes] if layer_shares is not None else None,
         "seconds": round(time.time() - began, 1),
     }
-    return Retention(model_name, signature(model), rope, "mean", w, mx.stack(b_all), training)
+    age = mx.stack(ages) if config.age else None
+    return Retention(model_name, signature(model), rope, "mean", w, mx.stack(b_all), training, age)

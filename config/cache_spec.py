@@ -17,6 +17,7 @@ from config.policies import AUTO, DEFAULT_POLICY, POLICIES, Policy
 PRESETS: dict[str, str] = {
     "heavy": "heavy = max/2, recent = max/2 - sink",
     "balanced": "heavy = max/4, the rest to the recent window",
+    "lean": "recent = max/8, the rest to heavy (for rules that weigh recency themselves)",
 }
 SCORE_RULES: dict[str, str] = {
     "attn": "accumulated softmax probability (original H2O)",
@@ -125,7 +126,8 @@ def split_segments(
     heavy: int | None = None,
     recent: int | None = None,
 ) -> Segments:
-    """Presets: `heavy` (heavy = max/2, recent = max/2 - sink), `balanced` (heavy = max/4).
+    """Presets: `heavy` (heavy = max/2, recent = max/2 - sink), `balanced` (heavy = max/4),
+    `lean` (recent = max/8).
 
     Explicit sink/heavy/recent override the preset; when only some are given the
     rest of max_size goes to the recent window (or to heavy if recent is given).
@@ -135,6 +137,8 @@ def split_segments(
         raise ValueError("max_kv must be at least 2")
     if sink is None:
         sink = min(DEFAULT_SINK, max_size // 4)
+    if heavy is None and recent is None and preset == "lean":
+        recent = max(1, max_size // 8)
     if heavy is None and recent is None:
         heavy = max_size // 2 if preset == "heavy" else max_size // 4
     if heavy is None:

@@ -229,6 +229,17 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--held-out", type=int, default=4, help="--retention: held-out windows")
     cal.add_argument("--steps", type=int, default=None, help="--retention: Adam steps per layer")
     cal.add_argument("--seed", type=int, default=0, help="--retention: which query rows it reads")
+    cal.add_argument(
+        "--age",
+        action="store_true",
+        help="--retention: per-head age terms too (a log(t - i) + c (t - i) / max_kv)",
+    )
+    cal.add_argument(
+        "--preset",
+        default=DEFAULT_PRESET,
+        choices=list(PRESETS),
+        help="--retention: the segments its loss evicts under (serve the gates with the same)",
+    )
     cal.add_argument("--max-kv", type=int, default=32, help="the bounded layer's max_kv")
     cal.add_argument("--chunk", type=int, default=16, help="tokens per forward pass")
     _add_serve_parser(sub)
@@ -405,7 +416,12 @@ def cmd_calibrate_retention(args: argparse.Namespace) -> int:
 
     model, tokenizer = load_model(args.model)
     train, held, text = retention_text(args, tokenizer)
-    config = TrainConfig(seed=args.seed, **({"steps": args.steps} if args.steps else {}))
+    config = TrainConfig(
+        seed=args.seed,
+        age=args.age,
+        preset=args.preset,
+        **({"steps": args.steps} if args.steps else {}),
+    )
     bar = tqdm(total=1, unit="step", file=sys.stderr, dynamic_ncols=True)
 
     def progress(done: int, total: int) -> None:

@@ -109,7 +109,7 @@ def feed(c: H2OKVCache, oracle: Oracle, rng: np.random.Generator, n_new: int) ->
 
 
 @pytest.mark.parametrize("rule", ["attn", "ema", "mean", "tova"])
-@pytest.mark.parametrize("preset", ["heavy", "balanced"])
+@pytest.mark.parametrize("preset", ["heavy", "balanced", "lean"])
 @pytest.mark.parametrize("evict_batch", [1, 4])
 def test_decode_eviction_matches_oracle(rule, preset, evict_batch):
     rng = np.random.default_rng(0)
@@ -390,3 +390,13 @@ def test_a_fixed_shape_decode_mask_shows_the_held_slots_and_is_built_once_per_co
         logits = rng.standard_normal((B, N_Q, 1, c.used)).astype(np.float32) * 3
         c.update_scores(mx.array(logits))
     assert len(seen) <= c.evict_batch + 1 < 4 * c.evict_batch + 3
+
+
+def test_presets_split_max_kv():
+    """(sink, heavy, recent) of each preset: `lean` keeps an eighth as the recent window."""
+    split = {p: split_segments(128, p) for p in ("heavy", "balanced", "lean")}
+    assert [(s.sink, s.heavy, s.recent) for s in split.values()] == [
+        (4, 64, 60), (4, 32, 92), (4, 108, 16),
+    ]  # fmt: skip
+    tiny = split_segments(4, "lean")
+    assert (tiny.sink, tiny.heavy, tiny.recent) == (1, 2, 1)

@@ -6,6 +6,7 @@ evicting policy takes the rule (the ones that can hand their K/V over rank by th
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -127,3 +128,59 @@ def test_every_evicting_policy_takes_the_learned_rule(policy, trained):
             a.shape == b.shape and np.array_equal(a, b)
             for a, b in zip(kept["learned"], kept["mean"], strict=True)
         ), f"{policy}: the gates changed nothing ({rule})"
+
+
+AGED = TrainConfig(budgets=(16, 32), rows=8, steps=10, age=True)
+
+
+def test_training_with_age_terms_gives_per_head_age_weights(trained):
+    model, plain, windows = trained
+    aged = train_retention(model, windows[:2], windows[2:], "tiny", AGED)
+    again = train_retention(model, windows[:2], windows[2:], "tiny", AGED)
+    layers, heads = len(model.layers), model.args.num_key_value_heads
+    assert aged.age is not None and aged.age.shape == (layers, heads, 2)
+    assert mx.array_equal(aged.age, again.age) and mx.array_equal(aged.w, again.w)
+    assert aged.training["age"] is True and plain.age is None
+    assert all(np.isfinite(aged.training["held_out_loss_per_layer"]))
+
+
+def test_age_terms_save_load_and_score(trained, tmp_path):
+    model, plain, windows = trained
+    age = mx.array(np.random.RandomState(0).normal(0, 0.5, plain.b.shape + (2,)), mx.float32)
+    aged = replace(plain, age=age)
+    loaded = Retention.load(aged.save(tmp_path / "aged.safetensors"))
+    assert mx.array_equal(loaded.age, age) and mx.array_equal(loaded.w, plain.w)
+    assert Retention.load(plain.save(tmp_path / "plain.safetensors")).age is None
+    register(loaded)
+    try:
+        caches = make_cache(model, "h2o", max_kv=16, score="learned")
+        rule = caches[1].score_rule
+        assert rule.max_kv == 16  # bound at the layer's cache size: the terms' scale
+        model(mx.array(windows[0][:40])[None], cache=caches)
+        c = caches[1]
+        kv = c.ranking_kv(c.used)
+        scores, pos = c.scores[..., : c.used], c.positions[..., : c.used]
+        ranked = rule.rank(scores, pos, c.seen, kv)
+        w, b = plain.layer(1)
+        g = mx.clip((features(*kv, plain.rope) * w[None, :, None]).sum(-1) + b[None, :, None],
+                    -G_CLIP, G_CLIP)  # fmt: skip
+        since = mx.maximum(c.seen - pos, 1).astype(mx.float32)
+        a, k = age[1, :, 0][None, :, None], age[1, :, 1][None, :, None]
+        g = mx.clip(g + a * mx.log(since) + k * since / 16, -G_CLIP, G_CLIP)
+        mean = MeanAttnScore().rank(scores, pos, c.seen)
+        np.testing.assert_allclose(np.array(ranked), np.array(mean * mx.exp(g)), rtol=1e-4)
+        without = replace(rule, max_kv=0).rank(scores, pos, c.seen, kv)  # unbound size: no terms
+        assert not np.allclose(np.array(ranked), np.array(without))
+        assert make_score_rule("learned", **rule.knobs()) == rule  # restored with its size
+    finally:
+        register(plain)
+
+
+def test_training_evicts_each_layer_at_its_own_share(trained):
+    model, _, windows = trained
+    shares = (0.5, 1.5)
+    retention = train_retention(
+        model, windows[:2], windows[2:], "tiny", CONFIG, layer_shares=shares
+    )
+    assert retention.training["layer_budgets"] == [[16, 16], [16, 48]]  # floors of 16
+    assert retention.w.shape[0] == len(model.layers)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
-from cache.retention import find_retention, gate
+from cache.retention import G_CLIP, age_term, find_retention, gate
 from cache.scores.mean import MeanAttnScore
 
 
@@ -28,7 +28,7 @@ def _weights(signature: str, layer: int):
     retention = find_retention(signature)
     if retention is None or not 0 <= layer < retention.w.shape[0]:
         return None
-    return retention.layer(layer), retention.rope
+    return retention.layer(layer), retention.rope, retention.layer_age(layer)
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,10 @@ class LearnedScore(MeanAttnScore):
     binds_model = True  # make_cache binds each layer's rule to the model's gates
     signature: str = ""  # cache/retention.signature of the model; "": unbound (mean)
     layer: int = -1
+    max_kv: int = 0  # the layer's cache size (the age terms' scale)
 
-    def bound(self, signature: str, layer: int) -> LearnedScore:
-        return replace(self, signature=signature, layer=layer)
+    def bound(self, signature: str, layer: int, max_kv: int = 0) -> LearnedScore:
+        return replace(self, signature=signature, layer=layer, max_kv=max_kv)
 
     @property
     def gated(self) -> bool:
@@ -52,8 +53,11 @@ class LearnedScore(MeanAttnScore):
         found = _weights(self.signature, self.layer) if kv is not None and self.signature else None
         if found is None:
             return value
-        (keys, values), ((w, b), rope) = kv, found
-        return value * mx.exp(gate(keys, values, w, b, rope))
+        (keys, values), ((w, b), rope, age) = kv, found
+        g = gate(keys, values, w, b, rope)
+        if age is not None and self.max_kv:
+            g = mx.clip(g + age_term(age, positions, offset, self.max_kv), -G_CLIP, G_CLIP)
+        return value * mx.exp(g)
 
 
 def forget_weights() -> None:
