@@ -128,7 +128,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         help="autoregressive caches run together, each (cache, sample) a session of one "
-        "batched pass (the same numbers; ~2x faster at 8 on this CPU)",
+        "batched pass (the same numbers; the weights read once a step for all; not timed)",
     )
     ppl.add_argument(
         "--stride",

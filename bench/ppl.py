@@ -315,8 +315,8 @@ def run_ppl_grid(
 
     `batch` samples share each forward pass (H2O caches evict per sample and head).
     `cases_per_pass` > 1: autoregressive cases go that many at a time through one batched
-    pass, each (case, sample) a session (`nll_cases_stepped`; the same numbers, about
-    half the time on this CPU). `progress(total, None)` is called once, then
+    pass, each (case, sample) a session (`nll_cases_stepped`; the same numbers, the weights
+    read once a step for all of them). `progress(total, None)` is called once, then
     `progress(n, description)` per step.
     """
     if mode not in ("autoregressive", "chunked"):
