@@ -194,12 +194,13 @@ class Agent:
         return first, usage.cache_read_input_tokens or 0
 
 
-def variants(apis: list[str]) -> list[tuple[str, str, list[str]]]:
+def variants(apis: list[str], policies: list[str]) -> list[tuple[str, str, list[str]]]:
     """(name, API, server flags) of every run; None flags: mlx_lm.server."""
     out = []
     evicting = ["--policy", "h2o", "--kv-budget", "512MiB", "--prefix-share", "0.3"]
     for policy, flags in (("auto", []), ("h2o", evicting)):
-        out += [(f"{OURS} {policy} {api}", api, flags) for api in apis]
+        if policy in policies:
+            out += [(f"{OURS} {policy} {api}", api, flags) for api in apis]
     return [*out, (f"{MLX_LM} chat", "chat", None)]
 
 
@@ -274,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--result-tokens", type=int, default=150)
     p.add_argument("--reply-tokens", type=int, default=48)
     p.add_argument("--apis", nargs="+", default=["chat", "responses", "messages"])
+    p.add_argument(
+        "--policies", nargs="+", choices=["auto", "h2o"], default=["auto", "h2o"],
+        help="this server's variants (auto: the default policy; h2o: a budget that evicts)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     from mlx_lm.utils import load_tokenizer
@@ -283,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     system = INSTRUCTIONS + passages(tokenizer, 1, args.system_tokens, 0)[0]
     results = passages(tokenizer, args.turns, args.result_tokens, 120000)
     records = []
-    runs = variants(args.apis)
+    runs = variants(args.apis, args.policies)
     for rnd in range(args.rounds):
         for name, api, flags in runs if rnd % 2 == 0 else runs[::-1]:
             records += run_variant(name, api, flags, folder, system, results, args)
