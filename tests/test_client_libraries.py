@@ -49,15 +49,10 @@ def test_instructor_create_partial_and_iterable_in_tools_mode(api):
     assert cities and all(isinstance(c, City) and c.name for c in cities)
 
 
-def test_openai_agents_sdk_calls_the_tool_then_answers_in_its_type(api):
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
+def _weather_agent(model) -> tuple:
+    """The OpenAI Agents SDK's agent with one function tool, a typed output and a forced
+    first call, on `model`; the list its tool's calls land in."""
+    from agents import Agent, ModelSettings, function_tool, set_tracing_disabled
 
     set_tracing_disabled(True)
     calls = []
@@ -68,49 +63,32 @@ def test_openai_agents_sdk_calls_the_tool_then_answers_in_its_type(api):
         calls.append(city)
         return f"It is sunny in {city}."
 
-    client = openai.AsyncOpenAI(base_url=api.base_url + "/v1", api_key="unused", max_retries=0)
     agent = Agent(
         name="weather",
         instructions="Answer with the city.",
         tools=[get_weather],
         output_type=City,
-        model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+        model=model,
         model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=80),
     )
+    return agent, calls
+
+
+def test_openai_agents_sdk_calls_the_tool_then_answers_in_its_type(api):
+    from agents import OpenAIChatCompletionsModel, Runner
+
+    client = openai.AsyncOpenAI(base_url=api.base_url + "/v1", api_key="unused", max_retries=0)
+    agent, calls = _weather_agent(OpenAIChatCompletionsModel(model=MODEL, openai_client=client))
     result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=4))
     assert calls  # the forced first turn called it; reset to auto, the next answered
     assert isinstance(result.final_output, City)
 
 
 def test_openai_agents_sdk_default_responses_model_runs_a_tool_to_its_final_output(api):
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIProvider,
-        RunConfig,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
-
-    set_tracing_disabled(True)
-    calls = []
-
-    @function_tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        calls.append(city)
-        return f"It is sunny in {city}."
+    from agents import OpenAIProvider, RunConfig, Runner
 
     client = openai.AsyncOpenAI(base_url=api.base_url + "/v1", api_key="unused", max_retries=0)
-    agent = Agent(
-        name="weather",
-        instructions="Answer with the city.",
-        tools=[get_weather],
-        output_type=City,
-        model=MODEL,  # a name: the provider's default model, OpenAI's Responses API
-        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=80),
-    )
+    agent, calls = _weather_agent(MODEL)  # a name: the provider's default, the Responses API
     config = RunConfig(model_provider=OpenAIProvider(openai_client=client))
     result = asyncio.run(
         Runner.run(agent, "What is the weather in Paris?", max_turns=4, run_config=config)

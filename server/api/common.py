@@ -4,6 +4,7 @@ text checks, ids, and OpenAI's error body (server/api/errors.py picks each API's
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -19,6 +20,19 @@ SEED_RANGE = (-(2**63), 2**64 - 1)
 # The reply header naming the tools a request offered that the server cannot run
 # (web search, MCP...): left out of the prompt, never a failed request.
 TOOLS_NOT_OFFERED = "X-Tools-Not-Offered"
+
+
+def json_text(text: str) -> str:
+    """`text` (a call's arguments: JSON inside a string) if what it decodes to is text, else
+    a ValueError naming where a lone surrogate sits: its own escapes decode only when a
+    template renders it. Text that is not JSON passes as the text it is."""
+    try:
+        decoded = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return text
+    if (where := lone_surrogate(decoded)) is not None:
+        raise ValueError(f"its JSON at {where} {LONE_SURROGATE}")
+    return text
 
 
 def object_schema(schema: dict[str, Any] | None, field: str) -> dict[str, Any] | None:

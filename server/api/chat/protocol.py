@@ -20,13 +20,12 @@ from pydantic import (
 )
 
 from server.api.common import (
-    LONE_SURROGATE,
     SEED_RANGE,
     SESSION_ID_PATTERN,
     CacheOptions,
     Request,
     TextRequest,
-    lone_surrogate,
+    json_text,
     object_schema,
 )
 from server.engine.jobs import SamplingParams
@@ -117,14 +116,7 @@ class FunctionCall(Request):
     @field_validator("arguments")
     @classmethod
     def _decodes_to_text(cls, v: str) -> str:
-        # JSON text inside a string: its own escapes decode only when a template renders it.
-        try:
-            decoded = json.loads(v)
-        except (json.JSONDecodeError, RecursionError):
-            return v  # not JSON: rendered as the text it is
-        if (where := lone_surrogate(decoded)) is not None:
-            raise ValueError(f"its JSON at {where} {LONE_SURROGATE}")
-        return v
+        return json_text(v)
 
 
 class ToolCall(Request):

@@ -12,7 +12,6 @@ Tools are different: a tool the server cannot run is left out, never a failed re
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -27,12 +26,11 @@ from pydantic import (
 )
 
 from server.api.common import (
-    LONE_SURROGATE,
     SESSION_ID_PATTERN,
     CacheOptions,
     Request,
     TextRequest,
-    lone_surrogate,
+    json_text,
     object_schema,
 )
 
@@ -194,14 +192,7 @@ class FunctionCallItem(Request):
     @field_validator("arguments")
     @classmethod
     def _decodes_to_text(cls, v: str) -> str:
-        # JSON text inside a string: its own escapes decode only when a template renders it.
-        try:
-            decoded = json.loads(v)
-        except (json.JSONDecodeError, RecursionError):
-            return v  # not JSON: rendered as the text it is
-        if (where := lone_surrogate(decoded)) is not None:
-            raise ValueError(f"its JSON at {where} {LONE_SURROGATE}")
-        return v
+        return json_text(v)
 
 
 class FunctionCallOutputItem(Request):
