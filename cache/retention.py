@@ -23,6 +23,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -117,13 +118,17 @@ class Retention:
         arrays = {"w": self.w, "b": self.b}
         if self.age is not None:
             arrays["age"] = self.age
-        mx.save_safetensors(str(path), arrays, metadata={"retention": json.dumps(meta)})
+        # a whole file or none: a reader never sees half of it (write beside, then rename)
+        partial = path.with_name(f".{path.stem}.partial.safetensors")
+        mx.save_safetensors(str(partial), arrays, metadata={"retention": json.dumps(meta)})
+        os.replace(partial, path)
         return path
 
     @classmethod
     def load(cls, path: str | Path) -> Retention:
         try:
             arrays, metadata = mx.load(str(path), return_metadata=True)
+            mx.eval(arrays)  # read now: mx.load is lazy, and calibrate may rewrite the file
             meta = json.loads(metadata["retention"])
             return cls(
                 meta["model"], meta["signature"], RopeLayout(**meta["rope"]), meta["base"],
@@ -173,7 +178,7 @@ def register(retention: Retention) -> None:
 @functools.cache
 def _by_signature(sig: str, where: tuple[Path, ...]) -> Retention | None:
     for folder in where:
-        for path in sorted(folder.glob("*.safetensors")):
+        for path in sorted(folder.glob("[!.]*.safetensors")):  # not one being written
             try:
                 found = Retention.load(path)
             except ValueError as e:
