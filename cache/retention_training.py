@@ -8,14 +8,18 @@ probability it drew from the queries before t, per query). The model is never ru
 again: each layer's gate is then fitted on its own, a few hundred Adam steps on those
 arrays, the model's weights untouched.
 
-The loss is eviction relaxed. At query t, under a budget of max_kv tokens split as the
-cache splits it (sinks, heavy, recent: config/cache_spec.split_segments), the sinks and
-the recent window are kept and each middle key i is kept by a soft share
-sigmoid((r_ti - tau_t) / temperature), where r_ti = log(mean rank) + g_i and tau_t sits
-between the heavy-th and (heavy+1)-th largest r_ti of the row (no gradient through it):
-the keys eviction would keep, made differentiable. The kept attention renormalised gives
-o'_t = sum_i keep_i p_ti v_i / sum_i keep_i p_ti; the loss is the squared change it
-makes to the layer's output, ||W_o,h (o'_t - o_t)||^2 summed over query heads,
+The loss is eviction relaxed. Under a budget of max_kv tokens split as the cache splits
+it (sinks, heavy, recent: config/cache_spec.split_segments), evictions happen every
+`stride` tokens (and at every row), in order, and are permanent as in the cache: at
+time e the sinks and the recent window are kept, and each middle key i has a margin
+m_i = min over the evictions it went through of (r_ei - tau_e), r_ei = log(mean rank at
+e) + g_i, its soft share sigmoid(m_i / temperature); tau_e is where the shares of the
+keys still held sum to the heavy budget (Newton from the hard threshold, with its
+implicit gradient). A key whose score rises after it was evicted stays out (with stride
+0 each row chooses afresh from every middle key, by bisection: how the shipped gates
+were trained, which let a key come back). At each sampled row t the kept attention
+renormalised gives o'_t = sum_i keep_i p_ti v_i / sum_i keep_i p_ti; the loss is the
+squared change it makes to the layer's output, ||W_o,h (o'_t - o_t)||^2 summed over query heads,
 relative to the same loss at g = 0 (`mean` itself), averaged over budgets. The held-out
 loss (printed by `h2o-server calibrate --retention`) is that ratio under hard eviction
 (keep the top `heavy`) on windows kept out of training: below 1 the gates lose less
@@ -47,6 +51,9 @@ from config.cache_spec import CacheSpec, split_segments
 class TrainConfig:
     budgets: tuple[int, ...] = (64, 128)  # max_kv the loss evicts at (each its segments)
     rows: int = 32  # query rows per window the loss reads
+    # Tokens between the relaxation's evictions (and at every row): a key evicted at one
+    # stays out, as in the cache; 0: each row chooses afresh from every middle key.
+    stride: int = 16
     steps: int = 30  # Adam steps per layer
     check: int = 10  # steps between held-out checks (the best check's weights are kept)
     lr: float = 0.003
@@ -64,7 +71,7 @@ class LayerData:
     """One layer's recorded arrays over W windows (rows shared by every window)."""
 
     feats: mx.array  # [W, H, T, F] standardised gate inputs
-    base: mx.array  # [W, H, R, T] log of mean's rank at each sampled row (-inf: unseen)
+    base: mx.array  # [W, H, E, T] log of mean's rank at each eviction time (-inf: unseen)
     probs: mx.array  # [W, H, G, R, T] attention probabilities, query heads grouped
     values: mx.array  # [W, H, T, D]
     out: mx.array  # [W, H, G, R, D] the full cache's attention output
@@ -108,11 +115,14 @@ def record(
     rows: np.ndarray,
     rope: RopeLayout,
     tick: Callable[[], None] | None = None,
+    times: np.ndarray | None = None,
 ) -> list[dict]:
     """Per layer, the per-window arrays (lists) the loss reads; `rows`: the sampled query
-    positions (ascending). `tick()` after each window."""
+    positions (ascending), `times`: where `mean`'s rank is read (the relaxation's
+    evictions; default the rows). `tick()` after each window."""
     per_layer: list[dict] = []
     r = mx.array(rows)
+    e = mx.array(rows if times is None else times)
     for window in windows:
         calls: list[tuple] = []
         tokens = mx.array([int(t) for t in window])[None]
@@ -121,8 +131,8 @@ def record(
             p = _probabilities(q, k, scale, mask)[0]  # [n_q, T, T]
             n_q, n_kv, T = p.shape[0], k.shape[1], p.shape[-1]
             grouped = p.reshape(n_kv, n_q // n_kv, T, T)
-            before = mx.cumsum(grouped.sum(axis=1), axis=1)[:, r - 1]  # queries < t: [H, R, T]
-            age = (r[:, None] - mx.arange(T)[None]).astype(mx.float32)  # t - i
+            before = mx.cumsum(grouped.sum(axis=1), axis=1)[:, e - 1]  # queries < t: [H, E, T]
+            age = (e[:, None] - mx.arange(T)[None]).astype(mx.float32)  # t - i
             seen = age > 0
             base = mx.where(seen, mx.log(mx.maximum(before / mx.maximum(age, 1), 1e-30)), -mx.inf)
             vals = v[0].astype(mx.float32)
@@ -152,13 +162,13 @@ def _stack(store: dict, gram: mx.array, mu: mx.array, sigma: mx.array) -> LayerD
     )  # fmt: skip
 
 
-def _segments(budget: int, rows: np.ndarray, T: int, preset: str = "heavy") -> tuple:
-    """(middle [R, T]: keys at stake at each row, heavy: how many of them stay, ages
-    [2, R, T]: log(t - i) and (t - i) / budget, the age terms' inputs)."""
+def _segments(budget: int, times: np.ndarray, T: int, preset: str = "heavy") -> tuple:
+    """(middle [E, T]: keys at stake at each eviction time, heavy: how many of them stay,
+    ages [2, E, T]: log(t - i) and (t - i) / budget, the age terms' inputs)."""
     seg = split_segments(budget, preset)
     i = np.arange(T)[None]
-    middle = (i >= seg.sink) & (i < rows[:, None] - seg.recent)
-    age = np.maximum(rows[:, None] - i, 1).astype(np.float32)
+    middle = (i >= seg.sink) & (i < times[:, None] - seg.recent)
+    age = np.maximum(times[:, None] - i, 1).astype(np.float32)
     ages = mx.array(np.stack([np.log(age), age / budget]))
     return mx.array(middle), seg.heavy, ages
 
@@ -173,47 +183,114 @@ def _output_loss(data: LayerData, keep: mx.array) -> mx.array:
     return (projected * err).sum(axis=-1).sum(axis=2)  # [W, H, R]
 
 
-BISECTIONS = 24  # steps of the soft threshold's search
+BISECTIONS = 24  # steps of the soft threshold's search (rows chosen afresh)
+NEWTON_STEPS = 4  # the same under permanent evictions, from the hard threshold
 
 
 def _keep(
     data: LayerData, g: mx.array, middle: mx.array, heavy: int, temperature: float | None,
-    aged: mx.array | None = None,
+    aged: mx.array | None = None, at_rows: tuple[int, ...] | None = None,
 ):  # fmt: skip
     """Soft (temperature) or hard (None) keep shares [W, H, R, T] under gate values g (and
-    the age terms `aged` [H, R, T]): the sinks and recent window 1, the middle keys
-    `heavy` in all (a row with no more middle keys than that keeps them all)."""
+    the age terms `aged` [H, E, T]): the sinks and recent window 1, the middle keys
+    `heavy` in all (a row with no more middle keys than that keeps them all). With
+    `at_rows` (which eviction times are the rows) evictions are permanent (`_surviving`);
+    without, each row chooses afresh from every middle key."""
     score = data.base + g[:, :, None, :]
     if aged is not None:
         score = score + aged[None]
+    if at_rows is not None:
+        return _surviving(score, middle, heavy, temperature, at_rows)
     crowded = middle.sum(axis=-1, keepdims=True) > heavy  # [R, 1]: eviction has to choose
     if temperature is None:
         top = mx.topk(mx.where(middle, score, -mx.inf), heavy, axis=-1).min(axis=-1, keepdims=True)
         inside = (score >= top) | ~crowded
         return mx.where(middle, inside.astype(mx.float32), 1.0)
-    tau = _soft_threshold(score, middle, heavy, temperature)
+    tau = _soft_threshold(score, None, middle, heavy, temperature)
     soft = mx.where(crowded, mx.sigmoid((score - tau) / temperature), 1.0)
     return mx.where(middle, soft, 1.0)
 
 
-def _soft_threshold(score: mx.array, middle: mx.array, heavy: int, temperature: float):
-    """tau [W, H, R, 1] at which the middle keys' soft shares sum to `heavy`: found by
-    bisection, its gradient the implicit one (d tau / d score_i = s'_i / sum_j s'_j), so a
-    step of the gates swaps who is kept and cannot keep more."""
+UNSEEN = 1e4  # margin of a key no eviction has judged yet: kept for sure
+
+
+def _surviving(
+    score: mx.array, middle: mx.array, heavy: int, temperature: float | None,
+    at_rows: tuple[int, ...],
+):  # fmt: skip
+    """Keep shares [W, H, R, T] when every eviction time e (in order) keeps `heavy` of the
+    middle keys still held: a key evicted once stays out, as in the cache. Soft, a key's
+    margin is the lowest (score_e - tau_e) over the evictions it went through, its share
+    sigmoid(margin / temperature); hard, the survivors of topk at every time."""
+    W, H, E, T = score.shape
+    rows = set(at_rows)
+    kept: dict[int, mx.array] = {}
+    margin = mx.full((W, H, T), UNSEEN) if temperature is not None else None
+    alive = mx.ones((W, H, T), dtype=mx.bool_) if temperature is None else None
+    for e in range(E):
+        s, mid = score[:, :, e], middle[e]
+        if temperature is None:
+            held = mid & alive
+            crowded = held.sum(axis=-1, keepdims=True) > heavy
+            top = mx.topk(mx.where(held, s, -mx.inf), heavy, axis=-1).min(axis=-1, keepdims=True)
+            alive = mx.where(mid & crowded, held & (s >= top), alive)
+            share = alive.astype(mx.float32)
+        else:
+            held = mx.where(mid, mx.sigmoid(mx.stop_gradient(margin) / temperature), 0.0)
+            crowded = held.sum(axis=-1, keepdims=True) > heavy
+            tau = _soft_threshold(s, margin, mid, heavy, temperature)
+            margin = mx.where(mid & crowded, mx.minimum(margin, s - tau), margin)
+            share = mx.sigmoid(margin / temperature)
+        if e in rows:
+            kept[e] = mx.where(mid, share, 1.0)
+    return mx.stack([kept[e] for e in at_rows], axis=2)
+
+
+def _soft_threshold(
+    score: mx.array, margin: mx.array | None, middle: mx.array, heavy: int, temperature: float
+):  # fmt: skip
+    """tau [..., 1] at which the middle keys' soft shares sigmoid(min(margin, score - tau)
+    / temperature) sum to `heavy` (margin None: no earlier evictions): found by bisection,
+    its gradient the implicit one, so a step of the gates swaps who is kept and cannot
+    keep more."""
     fixed = mx.stop_gradient(score)
-    masked = mx.where(middle, fixed, -mx.inf)
-    lo = mx.topk(masked, heavy + 1, axis=-1).min(axis=-1, keepdims=True) - 8 * temperature
-    hi = masked.max(axis=-1, keepdims=True) + 8 * temperature
-    lo = mx.where(mx.isfinite(lo), lo, hi - 16 * temperature)
-    for _ in range(BISECTIONS):
-        mid = (lo + hi) / 2
-        count = mx.where(middle, mx.sigmoid((fixed - mid) / temperature), 0.0).sum(-1, True)
-        lo, hi = mx.where(count > heavy, mid, lo), mx.where(count > heavy, hi, mid)
-    tau0 = (lo + hi) / 2
-    share = mx.sigmoid((fixed - tau0) / temperature)
+    held = None if margin is None else mx.stop_gradient(margin)
+
+    def shares(tau):
+        inner = fixed - tau if held is None else mx.minimum(held, fixed - tau)
+        return mx.sigmoid(inner / temperature)
+
+    if held is None:
+        lo = mx.where(middle, fixed, mx.inf).min(axis=-1, keepdims=True) - 16 * temperature
+        hi = mx.where(middle, fixed, -mx.inf).max(axis=-1, keepdims=True) + 16 * temperature
+        lo, hi = mx.where(mx.isfinite(lo), lo, 0.0), mx.where(mx.isfinite(hi), hi, 0.0)
+        for _ in range(BISECTIONS):
+            mid = (lo + hi) / 2
+            count = mx.where(middle, shares(mid), 0.0).sum(-1, True)
+            lo, hi = mx.where(count > heavy, mid, lo), mx.where(count > heavy, hi, mid)
+        tau0 = (lo + hi) / 2
+    else:  # every stride: Newton from the hard threshold (between the heavy-th and the
+        # next best key still held)
+        best = mx.topk(mx.where(middle & (held > 0), fixed, -mx.inf), heavy + 1, axis=-1)
+        best = mx.sort(best, axis=-1)
+        last, next_ = best[..., 1:2], best[..., 0:1]
+        tau0 = mx.where(mx.isfinite(next_), (last + next_) / 2, last - temperature)
+        tau0 = mx.where(mx.isfinite(tau0), tau0, 0.0)
+        for _ in range(NEWTON_STEPS):
+            share = mx.where(middle, shares(tau0), 0.0)
+            binds = middle & (fixed - tau0 < held)
+            slope = mx.where(binds, share * (1 - share), 0.0).sum(-1, True) / temperature
+            step = (share.sum(-1, True) - heavy) / mx.maximum(slope, 1e-6)
+            tau0 = tau0 + mx.clip(step, -4 * temperature, 4 * temperature)
+    share = shares(tau0)
     slope = mx.where(middle, share * (1 - share), 0.0)
-    moved = mx.where(middle, score - fixed, 0.0)  # 0, with score's gradient
-    return tau0 + (slope * moved).sum(-1, True) / mx.maximum(slope.sum(-1, True), 1e-12)
+    # d tau: each key moves the count through whichever of its terms binds
+    binds = middle if held is None else middle & (fixed - tau0 < held)
+    moved = mx.where(binds, score - fixed, 0.0)  # 0, with score's gradient
+    if margin is not None:
+        moved = moved + mx.where(middle & ~binds, margin - held, 0.0)
+    bound = mx.where(binds, slope, 0.0).sum(-1, True)
+    return tau0 + (slope * moved).sum(-1, True) / mx.maximum(bound, 1e-12)
 
 
 def _gate_values(data: LayerData, w: mx.array) -> mx.array:
@@ -228,29 +305,35 @@ def _aged(age: mx.array | None, ages: mx.array) -> mx.array | None:
 
 
 def layer_loss(
-    data: LayerData, params: dict, cuts: list, reference: list, temperature: float | None
-) -> mx.array:
+    data: LayerData, params: dict, cuts: list, reference: list, temperature: float | None,
+    at_rows: tuple[int, ...] | None = None,
+) -> mx.array:  # fmt: skip
     """The mean over budgets of the output loss relative to `reference` (g = 0's)."""
     g = _gate_values(data, params["w"])
     total = mx.array(0.0)
     for (middle, heavy, ages), ref in zip(cuts, reference, strict=True):
         aged = _aged(params.get("age"), ages)
-        loss = _output_loss(data, _keep(data, g, middle, heavy, temperature, aged)).mean()
+        keep = _keep(data, g, middle, heavy, temperature, aged, at_rows)
+        loss = _output_loss(data, keep).mean()
         total = total + loss / ref
     return total / len(cuts)
 
 
-def _references(data: LayerData, cuts: list, temperature: float | None) -> list[mx.array]:
-    zero = mx.zeros(data.feats.shape[1::2])
+def _references(
+    data: LayerData, cuts: list, temperature: float | None, at_rows: tuple[int, ...] | None
+) -> list[mx.array]:  # fmt: skip
+    g = _gate_values(data, mx.zeros(data.feats.shape[1::2]))
     refs = []
     for middle, heavy, _ in cuts:
-        loss = _output_loss(data, _keep(data, _gate_values(data, zero), middle, heavy, temperature))
+        loss = _output_loss(data, _keep(data, g, middle, heavy, temperature, None, at_rows))
         refs.append(mx.maximum(loss.mean(), 1e-12))
     return refs
 
 
 @functools.cache
-def _objective(heavies: tuple[int, ...], temperature: float, l2: float) -> Callable:
+def _objective(
+    heavies: tuple[int, ...], temperature: float, l2: float, at_rows: tuple[int, ...] | None
+) -> Callable:  # fmt: skip
     """(params, the layer's arrays, middles, ages, refs) -> (loss, its gradient), compiled
     once per budget split: every layer of a model has the same shapes."""
 
@@ -258,20 +341,21 @@ def _objective(heavies: tuple[int, ...], temperature: float, l2: float) -> Calla
         data = LayerData(feats, base, probs, values, out, gram)
         cuts = list(zip(middles, heavies, ages, strict=True))
         w = params["w"]
-        return layer_loss(data, params, cuts, refs, temperature) + l2 * (w * w).sum()
+        return layer_loss(data, params, cuts, refs, temperature, at_rows) + l2 * (w * w).sum()
 
     return mx.compile(mx.value_and_grad(objective))
 
 
 def fit_layer(
-    data: LayerData, cuts: list, config: TrainConfig, held: LayerData | None = None
-) -> tuple[mx.array, float | None]:
+    data: LayerData, cuts: list, config: TrainConfig, held: LayerData | None = None,
+    at_rows: tuple[int, ...] | None = None,
+) -> tuple[mx.array, float | None]:  # fmt: skip
     """(standardised weights [H, F] of one layer's gates, their held-out loss): Adam from
     0 (`mean`). With `held`, the weights kept are those of the check (every `check` steps,
     and 0 itself) with the lowest held-out loss: a layer whose gates do not carry over
     keeps `mean`."""
-    refs = _references(data, cuts, config.temperature)
-    step = _objective(tuple(h for _, h, _ in cuts), config.temperature, config.l2)
+    refs = _references(data, cuts, config.temperature, at_rows)
+    step = _objective(tuple(h for _, h, _ in cuts), config.temperature, config.l2, at_rows)
     arrays = (data.feats, data.base, data.probs, data.values, data.out, data.gram)
     middles, ages = [m for m, _, _ in cuts], [a for _, _, a in cuts]
     H = data.feats.shape[1]
@@ -281,14 +365,14 @@ def fit_layer(
     opt = optim.Adam(learning_rate=config.lr)
     best, best_loss = params, None
     if held is not None:
-        held_refs = _references(held, cuts, None)
+        held_refs = _references(held, cuts, None, at_rows)
         best_loss = 1.0  # g = 0 is mean itself: the ratio 1 by definition
     for n in range(1, config.steps + 1):
         _, grad = step(params, *arrays, middles, ages, refs)
         params = opt.apply_gradients(grad, params)
         mx.eval(params, opt.state)
         if held is not None and (n % config.check == 0 or n == config.steps):
-            loss = layer_loss(held, params, cuts, held_refs, None).item()
+            loss = layer_loss(held, params, cuts, held_refs, None, at_rows).item()
             if loss < best_loss:
                 best, best_loss = params, loss
     return (params if held is None else best), best_loss
@@ -316,17 +400,25 @@ def train_retention(
         for budget in config.budgets
     ]  # fmt: skip
     low = max(max(s) for s in sizes) + 16  # rows where every layer's budget is full
-    if T <= low + config.rows:
-        raise ValueError(f"windows of {T} tokens are too short for layer budgets up to {low - 16}")
+    # stride > 0: evictions every `stride` tokens, the rows some of them; 0: the rows alone
+    times = np.arange(config.stride, T, config.stride) if config.stride else np.arange(T)
+    candidates = times[times >= low]
+    if len(candidates) < config.rows:
+        raise ValueError(
+            f"windows of {T} tokens hold too few rows past layer budgets up to {low - 16} "
+            f"(at a stride of {config.stride})"
+        )
     rng = np.random.RandomState(config.seed)
-    rows = np.sort(rng.choice(np.arange(low, T), size=config.rows, replace=False)).astype(np.int32)
+    rows = np.sort(rng.choice(candidates, size=config.rows, replace=False)).astype(np.int32)
+    times = times.astype(np.int32) if config.stride else rows
+    at_rows = tuple(int(i) for i in np.searchsorted(times, rows)) if config.stride else None
     rope = rope_layout(model)
     cut_cache: dict = {}
 
     def cuts_of(layer: int) -> list:
         budgets = tuple(s[layer] for s in sizes)
         if budgets not in cut_cache:
-            cut_cache[budgets] = [_segments(b, rows, T, config.preset) for b in budgets]
+            cut_cache[budgets] = [_segments(b, times, T, config.preset) for b in budgets]
         return cut_cache[budgets]
 
     total = len(windows) + len(held_out) + len(model.layers)
@@ -337,8 +429,8 @@ def train_retention(
         if progress:
             progress(done[0], total)
 
-    train = record(model, windows, rows, rope, tick)
-    held = record(model, held_out, rows, rope, tick) if held_out else None
+    train = record(model, windows, rows, rope, tick, times)
+    held = record(model, held_out, rows, rope, tick, times) if held_out else None
     n_features = feature_count(train[0]["values"][0].shape[-1], rope)
     w_all, b_all, held_losses, ages = [], [], [], []
     for n, store in enumerate(train):
@@ -356,7 +448,7 @@ def train_retention(
         sigma = mx.maximum(mx.sqrt(((stacked - mu) ** 2).mean(axis=(0, 2))), 1e-6)[None, :, None]
         data = _stack(store, gram, mu, sigma)
         hdata = None if held is None else _stack(held[n], gram, mu, sigma)
-        fitted, held_loss = fit_layer(data, cuts_of(n), config, hdata)
+        fitted, held_loss = fit_layer(data, cuts_of(n), config, hdata, at_rows)
         w_std = fitted["w"]
         ages.append(fitted.get("age", mx.zeros((H, 2))))
         w = w_std / sigma[0, :, 0]  # g = ((f - mu) / sigma) . w_std = f . w + b

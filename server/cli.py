@@ -240,6 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(PRESETS),
         help="--retention: the segments its loss evicts under (serve the gates with the same)",
     )
+    cal.add_argument(
+        "--stride",
+        type=int,
+        default=16,
+        help="--retention: tokens between its loss's evictions, each permanent "
+        "(0: every query row chooses afresh from all middle keys)",
+    )
     cal.add_argument("--max-kv", type=int, default=32, help="the bounded layer's max_kv")
     cal.add_argument("--chunk", type=int, default=16, help="tokens per forward pass")
     _add_serve_parser(sub)
@@ -420,6 +427,7 @@ def cmd_calibrate_retention(args: argparse.Namespace) -> int:
         seed=args.seed,
         age=args.age,
         preset=args.preset,
+        stride=args.stride,
         **({"steps": args.steps} if args.steps else {}),
     )
     bar = tqdm(total=1, unit="step", file=sys.stderr, dynamic_ncols=True)

@@ -14,12 +14,12 @@ import pytest
 
 from cache import make_cache
 from cache.retention import G_CLIP, Retention, features, forget, register, rope_layout, signature
-from cache.retention_training import TrainConfig, train_retention
+from cache.retention_training import TrainConfig, _surviving, train_retention
 from cache.scores import LearnedScore, MeanAttnScore, make_score_rule
 from config.policies import POLICIES
 from tests.tiny import tiny
 
-CONFIG = TrainConfig(budgets=(16, 32), rows=8, steps=10)
+CONFIG = TrainConfig(budgets=(16, 32), rows=8, steps=10, stride=4)
 EVICTING = [p.name for p in POLICIES.values() if p.bounded and p.scored]
 # Layouts that cannot hand their K/V to a rule: it ranks by `mean` there.
 WITHOUT_KV = {"h2o-ada", "h2o-kvarn"}
@@ -54,8 +54,10 @@ def test_training_twice_from_one_seed_gives_the_same_gates(trained):
     again = train_retention(model, windows[:2], windows[2:], "tiny", CONFIG)
     assert mx.array_equal(first.w, again.w) and mx.array_equal(first.b, again.b)
     other = train_retention(model, windows[:2], windows[2:], "tiny", TrainConfig(
-        budgets=(16, 32), rows=8, steps=10, seed=1))  # fmt: skip
+        budgets=(16, 32), rows=8, steps=10, stride=4, seed=1))  # fmt: skip
     assert not mx.array_equal(first.w, other.w)  # another seed reads other rows
+    afresh = train_retention(model, windows[:2], windows[2:], "tiny", replace(CONFIG, stride=0))
+    assert not mx.array_equal(first.w, afresh.w)  # rows choosing afresh: another loss
     layers, heads = len(model.layers), model.args.num_key_value_heads
     assert first.w.shape == (layers, heads, 64 // 2 + 64 + 2)
     assert first.training["held_out_loss"] is not None
@@ -130,7 +132,7 @@ def test_every_evicting_policy_takes_the_learned_rule(policy, trained):
         ), f"{policy}: the gates changed nothing ({rule})"
 
 
-AGED = TrainConfig(budgets=(16, 32), rows=8, steps=10, age=True)
+AGED = replace(CONFIG, age=True)
 
 
 def test_training_with_age_terms_gives_per_head_age_weights(trained):
@@ -184,3 +186,33 @@ def test_training_evicts_each_layer_at_its_own_share(trained):
     )
     assert retention.training["layer_budgets"] == [[16, 16], [16, 48]]  # floors of 16
     assert retention.w.shape[0] == len(model.layers)
+
+
+def test_the_training_relaxation_evicts_for_good():
+    # two evictions keeping 2 middle keys: key 2 scores highest at the second but left at
+    # the first, so it stays out; key 6, new to the middle then, displaces key 1
+    score = mx.array([[[[5, 4, 0, 3, -1, -2, 0], [5, -5, 9, 3, 0, 0, 8]]]], mx.float32)
+    middle = mx.array([[True] * 6 + [False], [True] * 7])
+    hard = _surviving(score, middle, 2, None, (0, 1))
+    assert hard[0, 0].tolist() == [[1, 1, 0, 0, 0, 0, 1], [1, 0, 0, 0, 0, 0, 1]]
+    soft = _surviving(score, middle, 2, 0.05, (0, 1))
+    np.testing.assert_allclose(np.array(soft), np.array(hard), atol=1e-3)
+    # shares sum to heavy among the middle keys: key 6 recent at first (kept), then middle
+    np.testing.assert_allclose(np.array(soft[0, 0].sum(-1)), [3, 2], atol=1e-3)
+
+    def kept_of_key_2(s):
+        return _surviving(s, middle, 2, 0.5, (0, 1))[0, 0, 1, 2]
+
+    grad = mx.grad(kept_of_key_2)(score)
+    assert float(grad[0, 0, 1, 2]) == pytest.approx(0.0, abs=1e-3)  # gone: its late score is moot
+    assert float(grad[0, 0, 0, 2]) > 0  # a higher first score would have kept it
+
+
+def test_loaded_gates_do_not_change_when_their_file_is_rewritten(trained, tmp_path):
+    # calibrate may rewrite the user's file while a server holds gates read from it
+    _, retention, _ = trained
+    path = retention.save(tmp_path / "gates.safetensors")
+    loaded = Retention.load(path)
+    replace(retention, w=retention.w + 1.0).save(path)
+    assert mx.array_equal(loaded.w, retention.w)
+    assert [p.name for p in tmp_path.iterdir()] == ["gates.safetensors"]  # no partial left
