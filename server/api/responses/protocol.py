@@ -629,39 +629,24 @@ class ItemEvent(Event):
     item: OutputItem
 
 
-class PartEvent(Event):
-    """response.content_part.added and .done."""
+class _ContentEvent(Event):
+    """An event about one content part of an output item."""
 
     item_id: str
     output_index: int
     content_index: int
+
+
+class PartEvent(_ContentEvent):
+    """response.content_part.added and .done."""
+
     part: OutputTextOut | ReasoningTextOut
 
 
-class TextDeltaEvent(Event):
-    """response.output_text.delta (logprobs: none are sent) and response.reasoning_text.delta."""
+class _TextPartEvent(_ContentEvent):
+    """An output_text or reasoning_text event: logprobs only for output_text (none are
+    sent: an empty list), as reasoning_text events have no such field."""
 
-    item_id: str
-    output_index: int
-    content_index: int
-    delta: str
-    logprobs: list[Any] | None = None
-
-    @model_serializer(mode="wrap")
-    def _logprobs_for_text(self, handler):
-        out = handler(self)
-        if out["logprobs"] is None:  # reasoning_text.delta has no logprobs field
-            del out["logprobs"]
-        return out
-
-
-class TextDoneEvent(Event):
-    """response.output_text.done and response.reasoning_text.done."""
-
-    item_id: str
-    output_index: int
-    content_index: int
-    text: str
     logprobs: list[Any] | None = None
 
     @model_serializer(mode="wrap")
@@ -670,6 +655,18 @@ class TextDoneEvent(Event):
         if out["logprobs"] is None:
             del out["logprobs"]
         return out
+
+
+class TextDeltaEvent(_TextPartEvent):
+    """response.output_text.delta and response.reasoning_text.delta."""
+
+    delta: str
+
+
+class TextDoneEvent(_TextPartEvent):
+    """response.output_text.done and response.reasoning_text.done."""
+
+    text: str
 
 
 class ArgumentsDeltaEvent(Event):

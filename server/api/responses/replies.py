@@ -146,10 +146,19 @@ class ResponseReply:
             )
             out += self._open(self.reasoning)
             out.append(
-                self._part("response.content_part.added", self.reasoning, ReasoningTextOut(text=""))
+                self._part_event(
+                    PartEvent,
+                    "response.content_part.added",
+                    self.reasoning,
+                    part=ReasoningTextOut(text=""),
+                )
             )
         self.reasoning.content[0].text += piece
-        out.append(self._delta("response.reasoning_text.delta", self.reasoning, piece, None))
+        out.append(
+            self._part_event(
+                TextDeltaEvent, "response.reasoning_text.delta", self.reasoning, delta=piece
+            )
+        )
         return out
 
     def _close_reasoning(self) -> list[Event]:
@@ -158,8 +167,8 @@ class ResponseReply:
             return []
         part = item.content[0]
         return [
-            self._done_text("response.reasoning_text.done", item, part.text, None),
-            self._part("response.content_part.done", item, part),
+            self._part_event(TextDoneEvent, "response.reasoning_text.done", item, text=part.text),
+            self._part_event(PartEvent, "response.content_part.done", item, part=part),
             *self._close(item),
         ]
 
@@ -206,11 +215,20 @@ class ResponseReply:
             )
             out += self._open(self.message)
             out.append(
-                self._part("response.content_part.added", self.message, OutputTextOut(text=""))
+                self._part_event(
+                    PartEvent,
+                    "response.content_part.added",
+                    self.message,
+                    part=OutputTextOut(text=""),
+                )
             )
         self.message.content[0].text += piece
         self.sent = len(self.text)
-        out.append(self._delta("response.output_text.delta", self.message, piece, []))
+        out.append(
+            self._part_event(
+                TextDeltaEvent, "response.output_text.delta", self.message, delta=piece, logprobs=[]
+            )
+        )
         return out
 
     def _close_message(self) -> list[Event]:
@@ -219,8 +237,10 @@ class ResponseReply:
             return []
         part = item.content[0]
         return [
-            self._done_text("response.output_text.done", item, part.text, []),
-            self._part("response.content_part.done", item, part),
+            self._part_event(
+                TextDoneEvent, "response.output_text.done", item, text=part.text, logprobs=[]
+            ),
+            self._part_event(PartEvent, "response.content_part.done", item, part=part),
             *self._close(item),
         ]
 
@@ -316,40 +336,18 @@ class ResponseReply:
         )
         return [_sse(event)]
 
-    def _part(self, kind: str, item, part) -> Event:
-        event = PartEvent(
-            type=kind,
-            sequence_number=self._next(),
-            item_id=item.id,
-            output_index=self._index(item),
-            content_index=0,
-            part=part,
+    def _part_event(self, event: type[Event], kind: str, item, **fields) -> Event:
+        """An event about the item's one content part (content_part.*, *_text.*)."""
+        return _sse(
+            event(
+                type=kind,
+                sequence_number=self._next(),
+                item_id=item.id,
+                output_index=self._index(item),
+                content_index=0,
+                **fields,
+            )
         )
-        return _sse(event)
-
-    def _delta(self, kind: str, item, piece: str, logprobs: list | None) -> Event:
-        event = TextDeltaEvent(
-            type=kind,
-            sequence_number=self._next(),
-            item_id=item.id,
-            output_index=self._index(item),
-            content_index=0,
-            delta=piece,
-            logprobs=logprobs,
-        )
-        return _sse(event)
-
-    def _done_text(self, kind: str, item, text: str, logprobs: list | None) -> Event:
-        event = TextDoneEvent(
-            type=kind,
-            sequence_number=self._next(),
-            item_id=item.id,
-            output_index=self._index(item),
-            content_index=0,
-            text=text,
-            logprobs=logprobs,
-        )
-        return _sse(event)
 
 
 def _sse(event) -> Event:
