@@ -260,10 +260,11 @@ def _soft_threshold(
         inner = fixed - tau if held is None else mx.minimum(held, fixed - tau)
         return mx.sigmoid(inner / temperature)
 
-    if held is None:
-        lo = mx.where(middle, fixed, mx.inf).min(axis=-1, keepdims=True) - 16 * temperature
-        hi = mx.where(middle, fixed, -mx.inf).max(axis=-1, keepdims=True) + 16 * temperature
-        lo, hi = mx.where(mx.isfinite(lo), lo, 0.0), mx.where(mx.isfinite(hi), hi, 0.0)
+    if held is None:  # round 1's search, as it was: --stride 0 trains its gates again
+        masked = mx.where(middle, fixed, -mx.inf)
+        lo = mx.topk(masked, heavy + 1, axis=-1).min(axis=-1, keepdims=True) - 8 * temperature
+        hi = masked.max(axis=-1, keepdims=True) + 8 * temperature
+        lo = mx.where(mx.isfinite(lo), lo, hi - 16 * temperature)
         for _ in range(BISECTIONS):
             mid = (lo + hi) / 2
             count = mx.where(middle, shares(mid), 0.0).sum(-1, True)
