@@ -3,7 +3,8 @@
 A gate is a linear function, per layer and KV head, of what an evicting cache holds for
 each token: its key and value. Keys are stored after RoPE, so the gate reads what RoPE
 leaves unchanged: the norm of each rotated pair of key channels, plus the channels RoPE
-does not turn, the value itself, and the log norms of key and value
+does not turn, the value itself, and the log norms of key and value; and the key turned
+back to where it was before RoPE (by its position), read as a fixed query would read it
 (`features`). Its output g is added to the log of the base rule's rank (`mean`),
 i.e. the rank is multiplied by exp(g): a token whose key and value look like those the
 model keeps needing stays longer (cache/scores/learned.py). How g is trained:
@@ -47,31 +48,63 @@ class RopeLayout:
     traditional: bool = False
 
 
-def features(keys: mx.array, values: mx.array, rope: RopeLayout) -> mx.array:
-    """[..., n, D] keys (post-RoPE) and values -> [..., n, F] gate inputs that RoPE leaves
-    unchanged: rotated pairs' norms, unrotated key channels, the value, log norms."""
-    keys, values = keys.astype(mx.float32), values.astype(mx.float32)
-    turned, plain = keys[..., : rope.dims], keys[..., rope.dims :]
+def _pairs(turned: mx.array, rope: RopeLayout) -> tuple[mx.array, mx.array]:
+    """The two channels of each RoPE pair, [..., dims/2] each."""
     if rope.traditional:
-        a, b = turned[..., 0::2], turned[..., 1::2]
-    else:
-        half = rope.dims // 2
-        a, b = turned[..., :half], turned[..., half:]
-    pairs = mx.sqrt(a * a + b * b)
+        return turned[..., 0::2], turned[..., 1::2]
+    half = rope.dims // 2
+    return turned[..., :half], turned[..., half:]
+
+
+def unrotated(keys: mx.array, positions: mx.array, turn: mx.array, rope: RopeLayout):
+    """[..., n, dims/2] x 2: the turned channels of post-RoPE keys [..., n, D] as they were
+    before RoPE turned them by positions [..., n] x `turn` (radians per position, per pair)."""
+    a, b = _pairs(keys[..., : rope.dims], rope)
+    angle = positions.astype(mx.float32)[..., None] * turn
+    cos, sin = mx.cos(angle), mx.sin(angle)
+    return a * cos + b * sin, b * cos - a * sin
+
+
+def features(
+    keys: mx.array,
+    values: mx.array,
+    rope: RopeLayout,
+    positions: mx.array | None = None,
+    turn: mx.array | None = None,
+) -> mx.array:
+    """[..., n, D] keys (post-RoPE) and values -> [..., n, F] gate inputs that RoPE leaves
+    unchanged: rotated pairs' norms, unrotated key channels, the value, log norms; and with
+    `turn` (and the keys' positions [..., n]) the key's turned channels before RoPE, its
+    direction, which a linear gate reads as a fixed query would (expected attention)."""
+    keys, values = keys.astype(mx.float32), values.astype(mx.float32)
+    a, b = _pairs(keys[..., : rope.dims], rope)
+    parts = [mx.sqrt(a * a + b * b), keys[..., rope.dims :], values]
     k_norm = mx.sqrt((keys * keys).sum(axis=-1, keepdims=True))
     v_norm = mx.sqrt((values * values).sum(axis=-1, keepdims=True))
-    logs = mx.log(mx.maximum(mx.concatenate([k_norm, v_norm], axis=-1), 1e-6))
-    return mx.concatenate([pairs, plain, values, logs], axis=-1)
+    parts.append(mx.log(mx.maximum(mx.concatenate([k_norm, v_norm], axis=-1), 1e-6)))
+    if turn is not None:
+        parts += unrotated(keys, positions, turn, rope)
+    return mx.concatenate(parts, axis=-1)
 
 
-def feature_count(head_dim: int, rope: RopeLayout) -> int:
-    return rope.dims // 2 + (head_dim - rope.dims) + head_dim + 2
+def feature_count(head_dim: int, rope: RopeLayout, direction: bool = False) -> int:
+    return rope.dims // 2 + (head_dim - rope.dims) + head_dim + 2 + (rope.dims if direction else 0)
 
 
-def gate(keys: mx.array, values: mx.array, w: mx.array, b: mx.array, rope: RopeLayout):
-    """g [B, H, n] of held keys and values [B, H, n, D] under one layer's weights w [H, F]
-    and offsets b [H] (which centre g on the training tokens; a head's ranking ignores them)."""
-    g = (features(keys, values, rope) * w[None, :, None, :]).sum(axis=-1) + b[None, :, None]
+def gate(
+    keys: mx.array,
+    values: mx.array,
+    w: mx.array,
+    b: mx.array,
+    rope: RopeLayout,
+    positions: mx.array | None = None,
+    turn: mx.array | None = None,
+):
+    """g [B, H, n] of held keys and values [B, H, n, D] (at positions [B, H, n], read with
+    `turn`) under one layer's weights w [H, F] and offsets b [H] (which centre g on the
+    training tokens; a head's ranking ignores them)."""
+    feats = features(keys, values, rope, positions, turn)
+    g = (feats * w[None, :, None, :]).sum(axis=-1) + b[None, :, None]
     return mx.clip(g, -G_CLIP, G_CLIP)
 
 
@@ -98,12 +131,18 @@ class Retention:
     # [layers, kv_heads, 2]: per head, g also adds a log(t - i) + c (t - i) / max_kv (how
     # much the head prefers recent tokens); None: no age terms (older files).
     age: mx.array | None = field(default=None, repr=False)
+    # [layers, dims/2]: each layer's RoPE angle per position per pair (`rope_turns`); with
+    # it the gates read the key's direction before RoPE (`features`). None: older files.
+    turn: mx.array | None = field(default=None, repr=False)
 
     def layer(self, i: int) -> tuple[mx.array, mx.array]:
         return self.w[i], self.b[i]
 
     def layer_age(self, i: int) -> mx.array | None:
         return None if self.age is None else self.age[i]
+
+    def layer_turn(self, i: int) -> mx.array | None:
+        return None if self.turn is None else self.turn[i]
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -116,8 +155,9 @@ class Retention:
             "training": self.training,
         }
         arrays = {"w": self.w, "b": self.b}
-        if self.age is not None:
-            arrays["age"] = self.age
+        for name in ("age", "turn"):
+            if getattr(self, name) is not None:
+                arrays[name] = getattr(self, name)
         # a whole file or none: a reader never sees half of it (write beside, then rename)
         partial = path.with_name(f".{path.stem}.partial.safetensors")
         mx.save_safetensors(str(partial), arrays, metadata={"retention": json.dumps(meta)})
@@ -133,6 +173,7 @@ class Retention:
             return cls(
                 meta["model"], meta["signature"], RopeLayout(**meta["rope"]), meta["base"],
                 arrays["w"], arrays["b"], meta.get("training", {}), arrays.get("age"),
+                arrays.get("turn"),
             )  # fmt: skip
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}: not a retention file ({e})") from e
@@ -157,6 +198,23 @@ def rope_layout(model: nn.Module) -> RopeLayout:
         if rope is not None and hasattr(rope, "dims"):
             return RopeLayout(int(rope.dims), bool(getattr(rope, "traditional", False)))
     raise ValueError("no RoPE module found on the model's attention layers")
+
+
+def rope_turns(model: nn.Module, rope: RopeLayout) -> mx.array:
+    """[layers, dims/2]: the angle each layer's RoPE turns each key pair by per position,
+    read off the module itself (turning a probe by one position), so scaled and per-layer
+    bases (Llama 3's, Gemma 3's local and global layers) come out as the model applies them."""
+    half = rope.dims // 2
+    probe = mx.concatenate([mx.ones((half,)), mx.zeros((half,))])
+    if rope.traditional:
+        probe = mx.stack([mx.ones((half,)), mx.zeros((half,))], axis=-1).reshape(-1)
+    turns = []
+    for layer in model.layers:
+        module = layer.self_attn.rope
+        turned = module(mx.broadcast_to(probe, (1, 1, 2, rope.dims)), offset=0)[0, 0, 1]
+        a, b = _pairs(turned.astype(mx.float32), rope)
+        turns.append(mx.arctan2(b, a))
+    return mx.stack(turns)
 
 
 def folders() -> list[Path]:

@@ -42,7 +42,15 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from cache.retention import Retention, RopeLayout, feature_count, features, rope_layout, signature
+from cache.retention import (
+    Retention,
+    RopeLayout,
+    feature_count,
+    features,
+    rope_layout,
+    rope_turns,
+    signature,
+)
 from cache.router import tapped
 from config.cache_spec import CacheSpec, split_segments
 
@@ -63,6 +71,8 @@ class TrainConfig:
     # Per head, g also takes a_h log(t - i) + c_h (t - i) / max_kv: how much the head
     # prefers recent tokens, learned (0, 0 is mean's own balance).
     age: bool = False
+    # The gate also reads each key's direction before RoPE (cache/retention.features).
+    direction: bool = False
     preset: str = "heavy"  # the segments the loss evicts under (config/cache_spec.PRESETS)
 
 
@@ -116,10 +126,12 @@ def record(
     rope: RopeLayout,
     tick: Callable[[], None] | None = None,
     times: np.ndarray | None = None,
+    turns: mx.array | None = None,
 ) -> list[dict]:
     """Per layer, the per-window arrays (lists) the loss reads; `rows`: the sampled query
     positions (ascending), `times`: where `mean`'s rank is read (the relaxation's
-    evictions; default the rows). `tick()` after each window."""
+    evictions; default the rows); `turns` (`rope_turns`): the gate reads the keys'
+    direction too. `tick()` after each window."""
     per_layer: list[dict] = []
     r = mx.array(rows)
     e = mx.array(rows if times is None else times)
@@ -138,7 +150,8 @@ def record(
             vals = v[0].astype(mx.float32)
             at_rows = grouped[:, :, r]  # [H, G, R, T]
             out = at_rows @ vals[:, None]
-            feats = features(k[0], vals, rope)
+            turn = None if turns is None else turns[len(calls)]
+            feats = features(k[0], vals, rope, mx.arange(T), turn)
             mx.eval(base, at_rows, out, feats)
             calls.append((feats, base, at_rows, vals, out))
 
@@ -414,6 +427,7 @@ def train_retention(
     times = times.astype(np.int32) if config.stride else rows
     at_rows = tuple(int(i) for i in np.searchsorted(times, rows)) if config.stride else None
     rope = rope_layout(model)
+    turns = rope_turns(model, rope) if config.direction else None
     cut_cache: dict = {}
 
     def cuts_of(layer: int) -> list:
@@ -430,9 +444,9 @@ def train_retention(
         if progress:
             progress(done[0], total)
 
-    train = record(model, windows, rows, rope, tick, times)
-    held = record(model, held_out, rows, rope, tick, times) if held_out else None
-    n_features = feature_count(train[0]["values"][0].shape[-1], rope)
+    train = record(model, windows, rows, rope, tick, times, turns)
+    held = record(model, held_out, rows, rope, tick, times, turns) if held_out else None
+    n_features = feature_count(train[0]["values"][0].shape[-1], rope, config.direction)
     w_all, b_all, held_losses, ages = [], [], [], []
     for n, store in enumerate(train):
         weight = _o_proj_weight(model.layers[n])
@@ -476,4 +490,5 @@ def train_retention(
         "seconds": round(time.time() - began, 1),
     }
     age = mx.stack(ages) if config.age else None
-    return Retention(model_name, signature(model), rope, "mean", w, mx.stack(b_all), training, age)
+    b = mx.stack(b_all)
+    return Retention(model_name, signature(model), rope, "mean", w, b, training, age, turns)

@@ -235,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="--retention: per-head age terms too (a log(t - i) + c (t - i) / max_kv)",
     )
     cal.add_argument(
+        "--direction",
+        action="store_true",
+        help="--retention: the gates read each key's direction before RoPE too",
+    )
+    cal.add_argument(
         "--preset",
         default=DEFAULT_PRESET,
         choices=list(PRESETS),
@@ -426,6 +431,7 @@ def cmd_calibrate_retention(args: argparse.Namespace) -> int:
     config = TrainConfig(
         seed=args.seed,
         age=args.age,
+        direction=args.direction,
         preset=args.preset,
         stride=args.stride,
         **({"steps": args.steps} if args.steps else {}),

@@ -9,11 +9,24 @@ import logging
 from dataclasses import replace
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
 from cache import make_cache
-from cache.retention import G_CLIP, Retention, features, forget, register, rope_layout, signature
+from cache.retention import (
+    G_CLIP,
+    Retention,
+    RopeLayout,
+    features,
+    forget,
+    gate,
+    register,
+    rope_layout,
+    rope_turns,
+    signature,
+    unrotated,
+)
 from cache.retention_training import TrainConfig, _surviving, train_retention
 from cache.scores import LearnedScore, MeanAttnScore, make_score_rule
 from config.policies import POLICIES
@@ -107,11 +120,10 @@ def test_a_model_without_gates_ranks_by_mean_and_says_so_once(caplog):
     assert mx.array_equal(caches[0].positions, mean[0].positions)
 
 
-@pytest.mark.parametrize("policy", EVICTING)
-def test_every_evicting_policy_takes_the_learned_rule(policy, trained):
-    model, retention, windows = trained
+def walk(model, retention: Retention, policy: str, ids: list[int]) -> None:
+    """Decode under `policy` by `learned` and by `mean`: the gates change who is kept
+    where the layout hands its K/V over, and nothing where it cannot."""
     register(retention)
-    ids = windows[0]
     kept = {}
     for score in ("learned", "mean"):
         caches = make_cache(model, policy, max_kv=16, score=score)
@@ -130,6 +142,12 @@ def test_every_evicting_policy_takes_the_learned_rule(policy, trained):
             a.shape == b.shape and np.array_equal(a, b)
             for a, b in zip(kept["learned"], kept["mean"], strict=True)
         ), f"{policy}: the gates changed nothing ({rule})"
+
+
+@pytest.mark.parametrize("policy", EVICTING)
+def test_every_evicting_policy_takes_the_learned_rule(policy, trained):
+    model, retention, windows = trained
+    walk(model, retention, policy, windows[0])
 
 
 AGED = replace(CONFIG, age=True)
@@ -216,3 +234,74 @@ def test_loaded_gates_do_not_change_when_their_file_is_rewritten(trained, tmp_pa
     replace(retention, w=retention.w + 1.0).save(path)
     assert mx.array_equal(loaded.w, retention.w)
     assert [p.name for p in tmp_path.iterdir()] == ["gates.safetensors"]  # no partial left
+
+
+DIRECTED = replace(CONFIG, direction=True)
+
+
+@pytest.fixture(scope="module")
+def directed(trained):
+    model, plain, windows = trained
+    yield train_retention(model, windows[:2], windows[2:], "tiny", DIRECTED)
+    register(plain)
+
+
+@pytest.mark.parametrize("policy", EVICTING)
+def test_every_evicting_policy_takes_gates_that_read_the_key_direction(policy, trained, directed):
+    model, _, windows = trained
+    walk(model, directed, policy, windows[0])
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+def test_keys_turn_back_to_where_they_were_before_rope(traditional):
+    # rope_turns reads each pair's angle off the module; unrotated undoes it at any position
+    model = model_of()
+    for layer in model.layers:
+        layer.self_attn.rope = nn.RoPE(64, traditional=traditional, base=5000.0)
+    rope = RopeLayout(64, traditional)
+    turns = rope_turns(model, rope)
+    expected = 1.0 / 5000.0 ** (np.arange(0, 64, 2) / 64)
+    np.testing.assert_allclose(np.array(turns[0]), expected, rtol=1e-4)
+    raw = mx.random.normal((1, 1, 30, 64), key=mx.random.key(2))
+    turned = model.layers[0].self_attn.rope(raw, offset=700)
+    a, b = unrotated(turned, mx.arange(700, 730)[None, None], turns[0], rope)
+    before = (raw[..., 0::2], raw[..., 1::2]) if traditional else (raw[..., :32], raw[..., 32:])
+    np.testing.assert_allclose(np.array(a), np.array(before[0]), atol=1e-4)
+    np.testing.assert_allclose(np.array(b), np.array(before[1]), atol=1e-4)
+
+
+def test_gates_that_read_the_key_direction_train_save_and_score(trained, directed, tmp_path):
+    model, plain, windows = trained
+    again = train_retention(model, windows[:2], windows[2:], "tiny", DIRECTED)
+    assert mx.array_equal(directed.w, again.w)  # deterministic as the plain gates
+    heads = model.args.num_key_value_heads
+    assert directed.w.shape == (len(model.layers), heads, 64 // 2 + 64 + 2 + 64)
+    assert directed.turn.shape == (len(model.layers), 32) and plain.turn is None
+    loaded = Retention.load(directed.save(tmp_path / "directed.safetensors"))
+    assert mx.array_equal(loaded.turn, directed.turn) and mx.array_equal(loaded.w, directed.w)
+    register(loaded)
+    try:
+        caches = make_cache(model, "h2o", max_kv=16, score="learned")
+        model(mx.array(windows[0][:40])[None], cache=caches)
+        c, rule = caches[1], caches[1].score_rule
+        kv = c.ranking_kv(c.used)
+        scores, pos = c.scores[..., : c.used], c.positions[..., : c.used]
+        ranked = rule.rank(scores, pos, c.seen, kv)
+        g = gate(*kv, *loaded.layer(1), loaded.rope, pos, loaded.layer_turn(1))
+        mean = MeanAttnScore().rank(scores, pos, c.seen)
+        np.testing.assert_allclose(np.array(ranked), np.array(mean * mx.exp(g)), rtol=1e-4)
+        # the same key at another position: the same gate (what it reads is RoPE's input)
+        rope = model.layers[1].self_attn.rope
+        raw = mx.random.normal((1, heads, 5, 64), key=mx.random.key(3))
+        values = mx.random.normal((1, heads, 5, 64), key=mx.random.key(4))
+        at = [gate(rope(raw, offset=p), values, *loaded.layer(1), loaded.rope,
+                   mx.broadcast_to(mx.arange(p, p + 5), (1, heads, 5)), loaded.layer_turn(1))
+              for p in (3, 400)]  # fmt: skip
+        np.testing.assert_allclose(np.array(at[0]), np.array(at[1]), atol=1e-3)
+        w, b = loaded.layer(1)
+        w_blind = mx.concatenate([w[:, :-64], mx.zeros_like(w[:, -64:])], axis=-1)
+        at_3 = mx.broadcast_to(mx.arange(3, 8), (1, heads, 5))
+        blind = gate(rope(raw, offset=3), values, w_blind, b, loaded.rope, at_3, loaded.turn[1])
+        assert not np.allclose(np.array(blind), np.array(at[0]))  # the direction weighs in
+    finally:
+        register(plain)

@@ -3,13 +3,13 @@
 TRIM-KV and KVzap showed that a tiny function of what a token is, trained against the
 frozen model, predicts whether later queries will need it better than its attention so
 far. Here the gate g (cache/retention.py: linear, per layer and KV head, in the
-RoPE-invariant parts of the key and the value) multiplies `mean`'s rank by exp(g) at
-each eviction: attention per query still says what was used, the gate what will be
-(trained with the budget in the loop: cache/retention_training.py). It reads the held
-keys and values the cache hands it (`kv`, dense), so it adds nothing to a decode step
-and nothing per slot; a cache that cannot hand them over (h2o-kvarn's tiles, h2o-ada's
-shared pool) ranks by `mean`. Unbound (no weights for the model: `signature` empty) it
-is `mean`.
+RoPE-invariant parts of the key, its direction before RoPE, and the value) multiplies
+`mean`'s rank by exp(g) at each eviction: attention per query still says what was used,
+the gate what will be (trained with the budget in the loop: cache/retention_training.py).
+It reads the held keys and values the cache hands it (`kv`, dense) and their positions,
+so it adds nothing to a decode step and nothing per slot; a cache that cannot hand them
+over (h2o-kvarn's tiles, h2o-ada's shared pool) ranks by `mean`. Unbound (no weights for
+the model: `signature` empty) it is `mean`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ def _weights(signature: str, layer: int):
     retention = find_retention(signature)
     if retention is None or not 0 <= layer < retention.w.shape[0]:
         return None
-    return retention.layer(layer), retention.rope, retention.layer_age(layer)
+    return (
+        retention.layer(layer), retention.rope, retention.layer_age(layer),
+        retention.layer_turn(layer),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,8 @@ class LearnedScore(MeanAttnScore):
         found = _weights(self.signature, self.layer) if kv is not None and self.signature else None
         if found is None:
             return value
-        (keys, values), ((w, b), rope, age) = kv, found
-        g = gate(keys, values, w, b, rope)
+        (keys, values), ((w, b), rope, age, turn) = kv, found
+        g = gate(keys, values, w, b, rope, positions, turn)
         if age is not None and self.max_kv:
             g = mx.clip(g + age_term(age, positions, offset, self.max_kv), -G_CLIP, G_CLIP)
         return value * mx.exp(g)
