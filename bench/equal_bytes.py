@@ -5,7 +5,9 @@ each conversation gets. This measures the rungs against each other where the
 choice is made: for each share, every candidate gets the largest max_kv that
 fits it exactly as `serve` sizes it (`max_kv_within`, layer profile included),
 then autoregressive perplexity on held-out essays (tokens from `--offset`) is
-compared with the full cache.
+compared with the full cache. `--score` runs each candidate under each score rule
+(the learned gates against `mean`, issue 66), `--text-file` on other text than the
+essays (e.g. a report split: `python -m bench.splits --write /tmp/splits`).
 
     python -m bench.equal_bytes --out docs/equal_bytes.md     # ~25 min on 2 cores
 """
@@ -38,7 +40,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cases", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--samples", type=int, default=3)
-    p.add_argument("--offset", type=int, default=100_000, help="essay tokens skipped first")
+    p.add_argument(
+        "--offset", type=int, default=None, help="tokens skipped first (essays: 100000, a file: 0)"
+    )
+    p.add_argument("--text-file", type=Path, default=None, help="text to read (default: essays)")
+    p.add_argument(
+        "--score",
+        nargs="+",
+        default=[None],
+        help="score rules, each case under each (default: its own)",
+    )
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -66,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = _load(args.model)
     profile, _ = load_layer_profile("auto", model, served_model_id(args.model))
     shares_for = None if profile is None else profile.shares
-    tokens = sample_windows(tokenizer, args.samples, args.seq_len, offset=args.offset)
+    if args.offset is None:
+        args.offset = 0 if args.text_file else 100_000
+    tokens = sample_windows(
+        tokenizer, args.samples, args.seq_len, args.text_file, offset=args.offset
+    )
     full = nll_one_shot(model, tokens).mean().exp().item()
     lines = [
         "| share per conversation | policy | max_kv | compression | perplexity | vs full | "
@@ -75,13 +90,16 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for share_text in args.share:
         share = parse_bytes(share_text)
-        for label in args.cases:
+        for case, rule in [(c, r) for c in args.cases for r in args.score]:
+            label = case if rule is None else f"{case} {rule}"
             try:
-                kwargs = sized(model, shares_for, share, CANDIDATES[label])
+                kwargs = sized(model, shares_for, share, CANDIDATES[case])
             except ValueError as e:  # the share is below the policy's fixed pools
                 lines.append(f"| {share_text} | {label} | does not fit: {e} | | | | |")
                 print(f"{share_text} {label}: {e}", flush=True)
                 continue
+            if rule is not None:
+                kwargs["score"] = rule
             t0 = time.perf_counter()
             ppl = nll_autoregressive(model, tokens, kwargs).mean().exp().item()
             secs = time.perf_counter() - t0
@@ -96,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     publish(
         "Policies at equal bytes per conversation",
         f"Model `{args.model}`, autoregressive (32-token prefill, then one token per step), "
-        f"{args.samples} essay samples of {args.seq_len} tokens from token {args.offset} on. "
+        f"{args.samples} samples of {args.seq_len} tokens of "
+        f"{args.text_file.name if args.text_file else 'the essays'} from token {args.offset} on. "
         "Each policy gets the largest max_kv that fits the share, as `serve` sizes it "
         "(cache/budget.py, the model's layer profile where the policy has one). "
         "`eval s` is the time of the whole perplexity run on this machine (packed caches "
