@@ -27,6 +27,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import mlx.core as mx
+
 from config.settings import ServerSettings
 from server.engine.batcher import Batcher
 from server.engine.generation import Generation
@@ -152,6 +154,16 @@ class Worker:
     # ------------------------------------------------------------------ worker thread
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            # MLX's streams are per thread: freed by this thread's exit, they can drop
+            # Python references after the interpreter began to finalize and abort the
+            # process ("terminate called without an active exception"); MLX asks threads
+            # to clear their own streams before they end.
+            mx.clear_streams()
+
+    def _serve(self) -> None:
         try:
             self.engine = self._load_engine(self.settings)
         except BaseException as e:  # reported by start()
