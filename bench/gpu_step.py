@@ -27,6 +27,9 @@ A prompt section counts the ops a scored prompt block adds per layer over stock'
 attention.
 
     python -m bench.gpu_step --synthetic llama-1b --out docs/gpu_step.md
+
+`--score mean learned` runs each policy under each rule (the default model, which has
+retention gates: a synthetic model has none).
 """
 
 from __future__ import annotations
@@ -139,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         help="row r's prompt is context + r * stagger tokens: sessions out of step",
     )  # fmt: skip
     p.add_argument("--policies", nargs="+", default=None, help="bounded policies (all)")
+    p.add_argument(
+        "--score", nargs="+", default=None,
+        help="score rules, each policy under each ('h2o learned'; default: its own)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -178,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             logits = model(ids[:rows, : args.context], cache=caches)
             return (lambda: caches), [caches], mx.argmax(logits[:, -1], axis=-1)[:, None]
         install_router(model)
-        spec = CacheSpec(policy, args.max_kv)
+        name, *rule = policy.split()  # "h2o learned": the policy under a score rule
+        spec = CacheSpec(name, args.max_kv, **({"score": rule[0]} if rule else {}))
         made = [make_cache(model, spec, scores_with_step=with_step) for _ in range(rows)]
         prompts = [ids[r : r + 1, : args.context + r * args.stagger] for r in range(rows)]
         lasts = [model(x, cache=c)[:, -1] for x, c in zip(prompts, made, strict=True)]
@@ -240,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     # No step owner evaluates the scores (a direct model call, make_cache's default):
     # attention starts them layer by layer unless its compiled decode ties them to the output.
     no_owner = "h2o, no step owner (direct model calls)"
-    cases = [(STOCK, None), ("rotating", "rotating"), *((p, p) for p in policies)]
+    ruled = [f"{p} {s}" for p in policies for s in args.score] if args.score else policies
+    cases = [(STOCK, None), ("rotating", "rotating"), *((p, p) for p in ruled)]
     if "h2o" in policies:
         cases.append((no_owner, "h2o"))
     row_counts = sorted({1, args.rows}) if args.steps else []  # --steps 0: the prompt only
