@@ -320,3 +320,23 @@ def test_sessions_share_forward_passes_and_decode_as_alone(gemma_model, essay_te
             mine = model(token, cache=g.session.caches)
             theirs = model(token, cache=twin.session.caches)
             assert mx.abs(mine - theirs).max().item() < 1e-2
+
+
+def test_the_packaged_retention_gates_bind_every_layer_and_change_what_is_kept(
+    gemma_model, essay_text
+):
+    """cache/retention/gemma-3-270m.safetensors (docs/retention.md): `learned` finds gates
+    for all 18 layers by the model's weights, and they keep other tokens than `mean`."""
+    model, tokenizer = gemma_model
+    ids = mx.array(tokenizer.encode(essay_text)[:300])[None]
+    kept = {}
+    for score in ("mean", "learned"):
+        caches = make_cache(model, "h2o", max_kv=64, score=score)
+        mx.eval(model(ids, cache=caches))
+        kept[score] = [np.sort(np.array(c.positions[..., : c.used]), axis=-1) for c in caches]
+        if score == "learned":
+            assert all(c.score_rule.gated for c in caches)
+    assert any(
+        a.shape != b.shape or not np.array_equal(a, b)
+        for a, b in zip(kept["mean"], kept["learned"], strict=True)
+    )
