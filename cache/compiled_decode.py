@@ -57,7 +57,7 @@ def scored(
     """`updated_scores` in one compiled call: after an attention kernel that is not
     compiled with it (a GPU kernel's, or a step that does not fuse)."""
     with_probs = [] if probs is None else [probs]
-    compiled = _scored(rule, n_kv_heads, probs is not None, front)
+    compiled = _scored(rule.accumulation, n_kv_heads, probs is not None, front)
     return compiled(scores, held, logits, with_probs, tail)
 
 
@@ -71,7 +71,7 @@ def attended_and_scored(
     and probabilities stay inside the fused graph. `bias`: the cache's additive logit per
     slot (cache/merging.py), or None."""
     formats = tuple(fmt for _, _, fmt in parts)
-    fused = _attend_and_score(attend, how, formats, rule, n_kv_heads, scale, front)
+    fused = _attend_and_score(attend, how, formats, rule.accumulation, n_kv_heads, scale, front)
     biased = [] if bias is None else [bias]
     return fused(queries, [(k, v) for k, v, _ in parts], mask, scores, held, tail, biased)
 
@@ -92,7 +92,9 @@ def stored_attended_and_scored(
     kv = [x for k, v, _ in parts for x in (k, v)]  # [k0, v0, k1, v1, ...]
     where = tuple(_index_of(x, stored) for x in kv)
     flat = [x if i < 0 else [] for x, i in zip(kv, where, strict=True)]
-    fused = _store_attend_score(store, where, attend, how, formats, rule, n_kv_heads, scale, front)
+    fused = _store_attend_score(
+        store, where, attend, how, formats, rule.accumulation, n_kv_heads, scale, front
+    )
     return fused(stored, new, queries, flat, mask, scores, held, tail)
 
 

@@ -160,7 +160,7 @@ class H2OSlabLayer(ScoredCache):
         settings = (queries.shape[1], scale, attend, how)
         if self._step_settings != settings:
             caches, front = self._caches(), self._front()
-            fmt, rule = caches[0].kv_format, caches[0].score_rule
+            fmt, rule = caches[0].kv_format, caches[0].score_rule.accumulation
             group, n_kv = queries.shape[1] // self.held.shape[1], self.positions.shape[1]
             select = self.slab.select_writes
             step = _decode_step(select, fmt, group, front, rule, n_kv, scale, attend, how)

@@ -101,6 +101,11 @@ def test_gates_save_load_and_score(trained, tmp_path):
     # a restored cache's rule is bound to the same gates (its knobs travel with it)
     again = make_score_rule("learned", **rule.knobs())
     assert again == rule and again.gated
+    # every layer accumulates as mean does, so the layers share one compiled decode step
+    # (a rule per layer keyed 30 of them and slowed the host's step: docs/retention.md)
+    assert len({c.score_rule for c in caches}) == len(caches)
+    assert len({c.score_rule.accumulation for c in caches}) == 1
+    assert rule.accumulation is rule.accumulation and not rule.accumulation.gated
 
 
 def test_a_model_without_gates_ranks_by_mean_and_says_so_once(caplog):

@@ -31,6 +31,12 @@ class ScoreRule:
     # make_cache binds each layer's rule to the model (`bound(signature, layer)`).
     binds_model: ClassVar[bool] = False
 
+    @property
+    def accumulation(self) -> ScoreRule:
+        """The rule as a decode step's score update sees it, which keys that compiled step:
+        itself, unless binding (`bound`) changes only how it ranks."""
+        return self
+
     def accumulate(
         self, held: mx.array, logits: mx.array, n_kv_heads: int, probs: mx.array | None = None
     ) -> mx.array:

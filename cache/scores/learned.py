@@ -46,6 +46,13 @@ class LearnedScore(MeanAttnScore):
     def bound(self, signature: str, layer: int, max_kv: int = 0) -> LearnedScore:
         return replace(self, signature=signature, layer=layer, max_kv=max_kv)
 
+    @functools.cached_property
+    def accumulation(self) -> LearnedScore:
+        # Every layer accumulates as `mean` does: one compiled decode step for all of them,
+        # not one per layer (a slower host step: docs/retention.md, Cost); made once, as a
+        # dataclass `replace` every layer and step costs host time too.
+        return replace(self, signature="", layer=-1, max_kv=0)
+
     @property
     def gated(self) -> bool:
         """Whether gates exist for this rule's model and layer."""
