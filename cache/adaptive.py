@@ -47,9 +47,22 @@ class AdaptiveH2OKVCache(H2OKVCache):
         self.n_heads = 0
         self.heads = None  # uint8 [B, 1, capacity]: the KV head each slot belongs to
 
-    def ranking_kv(self, n: int) -> None:
-        """Heads share one slot axis: a per-head rule reading K/V ranks without them."""
-        return None
+    def ranking_kv(self, n: int) -> tuple[mx.array, mx.array] | None:
+        """The pool's K/V [B, 1, n, D], for a rule that ranks each slot by its own key and
+        value (`kv_per_slot`); one that reads the held ones together (`value`'s mean of a
+        head's values) ranks without them, as the heads share one slot axis."""
+        if not self.score_rule.kv_per_slot:
+            return None
+        return self.keys[:, :, :n], self.values[:, :, :n]
+
+    def rule_rank(self, scores: mx.array, pos: mx.array, seen) -> mx.array:
+        """[B, 1, n]: a per-head rule reading the pool ranks every slot under each KV
+        head's knobs ([B, H, n]); a slot keeps its own head's rank."""
+        ranked = super().rule_rank(scores, pos, seen)
+        if ranked.shape[1] == 1:
+            return ranked
+        heads = self.heads[..., : scores.shape[-1]].astype(mx.int32)
+        return mx.take_along_axis(ranked, heads, axis=1)
 
     @property
     def _slots_per_token(self) -> int:

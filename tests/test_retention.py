@@ -35,7 +35,7 @@ from tests.tiny import tiny
 CONFIG = TrainConfig(budgets=(16, 32), rows=8, steps=10, stride=4)
 EVICTING = [p.name for p in POLICIES.values() if p.bounded and p.scored]
 # Layouts that cannot hand their K/V to a rule: it ranks by `mean` there.
-WITHOUT_KV = {"h2o-ada", "h2o-kvarn"}
+WITHOUT_KV = {"h2o-kvarn"}
 
 
 def model_of(seed: int = 0):
@@ -153,6 +153,28 @@ def walk(model, retention: Retention, policy: str, ids: list[int]) -> None:
 def test_every_evicting_policy_takes_the_learned_rule(policy, trained):
     model, retention, windows = trained
     walk(model, retention, policy, windows[0])
+
+
+def test_a_shared_pool_gates_each_slot_under_its_own_heads_weights(trained):
+    """h2o-ada holds every KV head's slots on one axis: a slot's rank is `mean`'s times
+    exp(its own head's gate), and `value` (a mean over a head's values) reads no K/V."""
+    model, retention, windows = trained
+    register(retention)
+    caches = make_cache(model, "h2o-ada", max_kv=16, score="learned")
+    model(mx.array(windows[0][:40])[None], cache=caches)
+    c = caches[1]
+    n = c.used
+    scores, pos, heads = c.scores[..., :n], c.positions[..., :n], c.heads[0, 0, :n]
+    ranked = np.array(c.rule_rank(scores, pos, c.seen))[0, 0]
+    mean = np.array(MeanAttnScore().rank(scores, pos, c.seen))[0, 0]
+    w, b = retention.layer(1)
+    g = (features(c.keys[:, :, :n], c.values[:, :, :n], retention.rope) * w[None, :, None])
+    g = np.array(mx.clip(g.sum(-1) + b[None, :, None], -G_CLIP, G_CLIP))[0]  # [H, n]
+    own = g[np.array(heads).astype(int), np.arange(n)]
+    assert len(set(np.array(heads).tolist())) > 1  # the pool holds several heads
+    np.testing.assert_allclose(ranked, mean * np.exp(own), rtol=1e-4)
+    valued = make_cache(model, "h2o-ada", max_kv=16, score="value")[1]
+    assert valued.ranking_kv(n) is None
 
 
 AGED = replace(CONFIG, age=True)

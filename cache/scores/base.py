@@ -28,6 +28,9 @@ class ScoreRule:
     sums_probabilities: ClassVar[bool] = False
     # `rank` reads the held keys and values (`kv`), which the cache hands it when it can.
     reads_kv: ClassVar[bool] = False
+    # ... and ranks each slot by its own key and value alone (no statistic over the held
+    # ones), so a pool of every head's slots (h2o-ada) can hand them over too.
+    kv_per_slot: ClassVar[bool] = False
     # make_cache binds each layer's rule to the model (`bound(signature, layer)`).
     binds_model: ClassVar[bool] = False
 

@@ -7,8 +7,9 @@ RoPE-invariant parts of the key, its direction before RoPE, and the value) multi
 `mean`'s rank by exp(g) at each eviction: attention per query still says what was used,
 the gate what will be (trained with the budget in the loop: cache/retention_training.py).
 It reads the held keys and values the cache hands it (`kv`, dense) and their positions,
-so it adds nothing to a decode step and nothing per slot; a cache that cannot hand them
-over (h2o-kvarn's tiles, h2o-ada's shared pool) ranks by `mean`. Unbound (no weights for
+so it adds nothing to a decode step and nothing per slot; h2o-ada's pool of every head's
+slots gates each slot under its own head's weights, and a cache that cannot hand them
+over (h2o-kvarn's tiles) ranks by `mean`. Unbound (no weights for
 the model: `signature` empty) it is `mean`.
 """
 
@@ -38,6 +39,7 @@ def _weights(signature: str, layer: int):
 class LearnedScore(MeanAttnScore):
     name = "learned"
     reads_kv = True
+    kv_per_slot = True  # a slot's gate reads its own key and value
     binds_model = True  # make_cache binds each layer's rule to the model's gates
     signature: str = ""  # cache/retention.signature of the model; "": unbound (mean)
     layer: int = -1
