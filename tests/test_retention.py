@@ -168,7 +168,7 @@ def test_a_shared_pool_gates_each_slot_under_its_own_heads_weights(trained):
     ranked = np.array(c.rule_rank(scores, pos, c.seen))[0, 0]
     mean = np.array(MeanAttnScore().rank(scores, pos, c.seen))[0, 0]
     w, b = retention.layer(1)
-    g = (features(c.keys[:, :, :n], c.values[:, :, :n], retention.rope) * w[None, :, None])
+    g = features(c.keys[:, :, :n], c.values[:, :, :n], retention.rope) * w[None, :, None]
     g = np.array(mx.clip(g.sum(-1) + b[None, :, None], -G_CLIP, G_CLIP))[0]  # [H, n]
     own = g[np.array(heads).astype(int), np.arange(n)]
     assert len(set(np.array(heads).tolist())) > 1  # the pool holds several heads
