@@ -8,7 +8,7 @@ per token, when only that layer's cache is bounded at the calibration's max_kv) 
 the policies it was measured under; `shares_from_sensitivity` turns it into
 weights, and `CacheSpec.layer_shares` splits layers x max_kv tokens by them (as
 many tokens in all as a uniform split: the same memory). A square root and a clip
-to [0.75, 3] keep it modest: merging caches (h2o-merge) lose when a layer is cut to
+to [0.75, 2] keep it modest: merging caches (h2o-merge) lose when a layer is cut to
 half, and the measurement is noisy.
 
 `calibrate` measures a profile on any text: every layer's one-layer-bounded run
@@ -36,7 +36,7 @@ from models.shape import layer_windows
 
 PROFILES = Path(__file__).parent / "profiles"
 BASE_POLICY = H2O.name  # whose profile serves a policy that has none of its own (h2o-q8, ...)
-SHARE_POWER, SHARE_MIN, SHARE_MAX = 0.5, 0.75, 3.0
+SHARE_POWER, SHARE_MIN, SHARE_MAX = 0.5, 0.75, 2.0
 
 
 @dataclass(frozen=True)
