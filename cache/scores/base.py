@@ -57,7 +57,9 @@ class ScoreRule:
 
         positions: the token index each slot holds; offset: tokens seen so far; kv: the
         held (keys, values), dense [B, H, n, D] in slot order, for rules that read them
-        (`reads_kv`; None where the cache cannot hand them over).
+        (`reads_kv`; None where the cache cannot hand them over). A `kv_per_slot` rule may
+        get a pool of every head's slots, [B, 1, n, D], and return [B, H, n]: each slot
+        ranked under every head's knobs (h2o-ada keeps each slot's own head's row).
         """
         return importance
 

@@ -9,8 +9,8 @@ the gate what will be (trained with the budget in the loop: cache/retention_trai
 It reads the held keys and values the cache hands it (`kv`, dense) and their positions,
 so it adds nothing to a decode step and nothing per slot; h2o-ada's pool of every head's
 slots gates each slot under its own head's weights, and a cache that cannot hand them
-over (h2o-kvarn's tiles) ranks by `mean`. Unbound (no weights for
-the model: `signature` empty) it is `mean`.
+over (h2o-kvarn's tiles) ranks by `mean`. Unbound (no weights for the model: `signature`
+empty) it is `mean`.
 """
 
 from __future__ import annotations
