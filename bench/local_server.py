@@ -22,15 +22,22 @@ def free_port() -> int:
 
 
 def start_server(
-    flags: list[str], stdout: IO | None = None, timeout: float = 180, port: int | None = None
+    flags: list[str],
+    stdout: IO | None = None,
+    timeout: float = 180,
+    port: int | None = None,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen, int]:
-    """Start `h2o-server serve FLAGS` on `port` (else a free one); return once /health answers."""
+    """Start `h2o-server serve FLAGS` on `port` (else a free one), in `cwd` with `env` added
+    to this process's environment; return once /health answers."""
     port = port or free_port()
     process = subprocess.Popen(
         [*SERVE, "serve", "--port", str(port), *flags],
         stdout=stdout,
         stderr=subprocess.STDOUT if stdout else None,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=cwd,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     wait_healthy(process, port, timeout=timeout)
     return process, port

@@ -581,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
             "records": records,
             "seconds": time.time() - t0,
             "revision": revision,
-            "finished": datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M UTC"),
+            "finished": datetime.datetime.now(datetime.UTC).strftime("%H:%M UTC"),
         }
         args.records.write_text(json.dumps(done, indent=1))
         print(f"[{name}] {time.time() - t0:.0f}s", file=sys.stderr)

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     revision, t0 = git_revision(), time.time()
     rows = run_eval(step_argv.split())
     minutes = (time.time() - t0) / 60
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     section = gemma_section(rows, eval_command(step_argv.split())) + [
         f"(This step ran on its own, `python -m bench.results_gemma`: {minutes:.0f} minutes, "
         f"finished {when}, code revision {revision}.)",

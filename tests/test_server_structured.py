@@ -12,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import threading
-from enum import Enum
+from enum import StrEnum
 from typing import Literal
 
 import pytest
@@ -22,7 +22,7 @@ from server_harness import MODEL
 pytestmark = pytest.mark.slow(seconds=60)
 
 
-class Color(str, Enum):
+class Color(StrEnum):
     red = "red"
     green = "green"
     blue = "blue"
