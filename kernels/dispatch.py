@@ -22,9 +22,14 @@ from kernels.kvarn import TileFormat, kvarn_sdpa_with_probs
 from kernels.reference import Mask, QuantizedTensor
 
 AUTO = "auto"
+# The kinds of call a GPU backend takes, each withdrawn on its own (`withdraw`).
+KINDS = ("dense", "quantized", "kvarn", "prompt", "decode_weights")
 
 log = logging.getLogger("h2o_server.kernels")
 _told: set[tuple[str, str]] = set()  # (forced backend, kind of call) already logged
+# (backend, kind) pairs whose start-up check failed (cache/kernel_check.py): such calls
+# take the reference as if the backend did not support them.
+_withdrawn: set[tuple[str, str]] = set()
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,19 @@ def _is_available(name: str) -> bool:
     return _BACKENDS[name].is_available()
 
 
+def withdraw(name: str, kind: str) -> None:
+    """Send no more `kind` calls (one of KINDS) to GPU backend `name`: the reference takes
+    them. For a kernel that failed its check against the reference on this device."""
+    if name == "reference" or kind not in KINDS:
+        raise ValueError(f"cannot withdraw {kind!r} from {name!r}")
+    _withdrawn.add((name, kind))
+
+
+def withdrawn() -> set[tuple[str, str]]:
+    """The (backend, kind) pairs withdrawn so far."""
+    return set(_withdrawn)
+
+
 def check_backend(name: str, allow_auto: bool = True) -> str:
     """`name` if it is `auto` or a backend this machine has, else a ValueError saying why."""
     if name == AUTO and allow_auto:
@@ -131,7 +149,8 @@ def select_backend(
     if value_bits not in (None, bits):  # the GPU kernels take one width for K and V
         return _fall_back(preference, q, f"{storage} keys, {value_bits}-bit values")
     pick = {"group_size": group_size, "bits": bits, "pools": pools}
-    return _first(preference, lambda b: b.supports(q, k, mask, **pick), q, storage)
+    kind = "dense" if bits is None else "quantized"
+    return _first(preference, kind, lambda b: b.supports(q, k, mask, **pick), q, storage)
 
 
 def select_kvarn_backend(
@@ -139,7 +158,8 @@ def select_kvarn_backend(
 ) -> str:
     """The backend for attention over one KVarN part (keys: [front, tiles, tail])."""
     storage = f"KVarN k{fmt.key_bits}v{fmt.value_bits}"
-    return _first(preference, lambda b: b.supports_kvarn(q, keys, mask, fmt), q, storage)
+    supports = lambda b: b.supports_kvarn(q, keys, mask, fmt)  # noqa: E731
+    return _first(preference, "kvarn", supports, q, storage)
 
 
 def select_prompt_backend(
@@ -147,7 +167,7 @@ def select_prompt_backend(
 ) -> str:
     """The backend that adds a prompt block's key weights to `held` (dense keys)."""
     supports = lambda b: b.supports_prompt(q, k, mask, held)  # noqa: E731
-    return _first(preference, supports, q, "dense (prompt weights)")
+    return _first(preference, "prompt", supports, q, "dense (prompt weights)")
 
 
 def select_weights_backend(preference: str, scores: mx.array, held: mx.array) -> str:
@@ -155,19 +175,21 @@ def select_weights_backend(preference: str, scores: mx.array, held: mx.array) ->
     one whose attention kernel exported them, where it takes them (any decode shape it
     attends), else the reference (the attention's fallback already said so)."""
     supports = lambda b: b.supports_decode_weights(scores, held)  # noqa: E731
-    return _preferred(preference, supports) or "reference"
+    return _preferred(preference, "decode_weights", supports) or "reference"
 
 
-def _first(preference: str, supports: Callable[[Backend], bool], q: mx.array, storage: str):
-    """The preferred backend (under auto: the first GPU one) present and supporting the
-    call, else the reference."""
-    return _preferred(preference, supports) or _fall_back(preference, q, storage)
+def _first(
+    preference: str, kind: str, supports: Callable[[Backend], bool], q: mx.array, storage: str
+) -> str:
+    """The preferred backend (under auto: the first GPU one) present, not withdrawn from
+    this kind of call and supporting it, else the reference."""
+    return _preferred(preference, kind, supports) or _fall_back(preference, q, storage)
 
 
-def _preferred(preference: str, supports: Callable[[Backend], bool]) -> str | None:
+def _preferred(preference: str, kind: str, supports: Callable[[Backend], bool]) -> str | None:
     candidates = [n for n in _BACKENDS if n != "reference"] if preference == AUTO else [preference]
     for name in candidates:
-        if _is_available(name) and supports(_BACKENDS[name]):
+        if _is_available(name) and (name, kind) not in _withdrawn and supports(_BACKENDS[name]):
             return name
     return None
 

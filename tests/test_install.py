@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 from openai import OpenAI
+from server_harness import MODEL
 
 from bench.local_server import SERVE, start_server, stop_server
-from server_harness import MODEL
 
 REPO = Path(__file__).resolve().parent.parent
 # Every top-level package the distribution installs, as pyproject.toml lists them.
@@ -35,10 +35,14 @@ def foreign_kernels(tmp_path_factory) -> Path:
     """A folder holding a foreign `kernels` package and its distribution's metadata."""
     root = tmp_path_factory.mktemp("shadow")
     (root / "kernels").mkdir()
-    (root / "kernels" / "__init__.py").write_text('"""Not h2o-server\'s kernels."""\nFOREIGN = True\n')
+    (root / "kernels" / "__init__.py").write_text(
+        '"""Not h2o-server\'s kernels."""\nFOREIGN = True\n'
+    )
     info = root / "fake_hub_kernels-0.19.1.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-hub-kernels\nVersion: 0.19.1\n")
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: fake-hub-kernels\nVersion: 0.19.1\n"
+    )
     (info / "top_level.txt").write_text("kernels\n")
     return root
 
@@ -85,7 +89,9 @@ def test_a_foreign_package_imported_first_stops_with_one_line(tmp_path, foreign_
     assert str(foreign_kernels) in lines[0]
 
 
-@pytest.mark.skipif(SERVE[0] == sys.executable, reason="the h2o-server console script is not installed")
+@pytest.mark.skipif(
+    SERVE[0] == sys.executable, reason="the h2o-server console script is not installed"
+)
 def test_console_script_serves_from_outside_the_repository(tmp_path, foreign_kernels):
     log = tmp_path / "server.log"
     with open(log, "w") as out:

@@ -7,9 +7,10 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from cache import configure, make_cache
+from cache import ATTENTION, configure, make_cache
 from cache.budget import Budget, ModelShape, fit_spec, parse_bytes, session_bytes
 from cache.factory import unbound_rule_notices, window_fallback
+from cache.kernel_check import check_kernels
 from config.cache_spec import CacheSpec
 from config.settings import ServerSettings
 from models.loading import DEFAULT_MODEL, load_model, served_model_id
@@ -75,6 +76,11 @@ class Engine:
         prefix_bytes = int(total * settings.prefix_share)
         budget = Budget(total - prefix_bytes, settings.max_sessions)
         configure(backend=settings.kernel)  # raises on a backend this machine lacks
+        # Each GPU kernel it will use, run once against the reference: a failing one is
+        # withdrawn (its calls take the reference) with a notice.
+        kernel_notices = check_kernels(ATTENTION.backend)
+        for notice in kernel_notices:
+            log.warning("%s", notice)
         model, tokenizer = load_model(settings.model)
         shape = kv_shape(model)
         if settings.context:
@@ -108,6 +114,7 @@ class Engine:
         notices = startup_notices(shape, spec, layer_windows(model))
         for notice in notices:
             log.warning("%s", notice)
+        notices = kernel_notices + notices
         notices += unbound_rule_notices(caches)  # make_cache logged it
         spill_budget = (
             2 * total if settings.spill_budget == "auto" else parse_bytes(settings.spill_budget)
