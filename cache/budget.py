@@ -8,6 +8,12 @@ window), else max_kv tokens of the cache its policy record names for such layers
 (config/policies.py `in_window`), which is exactly what cache/factory.py builds. The
 helpers below are the arithmetic those prices share:
 
+A shape measured from a model (models/shape.py `layer_plan`) prices each cache slot on
+its own: a per-token layer at its own heads and K/V widths, a state layer (linear
+attention, SSM) at the fixed bytes it holds; `model_refusal` says which policies the
+slots cannot hold (MLA's split widths packed, sinks scored, a group size that does not
+divide a head dim), and `auto` never picks one of those.
+
 bytes/token = layers x kv_heads x (2 x head_dim x element bytes + H2O bookkeeping)
 where packed K/V take head_dim x bits / 8 bytes plus one scale and one bias (in the
 model's dtype) per `group_size` elements, and evicting (H2O) caches keep a float32 score
@@ -23,14 +29,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from config.cache_spec import (
+    DEFAULT_GROUP_SIZE,
     KVARN_SCALE_BYTES,
     QUANT_GROUP_SIZES,
     CacheSpec,
     choose,
     dense_recent_tokens,
 )
-from config.policies import AUTO, AUTO_ORDER, FULL, POLICIES
-from models.shape import ModelShape
+from config.policies import AUTO, AUTO_ORDER, FULL, H2O, POLICIES, ROTATING
+from models.shape import PER_TOKEN, SLIDING, ModelShape
 
 H2O_BOOKKEEPING = 8  # float32 score + int32 position, per KV head and token
 ADAPTIVE_BOOKKEEPING = 1  # h2o-ada: a uint8 head id per slot (cache/adaptive.py)
@@ -160,6 +167,15 @@ def session_bytes(
     """Bytes of one session's caches at `max_kv`, as allocated, summed over the layers.
     `fields`: the CacheSpec's other fields (group_size, kvarn, dense_recent, ...)."""
     spec = _spec(policy, max_kv, fields)
+    if shape.slots:  # measured: each layer at its own heads and widths, states as they are
+        total = 0.0
+        for slot in shape.slots:
+            if slot.kind in PER_TOKEN:
+                window = slot.window if slot.kind == SLIDING else None
+                total += layer_bytes(shape.for_slot(slot), spec, window)
+            else:
+                total += slot.fixed_bytes
+        return total
     total = shape.global_layers * layer_bytes(shape, spec)
     return total + sum(layer_bytes(shape, spec, window) for window in shape.windows)
 
@@ -222,14 +238,75 @@ def max_kv_within(nbytes: int, shape: ModelShape, policy: str, **fields) -> int:
     return best
 
 
-def auto_policy(shape: ModelShape, budget: Budget) -> str:
-    """The first of AUTO_ORDER (config/policies.py) that holds the model's whole context
-    in one session's share, else its last (bounded) one."""
+def model_refusal(shape: ModelShape, policy: str, group_size: int) -> str | None:
+    """Why the model's layers cannot hold `policy`'s caches (one line naming what works),
+    or None. Read from the measured slots; a shape written by hand passes."""
+    from cache.contract import cache_class
+
+    info = POLICIES[policy]
+    per_token = [s for s in shape.slots if s.kind in PER_TOKEN]
+    split = [s for s in per_token if s.key_width != s.value_width]
+    if split and (info.quantized or not info.split_widths):
+        s = split[0]
+        return (
+            f"{len(split)} layer(s) of this model store K and V at different widths "
+            f"({s.key_width} and {s.value_width}: an MLA latent and its RoPE part): policy "
+            f"{policy} holds both at one width; use {H2O.name} (or {FULL.name})"
+        )
+    if info.quantized and shape.kv_shared_layers:
+        return (
+            f"{shape.kv_shared_layers} layer(s) of this model attend over another layer's K/V "
+            f"outside its cache, which reads them dense: policy {policy} packs them; use "
+            f"{H2O.name} (or {FULL.name})"
+        )
+    if info.scored and any(s.sinks for s in per_token):
+        return (
+            "this model's attention adds learned sink logits, which the score-exporting "
+            f"kernels do not take: policy {policy} cannot score this model; use {ROTATING.name} or "
+            f"{FULL.name}"
+        )
+    if info.quantized:
+        widths = sorted({w for s in per_token for w in (s.key_width, s.value_width)})
+        odd = [w for w in widths if w % group_size]
+        if odd:
+            fits = [g for g in QUANT_GROUP_SIZES if all(w % g == 0 for w in widths)]
+            fix = f"--kv-group-size {max(fits)}" if fits else f"a dense policy ({H2O.name})"
+            return (
+                f"head dim {odd[0]} is not a multiple of the quantization group {group_size}: "
+                f"policy {policy} cannot pack it; use {fix}"
+            )
+        try:
+            for width in widths:
+                cache_class(info).check_head_dim(CacheSpec(policy, group_size=group_size), width)
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+def group_size_for(shape: ModelShape, wanted: int) -> int:
+    """`wanted`, or the widest quantization group dividing every per-token width."""
+    widths = {w for s in shape.slots if s.kind in PER_TOKEN for w in (s.key_width, s.value_width)}
+    if all(w % wanted == 0 for w in widths):
+        return wanted
+    fits = [g for g in QUANT_GROUP_SIZES if all(w % g == 0 for w in widths)]
+    return max(fits) if fits else wanted
+
+
+def auto_policy(shape: ModelShape, budget: Budget, group_size: int = DEFAULT_GROUP_SIZE) -> str:
+    """The first of AUTO_ORDER (config/policies.py) that the model's layers can hold and
+    that holds its whole context in one session's share, else the first bounded one they
+    can hold: AUTO_ORDER's last, then h2o (dense), then rotating."""
     *whole_context, bounded = AUTO_ORDER
+    group_size = group_size_for(shape, group_size)
     for policy in whole_context:
+        if model_refusal(shape, policy.name, group_size) is not None:
+            continue
         if budget.per_session >= session_bytes(shape, policy.name, shape.context):
             return policy.name
-    return bounded.name
+    for policy in (bounded, H2O, ROTATING):
+        if model_refusal(shape, policy.name, group_size) is None:
+            return policy.name
+    return ROTATING.name
 
 
 def fit_spec(
@@ -252,12 +329,20 @@ def fit_spec(
     if policy == AUTO:
         if budget is None:
             raise ValueError("policy auto needs a memory budget")
-        policy = auto_policy(shape, budget)
+        group_size = group_size_for(shape, fields.get("group_size") or DEFAULT_GROUP_SIZE)
+        policy = auto_policy(shape, budget, group_size)
+        if POLICIES[policy].quantized and group_size != (
+            fields.get("group_size") or DEFAULT_GROUP_SIZE
+        ):
+            fields["group_size"] = group_size  # a group the model's head dims divide
         if "dense_until" in POLICIES[policy].knobs and fields.get("dense_until") is None:
             # Packed only once the conversation outgrows what its share holds dense.
             dense = max_kv_within(budget.per_session, shape, FULL.name)
             fields["dense_until"] = min(dense, shape.context)
     choose("policy", policy, POLICIES)
+    refusal = model_refusal(shape, policy, fields.get("group_size") or DEFAULT_GROUP_SIZE)
+    if refusal is not None:
+        raise ValueError(refusal)
     explicit_segments = any(fields.get(k) is not None for k in ("sink", "heavy", "recent"))
     if shares_for is not None and not explicit_segments:
         fields["layer_shares"] = shares_for(policy)

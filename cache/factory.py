@@ -19,22 +19,9 @@ from cache.rotating import SinkRotatingKVCache
 from cache.router import install_router, verify_routing
 from config.cache_spec import DEFAULT_POLICY, CacheSpec
 from config.policies import FULL, POLICIES, Policy
-from models.shape import layer_windows
+from models.shape import LATENT, cache_owners, kv_shape, layer_plan, layer_windows
 
 log = logging.getLogger("h2o_server.cache")
-
-
-def head_dim_of(model: nn.Module) -> int | None:
-    args = getattr(model, "args", None)
-    heads = getattr(args, "num_attention_heads", None)
-    hidden = getattr(args, "hidden_size", None)
-    return getattr(args, "head_dim", None) or (hidden // heads if heads else None)
-
-
-def check_head_dim(spec: CacheSpec, head_dim: int | None) -> None:
-    """Raise now, not on the first token, when the policy cannot store this head dim."""
-    if head_dim is not None:
-        cache_class(spec.info).check_head_dim(spec, head_dim)
 
 
 def window_fallback(policy: Policy, windows: list[int | None], max_kv: int) -> str | None:
@@ -118,7 +105,12 @@ def make_cache(
         policy.replace(**fields) if isinstance(policy, CacheSpec) else CacheSpec(policy, **fields)
     )
     info = spec.info
-    check_head_dim(spec, head_dim_of(model))
+    from cache.budget import model_refusal  # budget prices through the classes: not at import
+
+    refusal = model_refusal(kv_shape(model), spec.policy, spec.group_size)
+    if refusal is not None:
+        raise ValueError(refusal)
+    plan = layer_plan(model)
     base = make_prompt_cache(model)
     if spec.layer_shares is not None and len(spec.layer_shares) != len(base):
         raise ValueError(
@@ -133,11 +125,12 @@ def make_cache(
     layer_specs = [spec.for_layer(k) for k in spec.layer_sizes()] or [spec] * len(base)
     own = cache_class(POLICIES[FULL.name] if spec.dense_until else info)  # pack_dense: later
     in_window = cache_class(info, window=True) if info.bounded else None
-    args = getattr(model, "args", None)
-    wall = context or getattr(args, "max_position_embeddings", None)
-    layers = getattr(model, "layers", [None] * len(base))
+    wall = context or kv_shape(model).context
+    layers = cache_owners(model, base)
     caches = []
-    for layer, window, provided, layer_spec in zip(layers, windows, base, layer_specs, strict=True):
+    for layer, slot, window, provided, layer_spec in zip(
+        layers, plan, windows, base, layer_specs, strict=True
+    ):
         if window is not None and (not info.bounded or window <= layer_spec.max_kv):
             caches.append(SinkRotatingKVCache(max_size=window, keep=0))  # exact, bounded
         elif window is not None:
@@ -147,6 +140,9 @@ def make_cache(
         else:
             cache = own.from_spec(layer_spec)
             rope = getattr(getattr(layer, "self_attn", None), "rope", None)
+            # An MLA latent carries no RoPE (its `values`, the RoPE part, do): not re-indexed.
+            if slot.kind == LATENT:
+                rope = None
             if info.reindexes and wall and rope is not None:  # sliding layers see no far keys
                 cache.set_context(rope, wall)
             caches.append(cache)

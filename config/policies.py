@@ -44,6 +44,9 @@ class Policy:
     in_window: Policy | None = None
     # CacheSpec fields it reads besides the H2O segments (shown with a session's figures).
     knobs: tuple[str, ...] = ()
+    # Holds K and V of different widths (an MLA latent and its RoPE part). Packed
+    # storage packs both at one width; h2o-recall's archive concatenates them as one.
+    split_widths: bool = True
 
     @property
     def quantized(self) -> bool:
@@ -107,7 +110,7 @@ H2O_RECALL = Policy(
     "h2o-recall",
     "H2O that archives evicted tokens (8-bit) and brings back what a new prompt asks for",
     "cache.recall:RecallH2OKVCache", bounded=True, scored=True, layer_budgeted=True,
-    in_window=H2O, knobs=("group_size",),
+    in_window=H2O, knobs=("group_size",), split_widths=False,
 )  # fmt: skip
 H2O_ADA = Policy(
     "h2o-ada", "H2O with one pool per layer: heads share the middle slots (AdaKV)",

@@ -69,15 +69,24 @@ def test_a_layer_bypassing_the_router_is_refused_at_make_cache(llama_model):
 
 
 def test_attention_with_sinks_is_refused():
-    """gpt-oss passes attention sinks, which the score-exporting kernels do not take."""
+    """gpt-oss passes attention sinks, which the score-exporting kernels do not take: the
+    layer plan sees them and make_cache refuses up front, naming the policies that work
+    (and the router would refuse such a call too)."""
     model = tiny(
         "gpt_oss", num_local_experts=2, num_experts_per_tok=1, sliding_window=4,
         layer_types=["sliding_attention", "full_attention"],
     )  # fmt: skip
     try:
-        with pytest.raises(UnroutedAttention, match="sinks"):
+        with pytest.raises(ValueError, match="sink logits.*use rotating or full"):
             make_cache(model, "h2o", max_kv=8)
         make_cache(model, "full")  # without scores, mlx-lm's own path takes the sinks
+        install_router(model)
+        sdpa = sys.modules["mlx_lm.models.gpt_oss"].scaled_dot_product_attention
+        c = H2OKVCache(8)
+        q = k = v = mx.zeros((1, 2, 1, 8))
+        c.update_and_fetch(k, v)
+        with pytest.raises(UnroutedAttention, match="sinks"):
+            sdpa(q, k, v, cache=c, scale=1.0, mask=None, sinks=mx.zeros((2,)))
     finally:
         uninstall_router(model)
 
