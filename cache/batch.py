@@ -23,8 +23,15 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    BatchRotatingKVCache,
+    KVCache,
+    RotatingKVCache,
+)
 
+from cache.contract import is_state
 from cache.full import plain
 from cache.h2o_kvarn import H2OKVarNCache
 from cache.h2o_slab import H2OSlab, H2OSlabLayer, SlabRows
@@ -154,9 +161,30 @@ def batch_caches(sessions: list[list], *slabs, lengths: list | None = None) -> l
         layers = [[] for _ in slabs[0].layers]
     masks: dict = {}  # one forward pass: its layers share padding masks
     return [
-        BatchedCache([*(s.layers[n] for s in slabs), *parts], masks, lengths)
+        BatchedState(parts, lengths)
+        if parts and all(is_state(p) for p in parts)  # never in a slab (slab_key: None)
+        else BatchedCache([*(s.layers[n] for s in slabs), *parts], masks, lengths)
         for n, parts in enumerate(layers)
     ]
+
+
+class BatchedState(ArraysCache):
+    """One recurrent state layer (mlx-lm's ArraysCache: linear attention, SSM) of several
+    sessions as one batch: their rows merged for the pass (ArraysCache.merge; a fresh
+    session's state is zeros, as the layer starts it), and each row written back into its
+    session's own cache as the model stores it. `lengths`: a right-padded prefill's real
+    tokens per row, which mlx-lm's state layers mask by (ArraysCache.make_mask)."""
+
+    def __init__(self, parts: list, lengths: list | None = None):
+        super().__init__(len(parts[0].cache))
+        self.cache = ArraysCache.merge(parts).cache
+        self.parts = parts
+        self.lengths = None if lengths is None else mx.array(lengths)
+
+    def __setitem__(self, idx: int, value: mx.array) -> None:
+        self.cache[idx] = value
+        for row, part in enumerate(self.parts):
+            part[idx] = value[row : row + 1]
 
 
 class KVSlab(SlabRows):

@@ -230,6 +230,12 @@ def step_scores(caches: list) -> list[mx.array]:
     return [c.scores for c in caches if is_scored(c) and c.scores is not None]
 
 
+def is_state(cache: Any) -> bool:
+    """A recurrent state layer (mlx-lm's ArraysCache and kin: linear attention, SSM): fixed
+    arrays whatever the length, no per-token K/V, nothing to trim or evict."""
+    return hasattr(cache, "cache") and not hasattr(cache, "offset")
+
+
 def tokens_seen(cache: Any) -> int:
     return cache.tokens_seen if isinstance(cache, LayerCache) else cache.offset
 

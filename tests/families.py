@@ -504,3 +504,43 @@ def build(family: str):
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     return model
+
+
+# --- as a model folder the server loads (mlx_lm.load: config, weights, tokenizer) ----------
+
+SPECIAL = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "[UNK]"]
+TEMPLATE = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+def write_folder(family: str, folder):
+    """`family`'s tiny model saved as an MLX folder with a word-level tokenizer of VOCAB
+    tokens (ChatML specials, then words) and a ChatML template; returns the folder."""
+    import json
+    from pathlib import Path
+
+    from mlx_lm.utils import save_config, save_model
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_model(folder, build(family))
+    save_config(dict(FAMILIES[family]), folder / "config.json")
+    words = ["system", "user", "assistant", "tool", "{", "}", '"', ":", ","]
+    words += [f"w{i}" for i in range(VOCAB - len(SPECIAL) - len(words))]
+    ids = {t: i for i, t in enumerate(SPECIAL + words)}
+    tok = Tokenizer(models.WordLevel(vocab=ids, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.add_special_tokens(SPECIAL)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", eos_token="<|im_end|>", pad_token="[UNK]"
+    )
+    hf.chat_template = TEMPLATE
+    hf.save_pretrained(folder)
+    eos = {"eos_token_id": ids["<|im_end|>"]}
+    (folder / "generation_config.json").write_text(json.dumps(eos))
+    return folder

@@ -114,7 +114,9 @@ def test_rows_of_one_size_compute_what_each_session_computes_alone(model, monkey
     assert isinstance(slab, KVarNSlab)
     slab.join([(n, caches) for n, caches in enumerate(rows[:3])])
     assert all(c.front is None for c in rows[0])  # the slab holds the arrays now
-    decode_in_slab(model, slab, rows, fed, first, logits_alone, 1e-5)
+    # 1e-3: a batched matmul reduces in another float32 order (mlx 0.32.4), and a packed
+    # tile can round one step apart from then on; a wrong row is off by 0.1 or more.
+    decode_in_slab(model, slab, rows, fed, first, logits_alone, 1e-3)
     # Joined, the store waits for the call but on the steps that fill a tail (packed then)
     joined, apart = (len(calls[name]) for name in ("store_and_attend", "attend_decode"))
     assert joined + apart == STEPS * len(model.layers)
@@ -125,7 +127,10 @@ def test_rows_of_one_size_compute_what_each_session_computes_alone(model, monkey
             got, want = held(a), held(b)
             assert want["layout"][1] > 0 and want["tiles"] >= 1  # evicted, tiles packed
             for name in want:
-                np.testing.assert_allclose(got[name], want[name], atol=1e-5, err_msg=name)
+                # rtol: a float16 scale may round one step apart (mlx 0.32.4 reduction order)
+                np.testing.assert_allclose(
+                    got[name], want[name], atol=1e-5, rtol=1e-3, err_msg=name
+                )
 
 
 def stepped_pair(model, slab_class, rows: list, steps: int = 5):

@@ -14,7 +14,7 @@ from cache.kernel_check import check_kernels
 from config.cache_spec import CacheSpec
 from config.settings import ServerSettings
 from models.loading import DEFAULT_MODEL, load_model, served_model_id
-from models.shape import kv_shape, layer_windows
+from models.shape import kv_shape, layer_windows, text_args
 from server.api.common import CacheOptions
 from server.engine.grammar import Grammars
 from server.engine.layer_budgets import load_layer_profile
@@ -160,7 +160,7 @@ class Engine:
     @property
     def vocab_size(self) -> int:
         """Token ids a request may name (rows of the embedding)."""
-        return self.model.args.vocab_size
+        return text_args(self.model).vocab_size
 
     def model_names(self) -> set[str]:
         """Names a request may use for this model: --served-model-name's, else its id,

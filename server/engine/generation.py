@@ -29,6 +29,7 @@ from cache.batch import kv_slab_layer
 from server.engine.detokenize import IncrementalText, decoder
 from server.engine.grammar import Constraint
 from server.engine.jobs import Delta, Finished, SamplingParams, TokenLogprob
+from server.sessions.conversation import keep_checkpoint
 from server.sessions.store import Session
 
 PENALTY_CONTEXT = 64  # tokens the presence/frequency penalties look back on
@@ -205,6 +206,8 @@ class Generation:
         if self.keep_prefix and n and len(self.session.tokens) == self.prefix_len:
             self.keep_prefix(self.session)
         self._start_decoding()
+        if self.next_input is not None:  # the prompt's end: a point later turns rewind to
+            keep_checkpoint(self.session)
         return n
 
     def _start_decoding(self) -> None:

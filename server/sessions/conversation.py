@@ -9,8 +9,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlx_lm.models.cache import ArraysCache
+
 from cache import cache_usage
-from cache.contract import trimmable_tokens
+from cache.contract import is_state, trimmable_tokens
 from config.cache_spec import CacheSpec
 from server.sessions.claims import Claim
 from server.sessions.spill import SpilledSession
@@ -37,6 +39,11 @@ class Session:
     prefix_tokens: int = 0  # tokens its cache started from, forked from the prefix store
     stats: dict = field(default_factory=dict)
     turns: list[dict] = field(default_factory=list)  # per answered request: usage and figures
+    # Recurrent state layers (linear attention, SSM) cannot drop tokens: their arrays as
+    # they stood when the caches held this many tokens, at each prompt's end (the points
+    # an edited or re-rendered history rewinds to). Never spilled: a restored session
+    # rewinds only as far as its attention layers allow and its state is exact.
+    checkpoints: dict[int, list[list]] = field(default_factory=dict)
 
     def refresh_stats(self) -> None:
         """Publish plain numbers for handlers (called by the worker).
@@ -77,6 +84,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+CHECKPOINTS_KEPT = 4  # a session's newest state checkpoints (each a copy of its state layers)
+
+
 def rewindable(caches: list, n: int) -> bool:
     """Whether every layer can drop its n newest tokens (H2O: none of them evicted)."""
     return n == 0 or all(trimmable_tokens(c) >= n for c in caches)
@@ -87,6 +97,68 @@ def rewind(caches: list, n: int) -> None:
     if n:
         for c in caches:
             c.trim(n)
+
+
+def keep_checkpoint(session: Session) -> None:
+    """Remember the state layers as they stand now (they hold len(session.tokens) tokens).
+    The arrays are referenced, not copied: a layer stores new arrays, never writes these."""
+    states = [c for c in session.caches or [] if is_state(c)]
+    if not states:
+        return
+    session.checkpoints[len(session.tokens)] = [list(c.cache) for c in states]
+    while len(session.checkpoints) > CHECKPOINTS_KEPT:
+        del session.checkpoints[min(session.checkpoints)]
+
+
+def checkpoint_caches(session: Session) -> list:
+    """The checkpoints as caches a spill file holds after the layers: per checkpoint (in
+    token order) one ArraysCache per state layer."""
+    out = []
+    for point in sorted(session.checkpoints):
+        for arrays in session.checkpoints[point]:
+            cache = ArraysCache(len(arrays))
+            cache.cache = list(arrays)
+            out.append(cache)
+    return out
+
+
+def restore_checkpoints(session: Session, points: tuple[int, ...], caches: list) -> None:
+    """The checkpoints read back from a spill file (checkpoint_caches' order)."""
+    session.checkpoints.clear()
+    per_point = len(caches) // len(points) if points else 0
+    for i, point in enumerate(points):
+        chunk = caches[i * per_point : (i + 1) * per_point]
+        session.checkpoints[point] = [list(c.cache) for c in chunk]
+
+
+def reuse_point(session: Session, match: int) -> int | None:
+    """How many tokens the session's caches can keep of a prompt sharing `match` with
+    them: `match` where every layer can drop the rest; with state layers, the newest
+    checkpoint (or what they hold now) at or before it that the other layers can rewind
+    to. None: nothing (a rewind would cross an eviction or precede every checkpoint)."""
+    caches, held = session.caches, len(session.tokens)
+    others = [c for c in caches if not is_state(c)]
+    if len(others) == len(caches):
+        return match if rewindable(caches, held - match) else None
+    points = [k for k in session.checkpoints if k <= match] + [held] * (held <= match)
+    for point in sorted(points, reverse=True):
+        if rewindable(others, held - point):
+            return point
+    return None
+
+
+def rewind_to(session: Session, point: int) -> None:
+    """Rewind the caches to hold the first `point` tokens (reuse_point chose it): state
+    layers from that checkpoint, the others trimmed; later checkpoints are dropped."""
+    held = len(session.tokens)
+    if point < held:
+        states = [c for c in session.caches if is_state(c)]
+        if states:
+            for cache, arrays in zip(states, session.checkpoints[point], strict=True):
+                cache.cache = list(arrays)
+        rewind([c for c in session.caches if not is_state(c)], held - point)
+    for k in [k for k in session.checkpoints if k > point]:
+        del session.checkpoints[k]
 
 
 def spilled_session(f: SpilledSession) -> Session:

@@ -28,7 +28,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from cache.contract import compact, tokens_seen
+from cache.contract import compact, holds_tokens, tokens_seen
 from config.cache_spec import CacheSpec
 from server.sessions.claims import Claim, Claims, private_partial
 
@@ -57,6 +57,9 @@ class SpilledSession:
     evictions: int
     nbytes: int
     mtime: float
+    # Token counts of the state checkpoints stored after the layers (conversation.py).
+    checkpoints: tuple[int, ...] = ()
+    layers: int = 0  # the model's layer caches, before the checkpoints (0: all of them)
 
 
 def model_identity(model) -> str:
@@ -131,14 +134,15 @@ class SpillFolder:
         return path.stat().st_size
 
     def read(self, path: Path, tokens: int) -> list:
-        """Load a session's caches, checked against the index (each layer saw `tokens`)."""
+        """Load a session's caches, checked against the index (each layer saw `tokens`);
+        state checkpoints written after the layers come last, as they were written."""
         try:
             caches, meta = load_prompt_cache(str(path), return_metadata=True)
         except Exception as e:
             raise SpillError(f"unreadable ({type(e).__name__}: {e})") from None
         if json.loads(meta.get("model", "null")) != self.identity:
             raise SpillError("made by another model")
-        offsets = {tokens_seen(c) for c in caches}
+        offsets = {tokens_seen(c) for c in caches if holds_tokens(c)}
         if offsets != {tokens}:
             raise SpillError(f"layers hold {sorted(offsets)} tokens, the index says {tokens}")
         return caches
@@ -199,6 +203,8 @@ class SpillFolder:
                 evictions=int(meta.get("evictions", 0)),
                 nbytes=stat.st_size,
                 mtime=stat.st_mtime,
+                checkpoints=tuple(int(k) for k in meta.get("checkpoints", [])),
+                layers=int(meta.get("layers", 0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SpillError(f"bad metadata ({e})") from None

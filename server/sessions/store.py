@@ -56,7 +56,15 @@ from cache.factory import spec_as_held
 from config.cache_spec import CacheSpec
 from server.api.chat.protocol import Usage
 from server.engine.jobs import Finished, PromptTooLong, SessionBusy, SessionClaimed
-from server.sessions.conversation import Session, common_prefix, rewind, rewindable, spilled_session
+from server.sessions.conversation import (
+    Session,
+    checkpoint_caches,
+    common_prefix,
+    restore_checkpoints,
+    reuse_point,
+    rewind_to,
+    spilled_session,
+)
 from server.sessions.prefixes import Prefix, PrefixStore, copy_caches
 from server.sessions.spill import SpillError, SpillFolder
 
@@ -150,7 +158,7 @@ class SessionStore:
                 self._fork(session, spec, prefix)
                 match = kept
             elif match:
-                rewind(session.caches, len(session.tokens) - match)
+                rewind_to(session, match)
             else:
                 if crosses:
                     self.counts["rebuilt"] += 1
@@ -179,9 +187,8 @@ class SessionStore:
         if session.spec != spec or session.caches is None:
             return 0, False
         match = min(common_prefix(session.tokens, prompt), len(prompt) - 1)
-        if rewindable(session.caches, len(session.tokens) - match):
-            return match, False
-        return 0, True
+        point = reuse_point(session, match)
+        return (0, True) if point is None else (point, False)
 
     def _prefix_for(
         self, owner: str, spec: CacheSpec, prompt: list[int], match: int
@@ -201,6 +208,7 @@ class SessionStore:
         session.spec, session.tokens = spec, list(prefix.tokens)
         session.prefix_tokens = len(prefix.tokens)
         session.caches = self.prefixes.fork(prefix)
+        session.checkpoints.clear()
         self._adopt(session)
         self.counts["prefix_hits"] += 1
         self.counts["prefix_tokens"] += len(prefix.tokens)
@@ -266,6 +274,7 @@ class SessionStore:
         session.last_used = time.time()
         if session.throwaway:
             session.caches = None
+            session.checkpoints.clear()
         elif broken:
             log.warning("session %s discarded: its request failed midway", session.id)
             self._forget(session)
@@ -378,14 +387,17 @@ class SessionStore:
             "tokens": session.tokens,
             "prompt_len": session.prompt_len,
             "evictions": session.evictions,
+            "layers": len(session.caches),
+            "checkpoints": sorted(session.checkpoints),
         }
         try:
-            nbytes = self.spill.write(path, session.caches, header)
+            nbytes = self.spill.write(path, session.caches + checkpoint_caches(session), header)
         except OSError as e:
             log.error("session %s could not be spilled (%s)", session.id, e)
             self._drop(session, "spill failed")
             return
         session.caches, session.spill_path = None, path
+        session.checkpoints.clear()  # their arrays go with the caches
         self._disown(session)  # written first: whoever claims it next finds the file
         session.refresh_stats()
         log.info("session %s spilled to %s (%s, %.1f MiB)", session.id, path, why, nbytes / 2**20)
@@ -402,7 +414,10 @@ class SessionStore:
             header = self.spill.describe(path)
             session.tokens, session.prompt_len = header.tokens, header.prompt_len
             session.spec, session.evictions = header.spec, header.evictions
-            session.caches = self.spill.read(path, len(session.tokens))
+            caches = self.spill.read(path, len(session.tokens))
+            layers = header.layers or len(caches)
+            session.caches = caches[:layers]
+            restore_checkpoints(session, header.checkpoints, caches[layers:])
             self._adopt(session)
             log.info("session %s restored", session.id)
             self.counts["restored"] += 1
@@ -432,6 +447,7 @@ class SessionStore:
 
     def _reset(self, session: Session, spec: CacheSpec) -> None:
         session.spec, session.caches, session.tokens = spec, self.make_caches(spec), []
+        session.checkpoints.clear()
 
     def _forget(self, session: Session) -> None:
         if session.spill_path is not None and self._own(session, ask=False):
