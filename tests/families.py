@@ -35,18 +35,62 @@ import importlib
 import mlx.core as mx
 
 VOCAB = 64
+# The attention shape most families share: 4 query / 2 KV heads of 32, hidden 64.
+_ATTENTION = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 4096,
+}
+
+# DeepSeek's expert routing (4 routed + 1 shared, top-2 in one group), as GLM 4.5 too.
+_DEEPSEEK_MOE = {
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+}
+
+# Qwen3.5's text model (Gated DeltaNet layers, then gated attention every 2nd layer), which
+# both Qwen3.5 configs wrap as `text_config`.
+_QWEN3_5_TEXT = {
+    "model_type": "qwen3_5_text",
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "full_attention_interval": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "rope_parameters": {
+        "type": "default",
+        "mrope_section": [2, 1, 1],
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+    },
+    "tie_word_embeddings": True,
+}
+
 FAMILIES: dict[str, dict] = {
     "llama": {
         "model_type": "llama",
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        **_ATTENTION,
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
         "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 4096,
         "rope_theta": 500000.0,
         "rope_scaling": {
             "rope_type": "llama3",
@@ -59,27 +103,16 @@ FAMILIES: dict[str, dict] = {
     },
     "qwen3": {
         "model_type": "qwen3",
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        **_ATTENTION,
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
         "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 4096,
         "rope_theta": 1000000.0,
         "tie_word_embeddings": True,
     },
     "qwen3_moe": {
         "model_type": "qwen3_moe",
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        **_ATTENTION,
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
         "num_experts": 4,
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 32,
@@ -87,20 +120,14 @@ FAMILIES: dict[str, dict] = {
         "mlp_only_layers": [],
         "norm_topk_prob": True,
         "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 4096,
         "rope_theta": 1000000.0,
         "tie_word_embeddings": False,
     },
     "qwen3_next": {
         "model_type": "qwen3_next",
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        **_ATTENTION,
         "num_hidden_layers": 4,
         "full_attention_interval": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
         "partial_rotary_factor": 0.25,
         "linear_num_key_heads": 2,
         "linear_num_value_heads": 4,
@@ -115,96 +142,40 @@ FAMILIES: dict[str, dict] = {
         "mlp_only_layers": [],
         "norm_topk_prob": True,
         "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 4096,
         "rope_theta": 10000000.0,
         "tie_word_embeddings": False,
     },
-    "qwen3_5": {
-        "model_type": "qwen3_5",
-        "text_config": {
-            "model_type": "qwen3_5_text",
-            "vocab_size": VOCAB,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 4,
-            "full_attention_interval": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 32,
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 32,
-            "linear_value_head_dim": 32,
-            "linear_conv_kernel_dim": 4,
-            "rms_norm_eps": 1e-6,
-            "max_position_embeddings": 4096,
-            "rope_parameters": {
-                "type": "default",
-                "mrope_section": [2, 1, 1],
-                "rope_theta": 10000000.0,
-                "partial_rotary_factor": 0.25,
-            },
-            "tie_word_embeddings": True,
-        },
-    },
+    "qwen3_5": {"model_type": "qwen3_5", "text_config": _QWEN3_5_TEXT},
     "qwen3_5_moe": {
         "model_type": "qwen3_5_moe",
         "text_config": {
+            **_QWEN3_5_TEXT,
             "model_type": "qwen3_5_moe_text",
-            "vocab_size": VOCAB,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 4,
-            "full_attention_interval": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 32,
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 32,
-            "linear_value_head_dim": 32,
-            "linear_conv_kernel_dim": 4,
             "num_experts": 4,
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 32,
             "shared_expert_intermediate_size": 32,
             "decoder_sparse_step": 1,
             "norm_topk_prob": True,
-            "rms_norm_eps": 1e-6,
-            "max_position_embeddings": 4096,
-            "rope_parameters": {
-                "type": "default",
-                "mrope_section": [2, 1, 1],
-                "rope_theta": 10000000.0,
-                "partial_rotary_factor": 0.25,
-            },
             "tie_word_embeddings": False,
         },
     },
     "gemma3_text": {
         "model_type": "gemma3_text",
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        **_ATTENTION,
         "num_hidden_layers": 2,
         "sliding_window_pattern": 2,
         "sliding_window": 8,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
         "query_pre_attn_scalar": 32,
         "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 4096,
         "rope_theta": 1000000.0,
         "rope_local_base_freq": 10000.0,
     },
     "gemma4_text": {
         "model_type": "gemma4_text",
-        "vocab_size": VOCAB,
+        **_ATTENTION,
         "vocab_size_per_layer_input": VOCAB,
-        "hidden_size": 64,
         "hidden_size_per_layer_input": 16,
-        "intermediate_size": 128,
         "num_hidden_layers": 4,
         "layer_types": [
             "sliding_attention",
@@ -215,12 +186,8 @@ FAMILIES: dict[str, dict] = {
         "sliding_window_pattern": 2,
         "sliding_window": 8,
         "num_kv_shared_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
         "global_head_dim": 64,
         "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 4096,
         "rope_parameters": {
             "full_attention": {
                 "partial_rotary_factor": 0.25,
@@ -276,13 +243,7 @@ FAMILIES: dict[str, dict] = {
         "qk_nope_head_dim": 32,
         "qk_rope_head_dim": 32,
         "v_head_dim": 32,
-        "n_routed_experts": 4,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "n_group": 1,
-        "topk_group": 1,
-        "routed_scaling_factor": 2.5,
-        "norm_topk_prob": True,
+        **_DEEPSEEK_MOE,
         "rms_norm_eps": 1e-6,
         "max_position_embeddings": 4096,
         "rope_theta": 10000.0,
@@ -329,13 +290,8 @@ FAMILIES: dict[str, dict] = {
     },
     "nemotron_h": {
         "model_type": "nemotron_h",
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        **_ATTENTION,
         "hybrid_override_pattern": "M-*-",
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
         "attention_bias": False,
         "mamba_num_heads": 4,
         "mamba_head_dim": 16,
@@ -347,7 +303,6 @@ FAMILIES: dict[str, dict] = {
         "use_bias": False,
         "use_conv_bias": True,
         "layer_norm_epsilon": 1e-5,
-        "max_position_embeddings": 4096,
     },
     "granitemoehybrid": {
         "model_type": "granitemoehybrid",
@@ -399,42 +354,24 @@ FAMILIES: dict[str, dict] = {
     },
     "glm4_moe": {
         "model_type": "glm4_moe",
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        **_ATTENTION,
         "moe_intermediate_size": 32,
         "num_hidden_layers": 2,
         "first_k_dense_replace": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
         "partial_rotary_factor": 0.5,
         "use_qk_norm": True,
         "attention_bias": True,
-        "n_routed_experts": 4,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "n_group": 1,
-        "topk_group": 1,
-        "routed_scaling_factor": 2.5,
-        "norm_topk_prob": True,
+        **_DEEPSEEK_MOE,
         "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 4096,
         "rope_theta": 1000000.0,
         "rope_scaling": None,
         "tie_word_embeddings": False,
     },
     "ministral3": {
         "model_type": "ministral3",
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        **_ATTENTION,
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
         "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 4096,
         "rope_parameters": {
             "type": "yarn",
             "rope_theta": 1000000.0,
@@ -450,16 +387,10 @@ FAMILIES: dict[str, dict] = {
     },
     "smollm3": {
         "model_type": "smollm3",
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        **_ATTENTION,
         "num_hidden_layers": 2,
         "no_rope_layer_interval": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
         "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 4096,
         "rope_theta": 2000000.0,
         "tie_word_embeddings": True,
     },
@@ -518,12 +449,10 @@ TEMPLATE = (
 def write_folder(family: str, folder):
     """`family`'s tiny model saved as an MLX folder with a word-level tokenizer of VOCAB
     tokens (ChatML specials, then words) and a ChatML template; returns the folder."""
-    import json
     from pathlib import Path
 
     from mlx_lm.utils import save_config, save_model
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from word_tokenizer import save_word_tokenizer
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -531,16 +460,5 @@ def write_folder(family: str, folder):
     save_config(dict(FAMILIES[family]), folder / "config.json")
     words = ["system", "user", "assistant", "tool", "{", "}", '"', ":", ","]
     words += [f"w{i}" for i in range(VOCAB - len(SPECIAL) - len(words))]
-    ids = {t: i for i, t in enumerate(SPECIAL + words)}
-    tok = Tokenizer(models.WordLevel(vocab=ids, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    tok.add_special_tokens(SPECIAL)
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", eos_token="<|im_end|>", pad_token="[UNK]"
-    )
-    hf.chat_template = TEMPLATE
-    hf.save_pretrained(folder)
-    eos = {"eos_token_id": ids["<|im_end|>"]}
-    (folder / "generation_config.json").write_text(json.dumps(eos))
+    save_word_tokenizer(folder, SPECIAL + words, SPECIAL, "<|im_end|>", TEMPLATE)
     return folder

@@ -80,23 +80,26 @@ def test_attention_with_sinks_is_refused():
         with pytest.raises(ValueError, match="sink logits.*use rotating or full"):
             make_cache(model, "h2o", max_kv=8)
         make_cache(model, "full")  # without scores, mlx-lm's own path takes the sinks
-        install_router(model)
-        sdpa = sys.modules["mlx_lm.models.gpt_oss"].scaled_dot_product_attention
-        c = H2OKVCache(8)
-        q = k = v = mx.zeros((1, 2, 1, 8))
-        c.update_and_fetch(k, v)
+        sdpa, c, q, k, v = _routed_call(model, "gpt_oss")
         with pytest.raises(UnroutedAttention, match="sinks"):
             sdpa(q, k, v, cache=c, scale=1.0, mask=None, sinks=mx.zeros((2,)))
     finally:
         uninstall_router(model)
 
 
-def test_unknown_keyword_on_a_scored_layer_raises(llama_model):
-    install_router(llama_model)
-    sdpa = sys.modules["mlx_lm.models.llama"].scaled_dot_product_attention
+def _routed_call(model, arch: str):
+    """The routed attention function of `arch`'s module, an H2O cache holding one token,
+    and q, k, v of one decode step."""
+    install_router(model)
+    sdpa = sys.modules[f"mlx_lm.models.{arch}"].scaled_dot_product_attention
     c = H2OKVCache(8)
     q = k = v = mx.zeros((1, 2, 1, 8))
     c.update_and_fetch(k, v)
+    return sdpa, c, q, k, v
+
+
+def test_unknown_keyword_on_a_scored_layer_raises(llama_model):
+    sdpa, c, q, k, v = _routed_call(llama_model, "llama")
     with pytest.raises(UnroutedAttention, match="window"):
         sdpa(q, k, v, cache=c, scale=1.0, mask=None, window=4)
     out = sdpa(q, k, v, cache=KVCache(), scale=1.0, mask=None)  # unscored: passes through

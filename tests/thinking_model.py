@@ -11,7 +11,6 @@ the prompt (DeepSeek-R1's shape), so the reply starts inside it.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "[UNK]"]
@@ -44,8 +43,7 @@ def write_thinking_model(folder: Path, opens: bool = False) -> Path:
     from mlx.utils import tree_flatten, tree_map
     from mlx_lm.models import llama
     from mlx_lm.utils import save_config, save_model
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from word_tokenizer import save_word_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     v, hidden = len(VOCAB), 32
@@ -68,14 +66,6 @@ def write_thinking_model(folder: Path, opens: bool = False) -> Path:
     save_model(folder, model)
     save_config(config, folder / "config.json")
 
-    tok = Tokenizer(models.WordLevel(vocab=ids, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    tok.add_special_tokens(SPECIAL)
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", eos_token="<|im_end|>", pad_token="[UNK]"
-    )
-    hf.chat_template = TEMPLATE.replace("OPENS", "true" if opens else "false")
-    hf.save_pretrained(folder)
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ids["<|im_end|>"]}))
+    template = TEMPLATE.replace("OPENS", "true" if opens else "false")
+    save_word_tokenizer(folder, VOCAB, SPECIAL, "<|im_end|>", template)
     return folder
