@@ -119,7 +119,7 @@ class ScoredAttention:
             self.quantized_path = quantized_path
 
     def attend_scored(
-        self, queries: mx.array, keys, values, cache, scale: float, mask=None, bias=None
+        self, queries: mx.array, keys, values, cache, scale: float, mask=None, bias=None, sinks=None
     ):
         """The layer's output; its scores go to `cache` (which evicts when it overflows).
 
@@ -127,10 +127,13 @@ class ScoredAttention:
         block's scores folded into the cache and evaluated before the next, so only
         one block's logits (block x keys per head) exist at a time. `bias`: an
         additive logit per stored key, [B, n_kv_heads, keys] (cache/merging.py).
+        `sinks`: a learned logit per query head that weighs no value (gpt-oss), applied
+        to the output from the logits (`with_sinks`), so the fused paths that return no
+        logits are passed by.
         """
         L = queries.shape[2]
         if cache.pending_store is not None:  # update_and_fetch left the token to this call
-            if L == 1 and bias is None:
+            if L == 1 and bias is None and sinks is None:
                 how = (self.backend, self.quantized_path)  # what `attend_parts` reads
                 return cache.store_and_attend(queries, scale, mask, self.attend_parts, how)
             keys, values = cache.store_pending()
@@ -146,6 +149,7 @@ class ScoredAttention:
                 not cache.keeps_scores
                 and bias is None
                 and archive is None
+                and sinks is None
                 and self._fuses_prefill()
             ):
                 # No scores wanted: the fused kernel, no float32 logits. (MLX's CPU
@@ -154,7 +158,8 @@ class ScoredAttention:
                 [(k, v, _)] = parts
                 k, v = (x.astype(queries.dtype) for x in (k, v))
                 return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
-        if L == 1 and archive is None and self._fuses_decode(cache, queries, parts, mask):
+        fusable = archive is None and sinks is None
+        if L == 1 and fusable and self._fuses_decode(cache, queries, parts, mask):
             how = (self.backend, self.quantized_path)  # what `attend_parts` reads
             # Its output depends on the new scores (cache/compiled_decode.py): evaluating the
             # step evaluates them, so they need no start here.
@@ -162,12 +167,13 @@ class ScoredAttention:
         # The one dense part (unpacked) holds a chunk's slots in arrival order: a block
         # sees exactly the first n_keys - L + stop of them, causally, and scores only those.
         prefix = scores_prefix and (mask is None or isinstance(mask, str))  # None or "causal"
-        if L > 1 and prefix and bias is None and archive is None and self._fuses_prefill():
+        if L > 1 and prefix and bias is None and fusable and self._fuses_prefill():
             kernel = self._prompt_weights_kernel(cache, queries, parts[0][0], mask)
             if kernel is not None or L > self.block:
                 return self._fused_prompt(queries, parts[0], cache, scale, mask, kernel)
         if L <= self.block:
             out, logits, probs = self.attend_parts(queries, parts, scale, mask, bias)
+            out = with_sinks(out, logits, sinks)
             if not self._decode_weights(cache, logits, probs):
                 cache.update_scores(logits, probs)
             if self.eager_scores:
@@ -187,6 +193,7 @@ class ScoredAttention:
             else:
                 rows = _mask_rows(mask, L, n_keys, start, stop)
                 out, logits, probs = self.attend_parts(q, parts, scale, rows, bias)
+            out = with_sinks(out, logits, sinks)
             cache.add_scores(logits, probs)
             out = self._with_archive(q, out, logits, archive, scale)
             # Evaluated now, this block's logits and probabilities are freed.
@@ -461,6 +468,17 @@ def _joint_decode(queries: mx.array, parts: list, scale: float, mask=None):
     shape = (B, n_q, L, scores.shape[-1])
     out = out.reshape(B, n_q, L, D).astype(queries.dtype)
     return out, scores.reshape(shape), probs.reshape(shape)
+
+
+def with_sinks(out: mx.array, logits: mx.array, sinks: mx.array | None) -> mx.array:
+    """Attention whose softmax also spans one learned logit per query head that weighs no
+    value (gpt-oss's sinks): the output over the keys shrinks by Z / (Z + e^sink), Z the
+    keys' summed e^logit. From the exported logits, so after any kernel; None: `out`."""
+    if sinks is None:
+        return out
+    lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+    keep = mx.sigmoid(lse - sinks.astype(mx.float32).reshape(1, -1, 1, 1))
+    return (out * keep).astype(out.dtype)
 
 
 @functools.cache

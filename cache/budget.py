@@ -259,11 +259,10 @@ def model_refusal(shape: ModelShape, policy: str, group_size: int) -> str | None
             f"outside its cache, which reads them dense: policy {policy} packs them; use "
             f"{H2O.name} (or {FULL.name})"
         )
-    if info.scored and any(s.sinks for s in per_token):
+    if info.scored and any(s.sinks for s in per_token) and not cache_class(info).takes_sinks:
         return (
-            "this model's attention adds learned sink logits, which the score-exporting "
-            f"kernels do not take: policy {policy} cannot score this model; use {ROTATING.name} or "
-            f"{FULL.name}"
+            f"this model's attention adds learned sink logits, which policy {policy} does not "
+            f"take; use {H2O.name} (or {ROTATING.name})"
         )
     if info.quantized:
         widths = sorted({w for s in per_token for w in (s.key_width, s.value_width)})

@@ -118,6 +118,8 @@ class ScoredCache(LayerCache):
     """A cache whose attention goes through the router and hands it the scores."""
 
     scores: mx.array | None = None  # accumulated importance per slot, when it keeps any
+    # Its attention may carry learned sink logits (gpt-oss; cache/attention.py with_sinks).
+    takes_sinks: ClassVar[bool] = True
     # Whether it takes the scores at all; False: routed only to read its packed storage
     # (kvarn), so a prompt chunk attends through mx.fast where prefill is fused (a GPU).
     keeps_scores: ClassVar[bool] = True

@@ -51,6 +51,9 @@ ARCHIVE_BITS = RECALL_BITS  # +0.5% perplexity when attended (h2o-q8, docs/quant
 
 
 class RecallH2OKVCache(H2OKVCache):
+    # A prompt's attention over the archive is merged after the sinks would apply.
+    takes_sinks = False
+
     def __init__(
         self,
         max_size: int,

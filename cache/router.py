@@ -9,8 +9,11 @@ mlx-lm's original function unchanged. A BatchedCache (several sessions in one
 forward pass, cache/batch.py) is attended part by part, each by these same
 rules. No mlx-lm source is modified.
 
-Loud, never silent: a scored layer whose attention passes `sinks=` or another
-argument the scoring kernels do not take raises `UnroutedAttention`, and
+Learned attention sinks (gpt-oss's `sinks=`) reach the scored attention, which applies
+them to its output from the exported logits (cache/attention.py `with_sinks`).
+Loud, never silent: a scored layer whose attention passes another argument the scoring
+kernels do not take (or sinks to a cache that cannot take them) raises
+`UnroutedAttention`, and
 `verify_routing` (run by make_cache) traces one token through the model and
 raises when a scored layer's attention never reaches the router (e.g. a model
 calling mx.fast.scaled_dot_product_attention directly), naming the architecture.
@@ -50,14 +53,19 @@ def _route(original: Callable) -> Callable:
             if sinks is not None:
                 kw["sinks"] = sinks
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kw)
-        extra = ["sinks"] * (sinks is not None) + sorted(kw)
-        if extra:
+        if kw:
             raise UnroutedAttention(
-                f"this layer's attention passes {', '.join(extra)}, which the score-exporting "
-                "kernels do not take: H2O cannot score it; use policy full or rotating"
+                f"this layer's attention passes {', '.join(sorted(kw))}, which the "
+                "score-exporting kernels do not take: H2O cannot score it; use policy full "
+                "or rotating"
+            )
+        if sinks is not None and not cache.takes_sinks:
+            raise UnroutedAttention(
+                f"this layer's attention adds learned sinks, which {type(cache).__name__} "
+                "does not take: use policy h2o"
             )
         bias = cache.logit_bias()
-        return ATTENTION.attend_scored(queries, keys, values, cache, scale, mask, bias)
+        return ATTENTION.attend_scored(queries, keys, values, cache, scale, mask, bias, sinks)
 
     routed_sdpa.h2o_original = original
     return routed_sdpa

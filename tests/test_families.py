@@ -156,3 +156,19 @@ def test_docs_table_is_what_was_measured():
         "docs/models.md's family table differs from what this test measured: rerun with "
         "H2O_WRITE_FAMILY_TABLE=1 and review the change"
     )
+
+
+@pytest.mark.parametrize("policy", ["h2o", "h2o-merge", "h2o-ada"])
+def test_learned_sinks_reach_the_scored_attention(policy):
+    """gpt-oss's sink logits (random here: mlx-lm starts them at zero) are applied by the
+    scored attention: with nothing evicted, H2O gives stock mlx-lm's logits."""
+    model = build("gpt_oss")
+    for layer in model.layers:
+        layer.self_attn.sinks = mx.random.normal(layer.self_attn.sinks.shape) * 2
+    want = _run(model, make_prompt_cache(model))
+    try:
+        got = _run(model, make_cache(model, policy, max_kv=len(PROMPT) + STEPS + 8))
+    finally:
+        uninstall_router(model)
+    for a, b in zip(got, want, strict=True):
+        assert mx.allclose(a, b, rtol=1e-4, atol=1e-4), float(mx.max(mx.abs(a - b)))

@@ -14,6 +14,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from tiny import tiny
 
 from cache import H2OKVCache, ScoresMissing, UnroutedAttention, make_cache, uninstall_router
+from cache.recall import RecallH2OKVCache
 from cache.router import install_router
 
 
@@ -68,21 +69,24 @@ def test_a_layer_bypassing_the_router_is_refused_at_make_cache(llama_model):
     make_cache(llama_model, "rotating", max_kv=8)  # unscored policies need no router
 
 
-def test_attention_with_sinks_is_refused():
-    """gpt-oss passes attention sinks, which the score-exporting kernels do not take: the
-    layer plan sees them and make_cache refuses up front, naming the policies that work
-    (and the router would refuse such a call too)."""
+def test_attention_with_sinks_reaches_caches_that_take_them():
+    """gpt-oss passes attention sinks: scored caches take them (tests/test_families.py
+    checks the output); h2o-recall, which merges its archive after them, is refused up
+    front by make_cache, naming h2o, and by the router if it got there anyway."""
     model = tiny(
         "gpt_oss", num_local_experts=2, num_experts_per_tok=1, sliding_window=4,
         layer_types=["sliding_attention", "full_attention"],
     )  # fmt: skip
     try:
-        with pytest.raises(ValueError, match="sink logits.*use rotating or full"):
-            make_cache(model, "h2o", max_kv=8)
+        with pytest.raises(ValueError, match="sink logits.*use h2o"):
+            make_cache(model, "h2o-recall", max_kv=8)
+        make_cache(model, "h2o", max_kv=8)
         make_cache(model, "full")  # without scores, mlx-lm's own path takes the sinks
-        sdpa, c, q, k, v = _routed_call(model, "gpt_oss")
+        sdpa, _, q, k, v = _routed_call(model, "gpt_oss")
+        recall = RecallH2OKVCache(8, archive=8)
+        recall.update_and_fetch(k, v)
         with pytest.raises(UnroutedAttention, match="sinks"):
-            sdpa(q, k, v, cache=c, scale=1.0, mask=None, sinks=mx.zeros((2,)))
+            sdpa(q, k, v, cache=recall, scale=1.0, mask=None, sinks=mx.zeros((2,)))
     finally:
         uninstall_router(model)
 

@@ -6,7 +6,7 @@ each greedy reply equal to what the same history gets from a fresh session.
 The families here carry the layer kinds the server must hold beside the policy's caches:
 recurrent state (qwen3_next's Gated DeltaNet, lfm2's convolutions, nemotron_h's Mamba with
 MLP-only layers), Gemma 4's KV-shared layers, DeepSeek's MLA latent and gpt-oss's sinks
-(under auto: rotating). Qwen3.5 is the qwen3_next layout under a `text_config`, served in
+(scored: h2o). Qwen3.5 is the qwen3_next layout under a `text_config`, served in
 test_qwen3_5_serves (transformers gives its folder Qwen's own tokenizer class, which this
 word-level test vocabulary does not fit, so only its start and a reply are checked).
 """
@@ -29,7 +29,7 @@ FAMILIES = {
     "nemotron_h": ["--policy", "h2o-q8", "--kv-group-size", "32"],
     "gemma4_text": ["--policy", "auto"],
     "deepseek_v3": ["--policy", "auto"],
-    "gpt_oss": ["--policy", "auto"],
+    "gpt_oss": ["--policy", "h2o"],
 }
 FIRST = [{"role": "user", "content": " ".join(f"w{i % 9}" for i in range(30))}]
 
