@@ -99,9 +99,11 @@ class LayerCache(mlx_lm_cache._BaseCache):
 
     rope = None  # the layer's RoPE module, set where the cache re-indexes (set_context)
 
-    def set_context(self, rope, wall: int) -> None:
+    def set_context(self, rope, wall: int, rotated: str = "keys") -> None:
         """The layer's RoPE module and the model's context, for a cache that re-indexes
-        positions before the context runs out (config/policies.py `reindexes`)."""
+        positions before the context runs out (config/policies.py `reindexes`). `rotated`:
+        what RoPE turned, "keys", or "values" where a layer stores its RoPE part there (MLA:
+        keys are the latent, values the RoPE part of the key)."""
         raise NotImplementedError(f"{type(self).__name__} does not re-index positions")
 
     def slab_key(self) -> Hashable | None:

@@ -140,11 +140,9 @@ def make_cache(
         else:
             cache = own.from_spec(layer_spec)
             rope = getattr(getattr(layer, "self_attn", None), "rope", None)
-            # An MLA latent carries no RoPE (its `values`, the RoPE part, do): not re-indexed.
-            if slot.kind == LATENT:
-                rope = None
             if info.reindexes and wall and rope is not None:  # sliding layers see no far keys
-                cache.set_context(rope, wall)
+                # MLA: the latent (`keys`) carries no RoPE; the key's RoPE part (`values`) does.
+                cache.set_context(rope, wall, "values" if slot.kind == LATENT else "keys")
             caches.append(cache)
     bind_rules(model, caches)
     if info.scored:

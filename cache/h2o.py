@@ -136,10 +136,12 @@ class H2OKVCache(HeavyHitters, ScoredCache):
     def adopt(self, fresh: LayerCache) -> None:
         """RoPE and the context wall: make_cache attaches them, a file cannot hold them."""
         super().adopt(fresh)
-        self.wall, self.rope = fresh.wall, fresh.rope
+        self.wall, self.rope, self.rotated = fresh.wall, fresh.rope, fresh.rotated
 
-    def set_context(self, rope, wall: int) -> None:
-        self.rope, self.wall = rope, wall
+    def set_context(self, rope, wall: int, rotated: str = "keys") -> None:
+        if rotated not in ("keys", "values"):
+            raise ValueError(f"rotated: keys or values, not {rotated!r}")
+        self.rope, self.wall, self.rotated = rope, wall, rotated
 
     def slab_key(self) -> Hashable | None:
         """Dense and packed (cache/quantized.py) H2O caches can join a slab once filled,
@@ -199,6 +201,7 @@ class H2OKVCache(HeavyHitters, ScoredCache):
     # re-rotate keys (config/policies.py `reindexes`: dense, packed and merging H2O).
     wall: int | None = None  # RoPE positions stay below this (the model's context)
     rope = None  # the layer's RoPE module: rope(x, offset=...)
+    rotated = "keys"  # the buffer RoPE turned: "values" for MLA (the RoPE part of its keys)
 
     @property
     def offset(self) -> int:
@@ -554,9 +557,13 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         self.values = tree_map(grown, values, self.values)
 
     def _rerope_keys(self, delta: mx.array) -> None:
-        """Rotate each held key [B, H, n] by `delta` positions (RoPE composes by adding)."""
+        """Rotate each held key [B, H, n] by `delta` positions (RoPE composes by adding):
+        the keys, or the values where they hold the keys' RoPE part (MLA)."""
         n = self.used
-        self.keys[:, :, :n] = turn_keys(self.rope, self.keys[:, :, :n], delta)
+        if self.rotated == "values":
+            self.values[:, :, :n] = turn_keys(self.rope, self.values[:, :, :n], delta)
+        else:
+            self.keys[:, :, :n] = turn_keys(self.rope, self.keys[:, :, :n], delta)
 
     def _gather_kv(self, idx: mx.array, capacity: int) -> None:
         """K/V of slots `idx` [B, H, K] into `capacity` slots."""

@@ -426,9 +426,10 @@ FAMILIES: dict[str, dict] = {
 }
 
 
-def build(family: str):
-    """A float32 random-weight model of `family` (seeded), parameters evaluated."""
-    config = FAMILIES[family]
+def build(family: str, **overrides):
+    """A float32 random-weight model of `family` (seeded), parameters evaluated;
+    `overrides`: config fields changed."""
+    config = {**FAMILIES[family], **overrides}
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(0)
     model = module.Model(module.ModelArgs.from_dict(config))

@@ -172,3 +172,42 @@ def test_learned_sinks_reach_the_scored_attention(policy):
         uninstall_router(model)
     for a, b in zip(got, want, strict=True):
         assert mx.allclose(a, b, rtol=1e-4, atol=1e-4), float(mx.max(mx.abs(a - b)))
+
+
+def test_mla_reindexes_the_rope_part_only():
+    """An MLA layer's H2O cache holds the latent as keys and the key's RoPE part as values:
+    re-indexing positions turns the values and leaves the latent as it is."""
+    from cache.h2o import H2OKVCache, turn_keys
+
+    model = build("deepseek_v3")
+    try:
+        caches = make_cache(model, "h2o", max_kv=16)
+    finally:
+        uninstall_router(model)
+    assert all(isinstance(c, H2OKVCache) and c.rotated == "values" for c in caches)
+    cache = caches[0]
+    assert cache.rope is model.layers[0].self_attn.rope
+    latent, rope_part = mx.random.normal((1, 1, 8, 64)), mx.random.normal((1, 1, 8, 32))
+    cache.update_and_fetch(latent, rope_part)
+    delta = mx.full((1, 1, 8), -3, dtype=mx.int32)
+    cache._rerope_keys(delta)
+    held_keys, held_values = cache.keys[:, :, :8], cache.values[:, :, :8]
+    assert mx.array_equal(held_keys, latent)
+    assert mx.allclose(held_values, turn_keys(cache.rope, rope_part, delta), atol=1e-6)
+    assert not mx.allclose(held_values, rope_part, atol=1e-3)
+
+
+def test_mla_outgrows_its_context():
+    """Past a 64-token context, an MLA model's H2O caches re-index (the RoPE part) and the
+    conversation goes on with finite logits."""
+    model = build("deepseek_v3", max_position_embeddings=64)
+    try:
+        caches = make_cache(model, "h2o", max_kv=16)
+        logits = None
+        for chunk in range(0, 160, 8):
+            logits = model(mx.array([[1 + (chunk + i) % 60 for i in range(8)]]), cache=caches)
+            mx.eval(logits)
+    finally:
+        uninstall_router(model)
+    assert bool(mx.all(mx.isfinite(logits)))
+    assert all(c.shift > 0 and c.offset < 64 for c in caches), [(c.shift, c.offset) for c in caches]
