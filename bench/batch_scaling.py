@@ -9,11 +9,11 @@ decode steps with the next step queued before waiting (as generate_step does).
 - `stock`: mlx-lm as it ships, the B rows in one KVCache (what mlx_lm.server's
   BatchGenerator runs): the anchor's ceiling;
 - `h2o`: B separate h2o caches (max_kv 256, evicting) joined per layer by
-  cache/batch.py, each row a part of its own (one scored call per session and
+  cache/batching/batch.py, each row a part of its own (one scored call per session and
   layer), as the server batched H2O sessions before H2OSlab;
-- `h2o slab`: the same sessions as rows of one H2OSlab (cache/h2o_slab.py), as the
+- `h2o slab`: the same sessions as rows of one H2OSlab (cache/batching/h2o_slab.py), as the
   server batches dense H2O sessions of one configuration now (`--policy kvarn`: a
-  KVarNPaddedSlab, cache/kvarn_padded.py, rows of different lengths: see `--spread`).
+  KVarNPaddedSlab, cache/batching/kvarn_padded.py, rows of different lengths: see `--spread`).
 
 Rounds interleave every (cache, B) pair, order reversed every other round; scaling =
 B x (B=1 step time) / (B step time), medians over rounds. `--slab-policies`: slabs of
@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.text import essay_token_ids
     from cache import install_router, make_cache, uninstall_router
-    from cache.batch import batch_caches, open_h2o_slab
-    from cache.h2o_slab import slab_key
+    from cache.batching.batch import batch_caches, open_h2o_slab
+    from cache.batching.h2o_slab import slab_key
     from config.policies import POLICIES
 
     width = args.context + args.spread * (max(args.rows) - 1)  # the longest row's prompt
@@ -139,11 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         return policy + " max_kv 256" * POLICIES[policy].bounded
 
     def slab_case(policy: str) -> str:
-        return f"{named(policy)}, one slab (cache/batch.py open_h2o_slab)"
+        return f"{named(policy)}, one slab (cache/batching/batch.py open_h2o_slab)"
 
     cases = {
         "stock mlx-lm (one KVCache)": stock,
-        f"{named(args.policy)}, a part per session (cache/batch.py)": h2o,
+        f"{named(args.policy)}, a part per session (cache/batching/batch.py)": h2o,
         **{slab_case(p): partial(h2o_slab, policy=p) for p in [args.policy, *args.slab_policies]},
     }
     pairs = [(name, rows) for name in cases for rows in args.rows]

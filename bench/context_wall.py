@@ -5,7 +5,7 @@ default model). Two ways to place its tokens' RoPE positions, compared here:
 - `h2o-original`: every token keeps its index as its position, so the distance between
   the newest query and the sinks and old heavy hitters grows past anything the
   model was trained on;
-- `h2o-reindexed` (the server's behaviour, cache/h2o.py): before positions reach the
+- `h2o-reindexed` (the server's behaviour, cache/policies/h2o.py): before positions reach the
   context, the held keys are re-rotated to positions 0..n-1 in token order
   (StreamingLLM's choice; llama.cpp's context shift re-rotates keys too).
 `rotating` (a sliding window with sinks, original positions) is the baseline.

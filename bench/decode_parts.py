@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     from bench.text import essay_token_ids
     from cache import make_cache
     from cache.attention import ATTENTION, ScoredAttention
-    from cache.batch import batch_caches
-    from cache.h2o_slab import H2OSlab, slab_key
+    from cache.batching.batch import batch_caches
+    from cache.batching.h2o_slab import H2OSlab, slab_key
     from kernels import reference
     from models.loading import load_model
 

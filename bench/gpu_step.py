@@ -99,7 +99,7 @@ def buffers(obj, seen: set | None = None) -> list:
 
 def eviction_period(model, spec) -> int:
     """Decode steps after which a policy's evictions repeat, and its packing: a dense
-    tail's (packed every `tail` steps, cache/quantized.py), KVarN's tiles."""
+    tail's (packed every `tail` steps, cache/policies/quantized.py), KVarN's tiles."""
     import math
 
     from cache import make_cache
@@ -155,9 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     from bench.decode_speed import SHAPES, synthetic_model
     from bench.report import command, machine, publish
     from cache import install_router, make_cache, uninstall_router
-    from cache.batch import batch_caches, open_h2o_slab
+    from cache.batching.batch import batch_caches, open_h2o_slab
+    from cache.batching.h2o_slab import slab_key
     from cache.contract import step_scores
-    from cache.h2o_slab import slab_key
     from config.cache_spec import CacheSpec
     from config.policies import POLICIES
 

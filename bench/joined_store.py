@@ -41,9 +41,9 @@ def main(argv: list[str] | None = None) -> None:
     from bench.gpu_step import buffers, buffers_holders
     from cache import install_router, make_cache
     from cache.attention import ATTENTION, ScoredAttention
-    from cache.batch import batch_caches
+    from cache.batching.batch import batch_caches
+    from cache.batching.h2o_slab import H2OSlab, slab_key
     from cache.contract import step_scores
-    from cache.h2o_slab import H2OSlab, slab_key
     from config.cache_spec import CacheSpec
 
     if args.synthetic:

@@ -9,7 +9,7 @@ only:
   (rotated) K/V kept aside, not from its dequantized copy: no compounding;
 - `value-group64`: values quantized in groups of 64 channels, not 32 (before);
 - `mx-grids`: keys and values on mx.quantize's grids (min..max moved to put a
-  level on 0), not fitted per group (cache/kvarn_tiles.py, fit_quantize);
+  level on 0), not fitted per group (cache/policies/kvarn_tiles.py, fit_quantize);
 - `ls-values`: values on the least-squares grid without the unit-gain rescale;
 - `gain-keys`: keys rescaled to unit gain as well;
 - `no-sinkhorn`: tiles packed without Sinkhorn balancing (rotation and fitted
@@ -36,12 +36,12 @@ from unittest import mock
 import mlx.core as mx
 
 import cache.factory
-import cache.kvarn_tiles
+import cache.policies.kvarn_tiles
 from bench.quantized import teacher_forced
 from bench.report import command, machine, publish
 from bench.text import essay_token_ids
-from cache.h2o_kvarn import H2OKVarNCache
-from cache.kvarn_tiles import SINKHORN_ITERS, fit_quantize, quantize_keys, quantize_values
+from cache.policies.h2o_kvarn import H2OKVarNCache
+from cache.policies.kvarn_tiles import SINKHORN_ITERS, fit_quantize, quantize_keys, quantize_values
 from kernels.hadamard import rotate
 from models.loading import load_model
 
@@ -97,8 +97,8 @@ def clipped_quantize(x: mx.array, group_size: int, bits: int):
 def _quantized_with(keys, values) -> Iterator[None]:
     """KVarN's key and value tiles packed by these (mx.quantize's signature) for the run."""
     with (
-        mock.patch.object(cache.kvarn_tiles, "quantize_keys", keys),
-        mock.patch.object(cache.kvarn_tiles, "quantize_values", values),
+        mock.patch.object(cache.policies.kvarn_tiles, "quantize_keys", keys),
+        mock.patch.object(cache.policies.kvarn_tiles, "quantize_values", values),
     ):
         yield
 

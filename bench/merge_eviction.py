@@ -1,7 +1,7 @@
 """What one h2o-merge eviction costs a layer: middle keys only, against every slot's.
 
 A merging eviction ranks each middle token by its distance to the nearest middle key
-ranked above it (cache/merging.py). Its first form normalised and compared every slot's
+ranked above it (cache/policies/merging.py). Its first form normalised and compared every slot's
 key with every other's, [slots x slots], though sinks and the recent window (half of
 max_kv) never leave and were masked out after; it now compares the middle keys only,
 [middle x middle], with the same leavers (tests/test_merging_cache.py). This times one
@@ -23,8 +23,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from bench.report import command, machine, publish
-from cache.h2o import H2OKVCache, _compiled_eviction
-from cache.merging import MergingH2OKVCache
+from cache.policies.h2o import H2OKVCache, _compiled_eviction
+from cache.policies.merging import MergingH2OKVCache
 
 
 class AllPairsMerging(MergingH2OKVCache):

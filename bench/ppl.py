@@ -248,10 +248,10 @@ def nll_cases_stepped(
     tick: Callable | None = None,
 ) -> mx.array:
     """nll_autoregressive for several caches at once [len(cases), B, T-1]: every (case,
-    sample) is one session of a batched forward pass (cache/batch.py, as the server
+    sample) is one session of a batched forward pass (cache/batching/batch.py, as the server
     batches conversations), so the weights are read once a step for all of them. Each
     row computes what it would alone."""
-    from cache.batch import batch_caches
+    from cache.batching.batch import batch_caches
 
     B, T = tokens.shape
     sessions = [make_cache(model, **kwargs) for kwargs in cases for _ in range(B)]

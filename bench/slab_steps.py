@@ -41,9 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     from mlx_lm.models.cache import make_prompt_cache
 
     from cache import install_router, make_cache, uninstall_router
-    from cache.batch import batch_caches
+    from cache.batching.batch import batch_caches
+    from cache.batching.h2o_slab import H2OSlab, slab_key
     from cache.compiled_decode import scatter_write, select_write
-    from cache.h2o_slab import H2OSlab, slab_key
     from kernels.dispatch import sdpa_with_scores
 
     model = synthetic_model(args.synthetic, getattr(mx, args.dtype))

@@ -1,5 +1,5 @@
 """`python -m bench.splits`: which files form each split of the development text
-(cache/text_splits.py), their sizes, and `--write DIR` writes them for `--text-file`."""
+(cache/retention/text_splits.py), their sizes, and `--write DIR` writes them for `--text-file`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from cache.text_splits import CORPORA, PARTS, split_file, split_files, split_text
+from cache.retention.text_splits import CORPORA, PARTS, split_file, split_files, split_text
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@
 A sliding-window layer's mask depends on what each session's cache holds, and mlx-lm's
 models ask the cache for it once per forward pass, so sessions of such a model (Gemma 3:
 15 of its 18 layers) decoded one forward pass per session until each part got its own
-mask (cache/batch.py `PartMasks`), and as parts until their sliding windows joined the
+mask (cache/batching/batch.py `PartMasks`), and as parts until their sliding windows joined the
 KVSlab (mlx-lm's BatchRotatingKVCache). This drives the server's own Batcher over B
 sessions (full caches, `--context`-token prompts, greedy, no HTTP) and times its decode
 rounds three ways in the same process: one KVSlab (the server now), a part per session,

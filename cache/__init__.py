@@ -4,21 +4,21 @@ The policies are records in config/policies.py; the cache contract every class h
 speaks is cache/contract.py.
 """
 
-from cache.adaptive import AdaptiveH2OKVCache
 from cache.attention import ATTENTION, ScoredAttention, configure
 from cache.contract import LayerCache, ScoredCache, cache_class, tokens_seen
 from cache.factory import adopt, cache_usage, make_cache
-from cache.full import FullKVCache
-from cache.h2o import H2OKVCache, ScoresMissing
-from cache.h2o_kvarn import H2OKVarNCache
-from cache.kvarn import KVarNCache
-from cache.merging import MergingH2OKVCache
-from cache.mixed import MixedH2OKVCache
-from cache.quantized import QuantizedH2OKVCache
-from cache.recall import RecallH2OKVCache
-from cache.rotating import SinkRotatingKVCache
+from cache.policies.adaptive import AdaptiveH2OKVCache
+from cache.policies.full import FullKVCache
+from cache.policies.h2o import H2OKVCache, ScoresMissing
+from cache.policies.h2o_kvarn import H2OKVarNCache
+from cache.policies.kvarn import KVarNCache
+from cache.policies.merging import MergingH2OKVCache
+from cache.policies.mixed import MixedH2OKVCache
+from cache.policies.quantized import QuantizedH2OKVCache
+from cache.policies.recall import RecallH2OKVCache
+from cache.policies.rotating import SinkRotatingKVCache
+from cache.policies.windowed import WindowedH2OKVCache
 from cache.router import UnroutedAttention, install_router, uninstall_router, verify_routing
-from cache.windowed import WindowedH2OKVCache
 from config.policies import POLICIES
 
 # Every record's class loaded now: importing it registers it with mlx-lm's loader

@@ -126,7 +126,7 @@ class ScoredAttention:
         A prompt chunk longer than `block` goes block of queries by block, each
         block's scores folded into the cache and evaluated before the next, so only
         one block's logits (block x keys per head) exist at a time. `bias`: an
-        additive logit per stored key, [B, n_kv_heads, keys] (cache/merging.py).
+        additive logit per stored key, [B, n_kv_heads, keys] (cache/policies/merging.py).
         `sinks`: a learned logit per query head that weighs no value (gpt-oss), applied
         to the output from the logits (`with_sinks`), so the fused paths that return no
         logits are passed by.
@@ -138,7 +138,7 @@ class ScoredAttention:
                 return cache.store_and_attend(queries, scale, mask, self.attend_parts, how)
             keys, values = cache.store_pending()
         mask = cache.attention_mask(queries.shape[1], L, mask)  # its slots may need their own
-        archive = cache.archive_part(L)  # cache/recall.py: a prompt reads evicted tokens
+        archive = cache.archive_part(L)  # cache/policies/recall.py: a prompt reads evicted tokens
         cache.observe(queries, scale)
         parts = cache.kv_segments(keys, values)
         # KVarN caches take a block's scores over every stored key, not a prefix.

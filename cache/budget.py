@@ -40,8 +40,8 @@ from config.policies import AUTO, AUTO_ORDER, FULL, H2O, POLICIES, ROTATING
 from models.shape import PER_TOKEN, SLIDING, ModelShape
 
 H2O_BOOKKEEPING = 8  # float32 score + int32 position, per KV head and token
-ADAPTIVE_BOOKKEEPING = 1  # h2o-ada: a uint8 head id per slot (cache/adaptive.py)
-MERGING_BOOKKEEPING = 4  # h2o-merge: a float32 count per slot (cache/merging.py)
+ADAPTIVE_BOOKKEEPING = 1  # h2o-ada: a uint8 head id per slot (cache/policies/adaptive.py)
+MERGING_BOOKKEEPING = 4  # h2o-merge: a float32 count per slot (cache/policies/merging.py)
 MIN_MAX_KV = 16
 MAX_TOKENS = 2**24  # where max_kv_within stops looking (sliding layers alone never fill up)
 REFERENCE_TOKENS = 8192  # bytes_per_token amortizes a cache of this many tokens
@@ -88,7 +88,7 @@ def kv_width(shape: ModelShape, bits: int | None, group_size: int) -> float:
 def packed_extras(shape: ModelShape, spec: CacheSpec, windowed: bool = False) -> int:
     """What a packed H2O layer (h2o-q8, h2o-q4, h2o-mixed k8v4) holds besides its slots:
     the key centre and, outside sliding windows, the dense sink pool and, with 4-bit keys,
-    the dense tail of the newest tokens (cache/quantized.py)."""
+    the dense tail of the newest tokens (cache/policies/quantized.py)."""
     segments = spec.segments()
     sinks = 0 if windowed else segments.sink
     tail = 0

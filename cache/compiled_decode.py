@@ -4,11 +4,12 @@ On a GPU a decode step is launch- and host-bound (docs/gpu.md): a scored layer b
 op by op is a few dozen small launches (logits, softmax, the weighted sum, the score
 rule's reduction and accumulation) and as much Python. Where a cache's slots keep their
 shapes from step to step (a lone H2O cache once its buffers reach max_kv + 1 slots,
-cache/h2o.py; an H2O slab's rows, cache/h2o_slab.py), those ops are one `mx.compile`d
+cache/policies/h2o.py; an H2O slab's rows, cache/batching/h2o_slab.py), those ops are one
+`mx.compile`d
 function, traced once per shape and replayed: what a GPU kernel's epilogue does, where
 the kernel (not the reference) attends, only the score update is compiled. Under a step
 owner (`scores_with_step`) a packed cache's token store joins that call too
-(`stored_attended_and_scored`; a slab's whole step is cache/h2o_slab.py `_decode_step`):
+(`stored_attended_and_scored`; a slab's whole step is cache/batching/h2o_slab.py `_decode_step`):
 one call per layer stores, attends and scores (a 16-row slab's step builds in
 0.86-0.88x the host time; a lone cache's in about the same: docs/joined_store.md).
 
@@ -69,7 +70,7 @@ def attended_and_scored(
     (`attend(queries, parts, scale, mask, bias)`: the router's op-by-op attention; `how`,
     its settings, keys the trace) and `updated_scores`, in one compiled call. The logits
     and probabilities stay inside the fused graph. `bias`: the cache's additive logit per
-    slot (cache/merging.py), or None."""
+    slot (cache/policies/merging.py), or None."""
     formats = tuple(fmt for _, _, fmt in parts)
     fused = _attend_and_score(attend, how, formats, rule.accumulation, n_kv_heads, scale, front)
     biased = [] if bias is None else [bias]

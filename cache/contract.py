@@ -108,7 +108,7 @@ class LayerCache(mlx_lm_cache._BaseCache):
 
     def slab_key(self) -> Hashable | None:
         """What the members of one H2O slab share, or None when this cache cannot join
-        one now (cache/h2o_slab.py)."""
+        one now (cache/batching/h2o_slab.py)."""
         return None
 
     def compact(self) -> None:
@@ -206,11 +206,12 @@ class ScoredCache(LayerCache):
         return None
 
     def archive_part(self, n_queries: int) -> tuple | None:
-        """One more attention part of keys it no longer holds (cache/recall.py), or None."""
+        """One more attention part of keys it no longer holds (cache/policies/recall.py), or
+        None."""
         return None
 
     def observe(self, queries: mx.array, scale: float) -> None:
-        """Every attention call's queries, before it attends (cache/recall.py)."""
+        """Every attention call's queries, before it attends (cache/policies/recall.py)."""
 
 
 # ---------------------------------------------------------------- any layer cache
@@ -237,7 +238,7 @@ def step_scores(caches: list) -> list[mx.array]:
 def is_state(cache: Any) -> bool:
     """A recurrent state layer (mlx-lm's ArraysCache and kin: linear attention, SSM): fixed
     arrays whatever the length, no per-token K/V, nothing to trim or evict."""
-    return hasattr(cache, "cache") and not hasattr(cache, "offset")
+    return isinstance(cache, mlx_lm_cache.ArraysCache)
 
 
 def tokens_seen(cache: Any) -> int:

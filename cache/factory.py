@@ -14,8 +14,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from cache.contract import LayerCache, cache_class, holds_tokens, is_scored, tokens_seen
-from cache.full import plain
-from cache.rotating import SinkRotatingKVCache
+from cache.policies.full import plain
+from cache.policies.rotating import SinkRotatingKVCache
 from cache.router import install_router, verify_routing
 from config.cache_spec import DEFAULT_POLICY, CacheSpec
 from config.policies import FULL, POLICIES, Policy
@@ -42,7 +42,7 @@ _TOLD: set[int] = set()  # models already told that they have no retention gates
 
 def bind_rules(model: nn.Module, caches: list) -> str | None:
     """Give each layer's rule that binds to the model (`learned`) this model's gates for
-    that layer (cache/retention.py); where the model has none they rank by their base
+    that layer (cache/retention/__init__.py); where the model has none they rank by their base
     rule, which is logged once per model. Returns that notice, or None."""
     rules = [c.score_rule for c in caches if getattr(c, "score_rule", None) is not None]
     if not any(r.binds_model for r in rules):
@@ -96,7 +96,7 @@ def make_cache(
     verified: a model whose attention would bypass it raises here, since its H2O
     caches would never evict. Caches of policies that re-index RoPE positions get each
     global layer's RoPE and the context (default: the model's), so a conversation may
-    outgrow the context (cache/h2o.py). A dense-first spec (`dense_until`) gets plain
+    outgrow the context (cache/policies/h2o.py). A dense-first spec (`dense_until`) gets plain
     KVCaches where the policy's own would go, until `pack_dense`. `scores_with_step`:
     the caller evaluates the scored caches' scores with each decode step
     (`step_scores`), as the server does.

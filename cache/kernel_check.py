@@ -18,7 +18,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from cache.kvarn_tiles import encode_keys, encode_values
+from cache.policies.kvarn_tiles import encode_keys, encode_values
 from kernels import AUTO, KINDS, available_backends, get_backend, reference, withdraw
 from kernels.dispatch import Backend
 from kernels.kvarn import TileFormat, kvarn_sdpa_with_probs

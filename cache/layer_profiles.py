@@ -29,7 +29,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from cache.batch import batch_caches
+from cache.batching.batch import batch_caches
 from cache.factory import make_cache
 from config.policies import FULL, H2O, POLICIES
 from models.shape import layer_windows

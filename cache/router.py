@@ -6,7 +6,7 @@ the modules the model's classes come from, to a wrapper: a layer whose cache
 has `update_scores` attends through cache/attention.py (which exports the
 scores) and hands the scores to its cache; every other layer goes through
 mlx-lm's original function unchanged. A BatchedCache (several sessions in one
-forward pass, cache/batch.py) is attended part by part, each by these same
+forward pass, cache/batching/batch.py) is attended part by part, each by these same
 rules. No mlx-lm source is modified.
 
 Learned attention sinks (gpt-oss's `sinks=`) reach the scored attention, which applies
@@ -31,7 +31,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from cache.attention import ATTENTION
-from cache.batch import BatchedCache
+from cache.batching.batch import BatchedCache
 from cache.contract import ScoredCache, is_scored
 
 _ATTR = "scaled_dot_product_attention"

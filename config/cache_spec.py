@@ -27,9 +27,9 @@ SCORE_RULES: dict[str, str] = {
     "snap": "SnapKV: a prompt's last 32 queries vote, max-pooled over 5 neighbours",
     "value": "mean times the value's distance from the held values' mean (DropKV-like)",
     "learned": "mean times a retention gate of key and value trained per model "
-    "(cache/retention.py; mean where the model has none)",
+    "(cache/retention/__init__.py; mean where the model has none)",
 }
-# h2o-mixed layouts (cache/quantized.py implements them; docs/quantized.md measures them).
+# h2o-mixed layouts (cache/policies/quantized.py implements them; docs/quantized.md measures them).
 MIXED_SCHEMES: dict[str, str] = {
     "k8v4": "keys 8-bit, values 4-bit in every segment",
     "paper": "heavy segment 8-bit, recent window 4-bit (a token is quantized twice)",
@@ -40,7 +40,7 @@ MIXED_SCHEMES: dict[str, str] = {
 KVARN_PRESETS: dict[str, tuple[int, int]] = {"k4v2": (4, 2), "k4v4": (4, 4), "k2v2": (2, 2)}
 KVARN_TILE = 128  # kvarn: tokens per packed tile (KVarN's tile)
 KVARN_SINK = 128  # kvarn: first tokens kept dense (the sink pool)
-# h2o-kvarn: how a tile loses tokens (cache/h2o_kvarn.py says why the default).
+# h2o-kvarn: how a tile loses tokens (cache/policies/h2o_kvarn.py says why the default).
 KVARN_STRATEGIES: dict[str, str] = {
     "requantize": "token-level H2O; damaged tiles are packed again",
     "tile": "whole tiles leave, lowest summed score first",
@@ -63,7 +63,8 @@ DEFAULT_KVARN = "k4v2"
 DEFAULT_MAX_KV = 256
 DEFAULT_SINK = 4
 DEFAULT_GROUP_SIZE = 64  # quantization group along the head dim
-# Packed H2O caches with 4-bit keys keep their newest tokens dense too (cache/quantized.py):
+# Packed H2O caches with 4-bit keys keep their newest tokens dense too
+# (cache/policies/quantized.py):
 # the recent window takes most of the attention, and 4-bit keys there cost most of the
 # error (rotated h2o-q4 group 32 vs dense h2o, KL 0.028 -> 0.005 with 16, 0.010 with 8).
 DENSE_RECENT_4BIT = 16
@@ -188,7 +189,7 @@ def default_evict_batch(max_size: int, heavy: int) -> int:
 def default_recall(heavy: int, evict_batch: int) -> int:
     """h2o-recall: tokens a prompt chunk may bring back per head: a quarter of the heavy
     segment, at least MIN_RECALL (a short phrase and its neighbours), at most what
-    pinning them leaves room for (cache/recall.py)."""
+    pinning them leaves room for (cache/policies/recall.py)."""
     return max(0, min(heavy + 1 - evict_batch, max(MIN_RECALL, heavy // 4)))
 
 

@@ -28,11 +28,12 @@ class Policy:
     window_cache: str | None = None
     key_bits: int | None = None  # packed K/V widths; None: dense, in the model's dtype
     value_bits: int | None = None
-    # Re-indexes RoPE positions near the context (cache/h2o.py): a conversation may
+    # Re-indexes RoPE positions near the context (cache/policies/h2o.py): a conversation may
     # outgrow the model's context, one prompt at a time.
     reindexes: bool = False
-    # Decodes with other sessions of its configuration in one slab (cache/h2o_slab.py,
-    # cache/kvarn_slab.py, cache/kvarn_padded.py; the caches' `slab_key` says with whom,
+    # Decodes with other sessions of its configuration in one slab (cache/batching/h2o_slab.py,
+    # cache/batching/kvarn_slab.py, cache/batching/kvarn_padded.py; the caches' `slab_key` says
+    # with whom,
     # or that a layout cannot).
     slab: bool = False
     # Each layer may get its own max_kv (CacheSpec.layer_shares, cache/layer_profiles.py).
@@ -63,39 +64,39 @@ class Policy:
 
 # Unbounded policies never get a window cache: a sliding-window layer keeps its window.
 FULL = Policy(
-    "full", "mlx-lm KVCache: keeps every token", "cache.full:FullKVCache",
+    "full", "mlx-lm KVCache: keeps every token", "cache.policies.full:FullKVCache",
     bounded=False, scored=False,
 )  # fmt: skip
-# Inside a sliding window: max_kv tokens, no sinks (cache/rotating.py).
+# Inside a sliding window: max_kv tokens, no sinks (cache/policies/rotating.py).
 ROTATING = Policy(
     "rotating", "sliding window of max_kv tokens with `sink` kept tokens",
-    "cache.rotating:SinkRotatingKVCache", bounded=True, scored=False,
-    window_cache="cache.rotating:SinkRotatingKVCache",
+    "cache.policies.rotating:SinkRotatingKVCache", bounded=True, scored=False,
+    window_cache="cache.policies.rotating:SinkRotatingKVCache",
 )  # fmt: skip
 H2O = Policy(
-    "h2o", "H2O: sinks + heavy hitters + recent window", "cache.h2o:H2OKVCache",
-    bounded=True, scored=True, window_cache="cache.windowed:WindowedH2OKVCache",
+    "h2o", "H2O: sinks + heavy hitters + recent window", "cache.policies.h2o:H2OKVCache",
+    bounded=True, scored=True, window_cache="cache.policies.windowed:WindowedH2OKVCache",
     reindexes=True, slab=True, layer_budgeted=True,
 )  # fmt: skip
 _PACKED_KNOBS = ("group_size", "rotate", "dense_recent")
-_PACKED_IN_WINDOW = "cache.windowed:WindowedQuantizedH2OKVCache"
+_PACKED_IN_WINDOW = "cache.policies.windowed:WindowedQuantizedH2OKVCache"
 H2O_Q8 = Policy(
-    "h2o-q8", "H2O over 8-bit K/V", "cache.quantized:QuantizedH2OKVCache",
+    "h2o-q8", "H2O over 8-bit K/V", "cache.policies.quantized:QuantizedH2OKVCache",
     bounded=True, scored=True, window_cache=_PACKED_IN_WINDOW, key_bits=8, value_bits=8,
     reindexes=True, slab=True, layer_budgeted=True, knobs=_PACKED_KNOBS,
 )  # fmt: skip
 # 4-bit keys rotate: at the same bytes rotated h2o-q4 is +3.6% perplexity vs dense H2O,
 # unrotated +7.2% (docs/quantized.md).
 H2O_Q4 = Policy(
-    "h2o-q4", "H2O over 4-bit K/V", "cache.quantized:QuantizedH2OKVCache",
+    "h2o-q4", "H2O over 4-bit K/V", "cache.policies.quantized:QuantizedH2OKVCache",
     bounded=True, scored=True, window_cache=_PACKED_IN_WINDOW, key_bits=4, value_bits=4,
     reindexes=True, slab=True, layer_budgeted=True, rotates=True, knobs=_PACKED_KNOBS,
 )  # fmt: skip
 # Widths of its default layout (MIXED_SCHEMES in config/cache_spec.py: k8v4, which
 # batches in a slab; the segmented layouts do not).
 H2O_MIXED = Policy(
-    "h2o-mixed", "H2O, keys 8-bit and values 4-bit", "cache.mixed:MixedH2OKVCache",
-    bounded=True, scored=True, window_cache="cache.windowed:WindowedMixedH2OKVCache",
+    "h2o-mixed", "H2O, keys 8-bit and values 4-bit", "cache.policies.mixed:MixedH2OKVCache",
+    bounded=True, scored=True, window_cache="cache.policies.windowed:WindowedMixedH2OKVCache",
     key_bits=8, value_bits=4, slab=True, layer_budgeted=True,
     knobs=("mixed", *_PACKED_KNOBS),
 )  # fmt: skip
@@ -103,33 +104,34 @@ H2O_MIXED = Policy(
 # there is nothing to merge, recall or pool): their sliding layers hold plain H2O.
 H2O_MERGE = Policy(
     "h2o-merge", "H2O that merges each evicted token into its most similar kept one",
-    "cache.merging:MergingH2OKVCache", bounded=True, scored=True, reindexes=True,
+    "cache.policies.merging:MergingH2OKVCache", bounded=True, scored=True, reindexes=True,
     layer_budgeted=True, in_window=H2O,
 )  # fmt: skip
 H2O_RECALL = Policy(
     "h2o-recall",
     "H2O that archives evicted tokens (8-bit) and brings back what a new prompt asks for",
-    "cache.recall:RecallH2OKVCache", bounded=True, scored=True, layer_budgeted=True,
+    "cache.policies.recall:RecallH2OKVCache", bounded=True, scored=True, layer_budgeted=True,
     in_window=H2O, knobs=("group_size",), split_widths=False,
 )  # fmt: skip
 H2O_ADA = Policy(
     "h2o-ada", "H2O with one pool per layer: heads share the middle slots (AdaKV)",
-    "cache.adaptive:AdaptiveH2OKVCache", bounded=True, scored=True, layer_budgeted=True,
+    "cache.policies.adaptive:AdaptiveH2OKVCache", bounded=True, scored=True, layer_budgeted=True,
     in_window=H2O,
 )  # fmt: skip
-# KVarN (cache/kvarn.py, cache/h2o_kvarn.py): widths of the default preset (k4v2); `kvarn`
+# KVarN (cache/policies/kvarn.py, cache/policies/h2o_kvarn.py): widths of the default preset
+# (k4v2); `kvarn`
 # picks another from KVARN_PRESETS. Scored: no eviction, but its packed tiles are read
 # through the router.
 KVARN = Policy(
     "kvarn", "KVarN: every token kept, Hadamard-rotated, Sinkhorn-balanced 128-token tiles",
-    "cache.kvarn:KVarNCache", bounded=False, scored=True, key_bits=4, value_bits=2,
+    "cache.policies.kvarn:KVarNCache", bounded=False, scored=True, key_bits=4, value_bits=2,
     slab=True, knobs=("kvarn", "dense_until"),
 )  # fmt: skip
 # Its packed tiles fix the sizes a layer can hold (no per-layer max_kv), and no KVarN
 # cache exists inside a sliding window yet: such layers get a dense max_kv window.
 H2O_KVARN = Policy(
     "h2o-kvarn", "H2O eviction over KVarN storage (64-token tiles)",
-    "cache.h2o_kvarn:H2OKVarNCache", bounded=True, scored=True, key_bits=4, value_bits=2,
+    "cache.policies.h2o_kvarn:H2OKVarNCache", bounded=True, scored=True, key_bits=4, value_bits=2,
     in_window=ROTATING, slab=True, knobs=("kvarn", "kvarn_strategy"),
 )  # fmt: skip
 

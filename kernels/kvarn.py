@@ -2,7 +2,7 @@
 
 KVarN storage of one layer, in the rotated frame (kernels/hadamard.py), slot order
 [front | tiles | tail]: `front` and `tail` are dense K/V [B, H, n, D] (or None), the
-tiles hold `tile` tokens each, quantized after Sinkhorn balancing (cache/kvarn_tiles.py).
+tiles hold `tile` tokens each, quantized after Sinkhorn balancing (cache/policies/kvarn_tiles.py).
 The tile axis is axis 2 of every tile array:
 
 keys (channels x tokens, one affine group per channel spanning the tile's tokens):

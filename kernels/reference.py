@@ -38,7 +38,7 @@ def sdpa_with_scores(
 
     q: [B, n_q_heads, L_q, D]; k, v: [B, n_kv_heads, L_k, D] (GQA when fewer KV heads).
     bias: optional float32 [B, n_kv_heads, L_k], added to every query's logit of a key
-    (a merged slot's log(count), cache/merging.py).
+    (a merged slot's log(count), cache/policies/merging.py).
     Returns out [B, n_q_heads, L_q, D] in q's dtype and scores, float32
     [B, n_q_heads, L_q, L_k], with masked positions at -inf.
     """

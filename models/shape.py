@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 # The context assumed for a model whose config states none (max_position_embeddings);
 # the server warns at start-up and `--context` sets the real one.
@@ -216,7 +216,7 @@ def _slot(cache, owner: nn.Module | None, index: int | None, model_window) -> Ca
         fixed = cache.nbytes if kind == OTHER else 0
         return CacheSlot(kind, heads, k_width, v_width, window, fixed, index, sinks)
     arrays = [a for a in getattr(cache, "state", None) or [] if isinstance(a, mx.array)]
-    kind = STATE if hasattr(cache, "cache") and not hasattr(cache, "keys") else OTHER
+    kind = STATE if isinstance(cache, ArraysCache) else OTHER
     return CacheSlot(kind, fixed_bytes=sum(a.nbytes for a in arrays), layer=index, sinks=sinks)
 
 

@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
         "with --retention train the `learned` score rule's gates",
         description="Writes the profile `--layer-budgets PATH` reads (cache/layer_profiles.py); "
         "with --retention, the retention gates score rule `learned` finds by the model's "
-        "weights (cache/retention.py, cache/retention_training.py).",
+        "weights (cache/retention/__init__.py, cache/retention/training.py).",
     )
     cal.add_argument("--model", default="default")
     cal.add_argument(
@@ -223,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="--retention: text to train on (windows from its start, then --held-out more); "
-        "default: the train splits of the essays and the standard library (cache/text_splits.py), "
+        "default: the train splits of the essays and the standard library "
+        "(cache/retention/text_splits.py), "
         "the held-out windows from their select splits",
     )
     cal.add_argument("--held-out", type=int, default=4, help="--retention: held-out windows")
@@ -407,7 +408,7 @@ def retention_text(args: argparse.Namespace, tokenizer) -> tuple[list, list, str
             raise ValueError(f"{args.text_file}: {len(ids)} tokens, {needed} needed")
         cut = [ids[i * tokens : (i + 1) * tokens] for i in range(windows + args.held_out)]
         return cut[:windows], cut[windows:], f"{args.text_file.name}: windows from its start"
-    from cache.text_splits import CORPORA, split_windows
+    from cache.retention.text_splits import CORPORA, split_windows
 
     train, held = [], []
     for n, corpus in enumerate(CORPORA):  # half of each from each kind of text
@@ -416,14 +417,18 @@ def retention_text(args: argparse.Namespace, tokenizer) -> tuple[list, list, str
         train += split_windows(tokenizer, corpus, "train", share, tokens)
         if held_share:
             held += split_windows(tokenizer, corpus, "select", held_share, tokens)
-    return train, held, "cache/text_splits.py: essays + code, train split (held out: select split)"
+    return (
+        train,
+        held,
+        "cache/retention/text_splits.py: essays + code, train split (held out: select split)",
+    )
 
 
 def cmd_calibrate_retention(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from cache.retention import USER, forget
-    from cache.retention_training import TrainConfig, train_retention
+    from cache.retention.training import TrainConfig, train_retention
     from models.loading import load_model, served_model_id
 
     model, tokenizer = load_model(args.model)

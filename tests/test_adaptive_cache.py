@@ -4,9 +4,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from cache.adaptive import AdaptiveH2OKVCache
 from cache.attention import ATTENTION
-from cache.h2o import H2OKVCache
+from cache.policies.adaptive import AdaptiveH2OKVCache
+from cache.policies.h2o import H2OKVCache
 
 SEGMENTS = dict(sink=2, heavy=6, recent=8, evict_batch=2)
 STEPS = [300] + [1] * 40 + [7] + [1] * 10  # a prompt past one query block, decode, a chunk

@@ -1,7 +1,7 @@
 """RoPE with one offset per row: a batched decode step and a context shift's key turns.
 
-A batched step hands RoPE an array of offsets, one per session row (cache/batch.py);
-re-indexing turns every held key by its own, negative, offset (cache/h2o.py
+A batched step hands RoPE an array of offsets, one per session row (cache/batching/batch.py);
+re-indexing turns every held key by its own, negative, offset (cache/policies/h2o.py
 `turn_keys`). Tiny random-weight llamas, one per RoPE variant mlx-lm builds for them.
 On MLX 0.32.4's CUDA backend negative per-row offsets come out wrong (docs/gpu.md):
 these tests pass on every backend, and that one is where they matter.
@@ -16,8 +16,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from tiny import tiny
 
 from cache import install_router, make_cache
-from cache.batch import batch_caches
-from cache.h2o import turn_keys
+from cache.batching.batch import batch_caches
+from cache.policies.h2o import turn_keys
 from config.cache_spec import CacheSpec
 
 ROPES = {

@@ -20,8 +20,8 @@ from test_h2o_slab import assert_holds_the_same
 
 import server.engine.batcher as batcher_module
 from cache import H2OKVCache, KVarNCache, make_cache
+from cache.batching.h2o_slab import slab_key
 from cache.factory import dense_layers
-from cache.h2o_slab import slab_key
 from config.cache_spec import CacheSpec
 from server.engine.batcher import Batcher
 from server.engine.generation import Generation
@@ -419,7 +419,7 @@ def test_a_slab_step_builds_its_padding_mask_once_and_matches_mlx_lm(default_mod
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
-    import cache.batch as batch
+    import cache.batching.batch as batch
     from cache.router import install_router
 
     model, _ = default_model
@@ -563,7 +563,7 @@ def test_a_slab_member_near_its_context_leaves_and_re_indexes_alone(default_mode
 
 def test_h2o_kvarn_sessions_of_one_size_share_a_slab_and_match_alone(default_model, essay_text):
     """h2o-kvarn sessions holding equally many tokens decode as the rows of one KVarNSlab
-    (cache/kvarn_slab.py), across a tile packed and an eviction re-packed, and match a run
+    (cache/batching/kvarn_slab.py), across a tile packed and an eviction re-packed, and match a run
     alone; a session holding another count decodes beside it."""
     model, tokenizer = default_model
     ids = tokenizer.encode(essay_text)
@@ -596,7 +596,7 @@ def test_kvarn_sessions_of_any_length_share_a_padded_slab_and_match_alone(
     default_model, essay_text
 ):
     """kvarn sessions holding different counts (under the sink, a tail about to pack, two
-    tiles) decode as the rows of one KVarNPaddedSlab (cache/kvarn_padded.py) and match a
+    tiles) decode as the rows of one KVarNPaddedSlab (cache/batching/kvarn_padded.py) and match a
     run alone; each gets its caches back as alone."""
     model, tokenizer = default_model
     ids = tokenizer.encode(essay_text)

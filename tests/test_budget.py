@@ -142,7 +142,8 @@ def test_session_bytes_count_each_layer_kind():
 
 
 def test_the_dense_tail_of_4bit_keys_is_priced():
-    """h2o-q4 keeps its newest 16 tokens dense too (cache/quantized.py): K and V of 16 tokens
+    """h2o-q4 keeps its newest 16 tokens dense too (cache/policies/quantized.py): K and V of 16
+    tokens
     per global layer and KV head, float32; 8-bit keys keep none unless asked."""
     tail = 2 * 16 * SMOLLM2_CPU.head_dim * 4 * SMOLLM2_CPU.kv_heads * SMOLLM2_CPU.layers
     q4 = session_bytes(SMOLLM2_CPU, "h2o-q4", 256)

@@ -16,7 +16,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from cache import H2OKVarNCache, H2OKVCache, KVarNCache, QuantizedH2OKVCache
 from cache.contents import LayerContents
 from cache.contract import is_scored, layer_contents
-from cache.mixed import MIXED_LAYOUTS
+from cache.policies.mixed import MIXED_LAYOUTS
 from server.api.cache_view import SessionContents, cache_report, token_texts
 
 N_KV, D = 2, 64

@@ -1,7 +1,7 @@
 """Context shift: H2O caches re-index RoPE positions before they reach the model's context.
 
 A conversation under an evicting policy may outgrow the model's context: the
-held keys are re-rotated to positions 0..n-1 in token order (cache/h2o.py).
+held keys are re-rotated to positions 0..n-1 in token order (cache/policies/h2o.py).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import pytest
 
 from cache import make_cache
 from cache.attention import ATTENTION
-from cache.batch import batch_caches
-from cache.h2o_slab import H2OSlab, slab_key
+from cache.batching.batch import batch_caches
+from cache.batching.h2o_slab import H2OSlab, slab_key
 from tests.tiny import tiny
 
 STEPS = 24

@@ -92,7 +92,7 @@ def test_rope_positions_survive_eviction(default_model, essay_text, monkeypatch)
 
     # The bug fails it, already over the first 48 decoded tokens, against the full cache's
     # perplexity over the same tokens (measured: 90.8 against 18.5, 4.9x).
-    monkeypatch.setattr("cache.h2o.H2OKVCache", OffsetResetBug)  # the h2o record's class
+    monkeypatch.setattr("cache.policies.h2o.H2OKVCache", OffsetResetBug)  # the h2o record's class
     buggy_ppl = decode_perplexity(model, ids[:112], make_cache(model, "h2o", max_kv=64))
     full_48 = nn.losses.cross_entropy(full_logits[:, 63:111], seq[:, 64:112]).mean().item()
     assert buggy_ppl > 1.15 * math.exp(full_48)

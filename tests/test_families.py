@@ -177,7 +177,7 @@ def test_learned_sinks_reach_the_scored_attention(policy):
 def test_mla_reindexes_the_rope_part_only():
     """An MLA layer's H2O cache holds the latent as keys and the key's RoPE part as values:
     re-indexing positions turns the values and leaves the latent as it is."""
-    from cache.h2o import H2OKVCache, turn_keys
+    from cache.policies.h2o import H2OKVCache, turn_keys
 
     model = build("deepseek_v3")
     try:

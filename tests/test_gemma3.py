@@ -274,7 +274,7 @@ def test_server_serves_gemma_within_the_budget(gemma_model, essay_text, tmp_path
 
 def test_sessions_share_forward_passes_and_decode_as_alone(gemma_model, essay_text):
     """Gemma's sliding-window layers take each session's own window mask in a shared
-    pass (cache/batch.py `PartMasks`): prompts past the 512-token window in 128-token
+    pass (cache/batching/batch.py `PartMasks`): prompts past the 512-token window in 128-token
     chunks, sharing prefill passes, then decoding in one pass per round, give what each
     gives alone, under full (sliding layers keep their dense window), h2o (global
     layers evict) and kvarn. The full ones decode as rows of one KVSlab (their sliding

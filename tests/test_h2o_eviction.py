@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 
 import cache  # noqa: F401  (registers the class with mlx-lm)
 from cache import H2OKVCache, QuantizedH2OKVCache
-from cache.merging import MergingH2OKVCache
+from cache.policies.merging import MergingH2OKVCache
 from cache.scores import make_score_rule
 from config.cache_spec import split_segments
 
@@ -303,14 +303,16 @@ def _twin_decode(make, steps: int, rng: np.random.Generator) -> H2OKVCache:
 def test_a_decode_eviction_is_one_compiled_call_with_the_same_result(make, monkeypatch):
     """At the buffers' final size a decode's eviction is one compiled call; it keeps exactly
     what the op-by-op eviction keeps (slots, K/V, scores, positions, counters)."""
-    import cache.h2o
+    import cache.policies.h2o
 
     calls = []
-    compiled = cache.h2o._compiled_eviction
-    monkeypatch.setattr(cache.h2o, "_compiled_eviction", lambda c: calls.append(c) or compiled(c))
+    compiled = cache.policies.h2o._compiled_eviction
+    monkeypatch.setattr(
+        cache.policies.h2o, "_compiled_eviction", lambda c: calls.append(c) or compiled(c)
+    )
     fused = _twin_decode(make, 40, np.random.default_rng(5))
     assert calls and len(calls) == fused.evicted // fused.evict_batch  # every eviction
-    monkeypatch.setattr(cache.h2o, "_compiled_eviction", lambda c: None)
+    monkeypatch.setattr(cache.policies.h2o, "_compiled_eviction", lambda c: None)
     plain = _twin_decode(make, 40, np.random.default_rng(5))
     assert (fused.used, fused.seen, fused.evicted) == (plain.used, plain.seen, plain.evicted)
     for name in fused.eviction_buffers():  # a merge's counts too

@@ -1,4 +1,4 @@
-"""H2OSlab (cache/h2o_slab.py): H2O sessions, dense or packed, as rows of shared buffers.
+"""H2OSlab (cache/batching/h2o_slab.py): H2O sessions, dense or packed, as rows of shared buffers.
 
 Tiny random llamas (these tests also run on a lent GPU, where no model file travels).
 Sessions of different prompt lengths, some evicting from the first step and some
@@ -18,8 +18,8 @@ from tiny import tiny
 
 from cache import H2OKVCache, install_router, make_cache
 from cache.attention import ATTENTION
-from cache.batch import batch_caches
-from cache.h2o_slab import H2OSlab, H2OSlabLayer, near_wall, slab_key
+from cache.batching.batch import batch_caches
+from cache.batching.h2o_slab import H2OSlab, H2OSlabLayer, near_wall, slab_key
 from config.cache_spec import CacheSpec
 from config.policies import POLICIES
 
@@ -40,7 +40,8 @@ SCORES = ("attn", "ema", "tova")
 def held(cache: H2OKVCache) -> dict[str, np.ndarray]:
     """A cache's slots in position order, per head: what it holds, not where. Packed
     K/V come dequantized, with each element's quantization step beside them (the packed
-    copies a lone cache's newest tokens still wait for written first: cache/quantized.py)."""
+    copies a lone cache's newest tokens still wait for written first:
+    cache/policies/quantized.py)."""
     if hasattr(cache, "pack_pending"):
         cache.pack_pending()
     n = cache.size()

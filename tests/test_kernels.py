@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from cache.kvarn_tiles import encode_keys, encode_values
+from cache.policies.kvarn_tiles import encode_keys, encode_values
 from cache.scores.base import per_kv_head
 from kernels import cuda, dispatch, metal, reference
 from kernels.kvarn import TileFormat, kvarn_sdpa_with_probs

@@ -20,8 +20,8 @@ from cache import ATTENTION, H2OKVarNCache, H2OKVCache, KVarNCache, QuantizedH2O
 from cache.attention import ScoredAttention
 from cache.budget import ModelShape, cache_bytes, max_kv_within
 from cache.factory import dense_layers, outgrows_dense, pack_dense, spec_as_held
-from cache.full import FullKVCache, plain
-from cache.kvarn_tiles import (
+from cache.policies.full import FullKVCache, plain
+from cache.policies.kvarn_tiles import (
     SINKHORN_ITERS,
     encode_keys,
     encode_tiles,

@@ -1,4 +1,4 @@
-"""KVarNPaddedSlab (cache/kvarn_padded.py): `kvarn` sessions holding different counts
+"""KVarNPaddedSlab (cache/batching/kvarn_padded.py): `kvarn` sessions holding different counts
 decode as the rows of one layer cache, tiles padded, under a mask of what each row holds.
 
 A tiny random llama (head dim 64: KVarN's Hadamard blocks and value groups fit) with
@@ -19,10 +19,10 @@ from test_kvarn_slab import _leaves, decode_in_slab, decoded_alone, leave_all, s
 from tiny import tiny
 
 from cache import install_router, make_cache
-from cache.batch import batch_caches, open_h2o_slab
-from cache.h2o_slab import slab_key
-from cache.kvarn import KVarNCache
-from cache.kvarn_padded import KVarNPaddedSlab
+from cache.batching.batch import batch_caches, open_h2o_slab
+from cache.batching.h2o_slab import slab_key
+from cache.batching.kvarn_padded import KVarNPaddedSlab
+from cache.policies.kvarn import KVarNCache
 from config.cache_spec import CacheSpec
 
 SPEC = CacheSpec("kvarn", 1024)

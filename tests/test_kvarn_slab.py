@@ -1,4 +1,4 @@
-"""KVarNSlab (cache/kvarn_slab.py): h2o-kvarn sessions holding equally many tokens decode
+"""KVarNSlab (cache/batching/kvarn_slab.py): h2o-kvarn sessions holding equally many tokens decode
 as the rows of one H2OKVarNCache per layer.
 
 A tiny random llama (head dim 64: KVarN's Hadamard blocks and value groups fit), max_kv
@@ -18,10 +18,10 @@ from test_h2o_slab import counted_calls
 from tiny import tiny
 
 from cache import install_router, make_cache
-from cache.batch import batch_caches, open_h2o_slab
-from cache.h2o_kvarn import H2OKVarNCache
-from cache.h2o_slab import slab_key
-from cache.kvarn_slab import KVarNSlab
+from cache.batching.batch import batch_caches, open_h2o_slab
+from cache.batching.h2o_slab import slab_key
+from cache.batching.kvarn_slab import KVarNSlab
+from cache.policies.h2o_kvarn import H2OKVarNCache
 from config.cache_spec import CacheSpec
 
 SPEC = CacheSpec("h2o-kvarn", 64)

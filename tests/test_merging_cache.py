@@ -7,8 +7,8 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from bench.merge_eviction import AllPairsMerging
 from cache.attention import ATTENTION
-from cache.h2o import H2OKVCache
-from cache.merging import MergingH2OKVCache
+from cache.policies.h2o import H2OKVCache
+from cache.policies.merging import MergingH2OKVCache
 from kernels.reference import bias_as_mask, sdpa_with_scores
 
 SEGMENTS = dict(sink=2, heavy=6, recent=8, evict_batch=2)
@@ -119,11 +119,13 @@ def test_middle_cosines_evict_what_every_pair_evicts(seed, monkeypatch):
     """Over a prompt, decode steps (compiled evictions) and a chunk, comparing middle keys
     only keeps the same tokens as comparing every slot, and its cosines are [middle x
     middle]: sinks and the recent window (half of max_kv) never enter them."""
-    import cache.merging
+    import cache.policies.merging
 
     shapes = []
-    unit = cache.merging._unit
-    monkeypatch.setattr(cache.merging, "_unit", lambda x: shapes.append(x.shape) or unit(x))
+    unit = cache.policies.merging._unit
+    monkeypatch.setattr(
+        cache.policies.merging, "_unit", lambda x: shapes.append(x.shape) or unit(x)
+    )
     reference = AllPairsMerging(16, **SEGMENTS)
     feed(reference, seed)
     shapes.clear()

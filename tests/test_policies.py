@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 
 from cache import install_router, make_cache
-from cache.batch import batch_caches, open_h2o_slab
+from cache.batching.batch import batch_caches, open_h2o_slab
+from cache.batching.h2o_slab import slab_key
 from cache.budget import session_bytes
 from cache.contract import LayerCache, cache_class, layer_contents, tokens_seen
 from cache.factory import adopt, dense_layers, pack_dense, spec_as_held
-from cache.full import plain
-from cache.h2o_slab import slab_key
+from cache.policies.full import plain
 from config.cache_spec import RECALL_ARCHIVE, CacheSpec
 from config.policies import POLICIES, VIEW_KINDS
 from models.shape import kv_shape

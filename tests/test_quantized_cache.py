@@ -1,4 +1,4 @@
-"""Quantized H2O caches: h2o-q8, h2o-q4 and h2o-mixed (cache/quantized.py).
+"""Quantized H2O caches: h2o-q8, h2o-q4 and h2o-mixed (cache/policies/quantized.py).
 
 Unit checks on random keys (eviction, bytes, attention, trim, save/load), then
 the default model: each quantized policy's next-token distribution against
@@ -16,8 +16,8 @@ import cache  # noqa: F401  (registers the cache classes with mlx-lm)
 from cache import ATTENTION, H2OKVCache, QuantizedH2OKVCache, make_cache
 from cache.attention import ScoredAttention, seq_length
 from cache.budget import ModelShape, session_bytes
-from cache.h2o import turn_keys
-from cache.mixed import MIXED_LAYOUTS
+from cache.policies.h2o import turn_keys
+from cache.policies.mixed import MIXED_LAYOUTS
 from kernels.hadamard import rotate
 from kernels.reference import sdpa_with_scores
 
@@ -162,7 +162,7 @@ def test_attention_matches_dense_attention_over_the_stored_values(layout, path):
         keys, values = c.update_and_fetch(k, v)
         mask = c.make_mask(n_new)
         out, scores = attention(q, keys, values, c, scale=D**-0.5, mask=mask)
-        # A decode at the final size reads every slot, the free ones masked (cache/h2o.py).
+        # A decode at the final size reads every slot, the free ones masked (cache/policies/h2o.py).
         mask = c.attention_mask(N_Q, n_new, mask)
         ref_out, ref_scores = sdpa_with_scores(q, *dense_view(c, keys, values), D**-0.5, mask)
         np.testing.assert_allclose(np.array(out), np.array(ref_out), atol=1e-5, rtol=1e-4)
@@ -268,7 +268,7 @@ def test_a_gpu_decode_reads_pools_and_packed_slots_in_one_kernel_call(emulated_g
 
 def test_dense_recent_mixed_quantizes_each_token_once():
     """Its old segment's values are exactly what h2o-q8 packs for the same tokens: no second
-    rounding. (Values: h2o-q8 stores its keys centred, cache/quantized.py.)"""
+    rounding. (Values: h2o-q8 stores its keys centred, cache/policies/quantized.py.)"""
     rng = np.random.default_rng(3)
     q8 = LAYOUTS["q8"]()
     mixed = LAYOUTS["mixed-dense-recent"]()

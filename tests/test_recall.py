@@ -1,4 +1,5 @@
-"""h2o-recall (cache/recall.py): evicted tokens wait in a packed archive, and a prompt chunk
+"""h2o-recall (cache/policies/recall.py): evicted tokens wait in a packed archive, and a prompt
+chunk
 that attends to them brings them back."""
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ import numpy as np
 import pytest
 
 from cache.attention import ScoredAttention
-from cache.h2o import H2OKVCache
-from cache.recall import RecallH2OKVCache
+from cache.policies.h2o import H2OKVCache
+from cache.policies.recall import RecallH2OKVCache
 from config.cache_spec import CacheSpec, default_recall
 
 H, D = 2, 64  # KV heads, head dim (one 8-bit group of 64)

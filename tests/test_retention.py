@@ -1,5 +1,6 @@
-"""The `learned` score rule and its retention gates (cache/retention.py, cache/scores/learned.py,
-cache/retention_training.py), on tiny random models: training is deterministic, gates
+"""The `learned` score rule and its retention gates (cache/retention/__init__.py,
+cache/scores/learned.py,
+cache/retention/training.py), on tiny random models: training is deterministic, gates
 save, load and score, a model without gates ranks by `mean` and says so once, and every
 evicting policy takes the rule (the ones that can hand their K/V over rank by the gates)."""
 
@@ -27,7 +28,7 @@ from cache.retention import (
     signature,
     unrotated,
 )
-from cache.retention_training import TrainConfig, _surviving, train_retention
+from cache.retention.training import TrainConfig, _surviving, train_retention
 from cache.scores import LearnedScore, MeanAttnScore, make_score_rule
 from config.policies import POLICIES
 from tests.tiny import tiny

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from tiny import tiny
 
 from cache import H2OKVCache, ScoresMissing, UnroutedAttention, make_cache, uninstall_router
-from cache.recall import RecallH2OKVCache
+from cache.policies.recall import RecallH2OKVCache
 from cache.router import install_router
 
 

@@ -13,9 +13,9 @@ from mlx_lm.generate import generate_step, stream_generate
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from cache.factory import make_cache
-from cache.h2o import H2OKVCache
+from cache.policies.h2o import H2OKVCache
+from cache.policies.windowed import WindowedH2OKVCache
 from cache.router import uninstall_router
-from cache.windowed import WindowedH2OKVCache
 
 VOCAB = 256
 WINDOW = 16  # gemma3 sliding window

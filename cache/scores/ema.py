@@ -27,7 +27,8 @@ class EmaScore(ScoreRule):
         self, held: mx.array, logits: mx.array, n_kv_heads: int, probs: mx.array | None = None
     ) -> mx.array:
         a, L = self.alpha, logits.shape[2]
-        # -inf: causal rows of a chunk, and keys outside a sliding window (cache/windowed.py)
+        # -inf: causal rows of a chunk, and keys outside a sliding window
+        # (cache/policies/windowed.py)
         magnitude = mx.where(mx.isinf(logits), 0.0, mx.abs(logits))
         if L == 1:
             weighted = magnitude * (1.0 - a)

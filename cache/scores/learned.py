@@ -2,10 +2,10 @@
 
 TRIM-KV and KVzap showed that a tiny function of what a token is, trained against the
 frozen model, predicts whether later queries will need it better than its attention so
-far. Here the gate g (cache/retention.py: linear, per layer and KV head, in the
+far. Here the gate g (cache/retention/__init__.py: linear, per layer and KV head, in the
 RoPE-invariant parts of the key, its direction before RoPE, and the value) multiplies
 `mean`'s rank by exp(g) at each eviction: attention per query still says what was used,
-the gate what will be (trained with the budget in the loop: cache/retention_training.py).
+the gate what will be (trained with the budget in the loop: cache/retention/training.py).
 It reads the held keys and values the cache hands it (`kv`, dense) and their positions,
 so it adds nothing to a decode step and nothing per slot; h2o-ada's pool of every head's
 slots gates each slot under its own head's weights, and a cache that cannot hand them

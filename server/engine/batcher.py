@@ -2,16 +2,16 @@
 
 Each round, on the worker thread:
 1. every decoding generation feeds its next input in ONE forward pass (several
-   sessions' caches as one batch, cache/batch.py: the weights are read once for
+   sessions' caches as one batch, cache/batching/batch.py: the weights are read once for
    all rows) and draws its next token lazily, launched with `mx.async_eval`.
    Decoding sessions whose caches are plain (mlx-lm's KVCache, or a sliding window
    that keeps no sinks: Gemma 3's) share a KVSlab: one cache update
    and one attention call per layer for all of them. A session joins when its
    prompt is in, if the slab's padding stays under half of it, and leaves
    (its rows written back) when its request ends. H2O sessions (dense or
-   packed) of one configuration share an H2OSlab (cache/h2o_slab.py) the same way,
-   h2o-kvarn sessions holding equally many tokens a KVarNSlab (cache/kvarn_slab.py),
-   kvarn sessions a KVarNPaddedSlab (cache/kvarn_padded.py) while its padding stays
+   packed) of one configuration share an H2OSlab (cache/batching/h2o_slab.py) the same way,
+   h2o-kvarn sessions holding equally many tokens a KVarNSlab (cache/batching/kvarn_slab.py),
+   kvarn sessions a KVarNPaddedSlab (cache/batching/kvarn_padded.py) while its padding stays
    under what its rows hold;
 2. while that computes, last round's draws, which were this round's inputs, are
    read and become the replies' Deltas (building a step while the previous one
@@ -24,7 +24,7 @@ Each round, on the worker thread:
    stream never waits for a whole long prompt. Chunks share forward passes,
    right-padded, as mlx-lm's own server prefills a batch, as long as a pass holds
    at most one chunk's worth of padded tokens (its working set stays a chunk's);
-   each cache stores and attends only its own chunk (cache/batch.py), so H2O
+   each cache stores and attends only its own chunk (cache/batching/batch.py), so H2O
    caches score and evict as alone (quantized ones prefill alone: `_passes`).
    Chunks are whole `prefill_step` pieces of a request's prompt, never cut by
    the budget: H2O evicts after each chunk, so a request's cache must not depend
@@ -46,11 +46,11 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from cache import install_router, make_cache
-from cache.batch import KVSlab, batch_caches, open_h2o_slab
+from cache.batching.batch import KVSlab, batch_caches, open_h2o_slab
+from cache.batching.h2o_slab import H2OSlab, near_wall, slab_key
+from cache.batching.kvarn_slab import KVarNSlab
 from cache.contract import step_scores
 from cache.factory import dense_layers, outgrows_dense, pack_dense
-from cache.h2o_slab import H2OSlab, near_wall, slab_key
-from cache.kvarn_slab import KVarNSlab
 from config.cache_spec import CacheSpec
 from server.engine.generation import Generation
 from server.engine.jobs import Delta

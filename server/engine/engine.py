@@ -85,7 +85,9 @@ class Engine:
         shape = kv_shape(model)
         if settings.context:
             shape = replace(shape, context=settings.context, context_stated=True)
-        if settings.prefill_step > shape.context // 4:  # cache/h2o.py re-indexes 1/4 before
+        if (
+            settings.prefill_step > shape.context // 4
+        ):  # cache/policies/h2o.py re-indexes 1/4 before
             log.warning(
                 "--prefill-step %d is over a quarter of the context (%d): a prompt chunk may "
                 "take RoPE positions past the context before H2O re-indexes them",

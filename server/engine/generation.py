@@ -25,7 +25,7 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
-from cache.batch import kv_slab_layer
+from cache.batching.batch import kv_slab_layer
 from server.engine.detokenize import IncrementalText, decoder
 from server.engine.grammar import Constraint
 from server.engine.jobs import Delta, Finished, SamplingParams, TokenLogprob

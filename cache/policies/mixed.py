@@ -9,7 +9,7 @@ unquantized). A token moves from recent to old when the window passes it. Slots
 stay in position order (eviction gathers sorted indices), so scores over
 [old | recent] line up with H2OKVCache's per-slot bookkeeping; attention runs
 over each segment and merges them by log-sum-exp (cache/attention.py). Why the
-default h2o-mixed layout is k8v4 instead: cache/quantized.py.
+default h2o-mixed layout is k8v4 instead: cache/policies/quantized.py.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import mlx.core as mx
 from mlx.utils import tree_map
 
 from cache.attention import DENSE, KVFormat, seq_length
-from cache.h2o import H2OKVCache, gather_slots
-from cache.quantized import QuantizedH2OKVCache, quantize
+from cache.policies.h2o import H2OKVCache, gather_slots
+from cache.policies.quantized import QuantizedH2OKVCache, quantize
 from config.cache_spec import DEFAULT_GROUP_SIZE, MIXED_SCHEMES, CacheSpec
 
 
@@ -210,7 +210,7 @@ def _concat(a: mx.array, b: mx.array) -> mx.array:
 
 
 # config/cache_spec.MIXED_SCHEMES -> (cache class, its width arguments). k8v4, the default,
-# is the plain quantized cache with split widths; cache/quantized.py says why it wins.
+# is the plain quantized cache with split widths; cache/policies/quantized.py says why it wins.
 MIXED_LAYOUTS = {
     "k8v4": (QuantizedH2OKVCache, {"bits": 8, "value_bits": 4}),
     "paper": (MixedH2OKVCache, {"heavy_bits": 8, "recent_bits": 4}),

@@ -24,10 +24,10 @@ import json
 
 import mlx.core as mx
 
-from cache.h2o import H2OKVCache
-from cache.heavy_hitters import segment_knobs
-from cache.mixed import MIXED_LAYOUTS, MixedH2OKVCache
-from cache.quantized import QuantizedH2OKVCache
+from cache.policies.h2o import H2OKVCache
+from cache.policies.mixed import MIXED_LAYOUTS, MixedH2OKVCache
+from cache.policies.quantized import QuantizedH2OKVCache
+from cache.scores.heavy_hitters import segment_knobs
 from config.cache_spec import CacheSpec
 
 

@@ -4,7 +4,7 @@ KVarN (Muller et al., 2026; mlx-kvarn): every token is Hadamard-rotated along th
 dim (kernels/hadamard.py) on arrival. The first `sink` tokens (128) stay dense in the
 front pool. Later tokens wait, dense, in the tail pool until `tile` (128) of them have
 gathered; that tile is then Sinkhorn-balanced and packed, keys and values at their own
-widths (cache/kvarn_tiles.py; presets: config/cache_spec.KVARN_PRESETS, k4v2 default).
+widths (cache/policies/kvarn_tiles.py; presets: config/cache_spec.KVARN_PRESETS, k4v2 default).
 Nothing is ever
 evicted: memory grows by one packed tile per `tile` tokens. Under `auto` a conversation
 starts in plain dense caches and is stored into these when it outgrows the tokens its
@@ -33,8 +33,8 @@ from cache.attention import KVFormat
 from cache.budget import kvarn_layer_bytes, value_group
 from cache.contents import LayerContents, every_token
 from cache.contract import ScoredCache
-from cache.full import FullKVCache
-from cache.kvarn_tiles import SINKHORN_ITERS, encode_tiles
+from cache.policies.full import FullKVCache
+from cache.policies.kvarn_tiles import SINKHORN_ITERS, encode_tiles
 from config.cache_spec import KVARN_PRESETS, KVARN_SINK, KVARN_TILE, QUANT_GROUP_SIZES, CacheSpec
 from config.policies import FULL, KVARN
 from kernels.hadamard import hadamard_block, rotate
@@ -122,7 +122,7 @@ class KVarNCache(ScoredCache):
 
     def slab_key(self) -> tuple | None:
         """Sessions of one configuration decode as rows of one padded slab, whatever
-        they hold (cache/kvarn_padded.py)."""
+        they hold (cache/batching/kvarn_padded.py)."""
         if self.front is None:
             return None
         front = self.front[0]  # fmt: widths, tile and value group

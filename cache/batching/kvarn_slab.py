@@ -1,6 +1,6 @@
 """KVarNSlab: h2o-kvarn sessions holding equally many tokens, decoding as one cache.
 
-A KVarN row's layout (cache/kvarn.py: dense front pool, packed tiles, dense tail) follows
+A KVarN row's layout (cache/policies/kvarn.py: dense front pool, packed tiles, dense tail) follows
 from how many tokens it holds, and an h2o-kvarn decode step changes that number alike for
 every row: one token in, the tail packed into a tile when it fills, and past max_kv an
 eviction down to `keep` (the "requantize" rule keeps exactly that many per head). Rows
@@ -30,8 +30,8 @@ from collections.abc import Hashable
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
-from cache.h2o_kvarn import H2OKVarNCache
-from cache.h2o_slab import SlabRows
+from cache.batching.h2o_slab import SlabRows
+from cache.policies.h2o_kvarn import H2OKVarNCache
 
 ARRAYS = ("front", "tiles", "tail", "scores", "positions")  # a row's, batch axis first
 

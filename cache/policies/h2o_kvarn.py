@@ -39,11 +39,11 @@ from cache.attention import ATTENTION
 from cache.budget import H2O_BOOKKEEPING, kvarn_layer_bytes, value_group
 from cache.compiled_decode import attend_then_score, attended_and_scored, compiled_on_template
 from cache.contents import LayerContents, scored_contents
-from cache.heavy_hitters import HeavyHitters, segment_knobs
-from cache.kvarn import KVarNCache
-from cache.kvarn import check_head_dim as check_kvarn_head_dim
-from cache.kvarn_tiles import SINKHORN_ITERS, encode_tiles
+from cache.policies.kvarn import KVarNCache
+from cache.policies.kvarn import check_head_dim as check_kvarn_head_dim
+from cache.policies.kvarn_tiles import SINKHORN_ITERS, encode_tiles
 from cache.scores import ScoreRule
+from cache.scores.heavy_hitters import HeavyHitters, segment_knobs
 from config.cache_spec import (
     DEFAULT_SCORE,
     H2O_KVARN_REPACK_SINKHORN_ITERS,
@@ -191,7 +191,8 @@ class H2OKVarNCache(HeavyHitters, KVarNCache):
         return out
 
     def _next_positions(self, n: int) -> mx.array:
-        """The positions of the next n tokens (a slab's rows: each its own, cache/kvarn_slab.py)."""
+        """The positions of the next n tokens (a slab's rows: each its own,
+        cache/batching/kvarn_slab.py)."""
         return mx.arange(self.offset, self.offset + n, dtype=mx.int32)
 
     def _seen_now(self) -> mx.array:
@@ -282,7 +283,8 @@ class H2OKVarNCache(HeavyHitters, KVarNCache):
 
     def slab_key(self) -> Hashable | None:
         """Rows that hold as many tokens hold them in one layout, now and after every later
-        decode step (cache/kvarn_slab.py): the key holds the size. Whole-tile eviction drops
+        decode step (cache/batching/kvarn_slab.py): the key holds the size. Whole-tile eviction
+        drops
         as many tiles as each row's candidates allow, so its rows would part: it stays alone."""
         if self.strategy != "requantize" or self.scores is None:
             return None

@@ -1,6 +1,6 @@
 """KVarNPaddedSlab: `kvarn` sessions of one configuration decoding as one cache per layer.
 
-A KVarNCache (cache/kvarn.py) keeps every token: a dense front pool (`sink` slots), packed
+A KVarNCache (cache/policies/kvarn.py) keeps every token: a dense front pool (`sink` slots), packed
 tiles, a dense tail pool (`tile` slots). Sessions of a chat server hold different counts,
 so their layouts differ: side by side in a batched pass each is a part of its own, one
 store and one attention call per session and layer. Here every member is a row of one
@@ -39,11 +39,11 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
 from cache.attention import KVFormat
+from cache.batching.kvarn_slab import LendingRows, drop_arrays
 from cache.compiled_decode import scatter_write
 from cache.contract import ScoredCache
-from cache.kvarn import KVarNCache
-from cache.kvarn_slab import LendingRows, drop_arrays
-from cache.kvarn_tiles import encode_tiles
+from cache.policies.kvarn import KVarNCache
+from cache.policies.kvarn_tiles import encode_tiles
 from kernels.hadamard import rotate
 
 

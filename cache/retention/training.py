@@ -1,7 +1,7 @@
 """Training retention gates against the frozen model, with the budget in the loop.
 
 One full-cache forward pass per training window records, for every layer, what the
-gate's loss needs: each token's gate inputs (cache/retention.py `features` of its key
+gate's loss needs: each token's gate inputs (cache/retention/__init__.py `features` of its key
 and value), the values, and at some sampled query rows t the attention probabilities
 p_ti, the attention output o_t, and `mean`'s rank of every key at that step (the
 probability it drew from the queries before t, per query). The model is never run

@@ -33,7 +33,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from cache.budget import MERGING_BOOKKEEPING
-from cache.h2o import H2OKVCache, gather_slots
+from cache.policies.h2o import H2OKVCache, gather_slots
 
 
 class MergingH2OKVCache(H2OKVCache):

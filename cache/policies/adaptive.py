@@ -30,7 +30,7 @@ import numpy as np
 
 from cache.budget import ADAPTIVE_BOOKKEEPING
 from cache.contents import LayerContents, scored_contents
-from cache.h2o import H2OKVCache, gather_slots
+from cache.policies.h2o import H2OKVCache, gather_slots
 
 DEFAULT_FLOOR = 0.2  # of a head's uniform heavy share it always keeps
 

@@ -8,7 +8,7 @@ back to where it was before RoPE (by its position), read as a fixed query would 
 (`features`). Its output g is added to the log of the base rule's rank (`mean`),
 i.e. the rank is multiplied by exp(g): a token whose key and value look like those the
 model keeps needing stays longer (cache/scores/learned.py). How g is trained:
-cache/retention_training.py; what it measured: docs/retention.md.
+cache/retention/training.py; what it measured: docs/retention.md.
 
 Weights are one small safetensors file per model (the array `w` [layers, kv_heads,
 features], float32, and a JSON metadata record), found by a fingerprint of the model's
@@ -34,7 +34,7 @@ from mlx.utils import tree_flatten
 
 log = logging.getLogger("h2o_server.retention")
 
-PACKAGED = Path(__file__).parent / "retention"
+PACKAGED = Path(__file__).parent  # the embedded models' gates ship beside this module
 USER = Path.home() / ".cache" / "h2o-server" / "retention"
 G_CLIP = 20.0  # |g| at most this: exp(g) stays finite in float32
 

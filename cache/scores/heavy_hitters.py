@@ -1,7 +1,7 @@
 """The H2O rule every evicting cache shares: its segments, its score rule, what stays.
 
-Dense, packed, merging, recall, pooled and windowed H2O caches (cache/h2o.py and its
-subclasses) and KVarN-packed H2O (cache/h2o_kvarn.py) differ in how they store K/V and
+Dense, packed, merging, recall, pooled and windowed H2O caches (cache/policies/h2o.py and its
+subclasses) and KVarN-packed H2O (cache/policies/h2o_kvarn.py) differ in how they store K/V and
 how they move it when tokens leave. Which tokens leave is decided here, for all of them:
 the sinks and the recent window always stay, middle tokens rank by the score rule, and
 an eviction keeps max_size + 1 - evict_batch of them (the next evict_batch - 1 tokens

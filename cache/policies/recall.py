@@ -31,8 +31,8 @@ from mlx.utils import tree_flatten
 
 from cache.attention import DENSE
 from cache.budget import H2O_BOOKKEEPING, kv_width
-from cache.h2o import H2OKVCache
-from cache.quantized import check_group, quantize
+from cache.policies.h2o import H2OKVCache
+from cache.policies.quantized import check_group, quantize
 from cache.scores.snap import sliding_max
 from config.cache_spec import (
     DEFAULT_GROUP_SIZE,

@@ -3,7 +3,7 @@
 It speaks the cache contract (cache/contract.py: mlx-lm's protocol plus building,
 pricing, contents and slab hooks) as a ScoredCache: the attention router hands
 `update_scores` each attention call's logits. Which tokens leave is the H2O rule
-every evicting cache shares (cache/heavy_hitters.py); this class stores them.
+every evicting cache shares (cache/scores/heavy_hitters.py); this class stores them.
 
 Layout: slots [0, size) of preallocated buffers hold one token each, per KV
 head (heads keep different tokens). `positions` records each slot's token
@@ -28,7 +28,7 @@ per step. Free slots always hold
 score 0 and the position the next appended token will have, so appending
 writes keys and values only.
 
-Subclasses change how K/V are stored (cache/quantized.py) by overriding the
+Subclasses change how K/V are stored (cache/policies/quantized.py) by overriding the
 `encode`/`_fetch`/`_grow_kv`/`_gather_kv`/`_kv_state`/`_kv_loaded` hooks; buffers may be
 lists of arrays (mx.quantize's packed weights, scales, biases), every one
 with the sequence on axis 2, so scoring and eviction never look inside them.
@@ -56,8 +56,8 @@ from cache.compiled_decode import (
 )
 from cache.contents import LayerContents, scored_contents
 from cache.contract import LayerCache, ScoredCache
-from cache.heavy_hitters import HeavyHitters, segment_knobs
 from cache.scores import ScoreRule
+from cache.scores.heavy_hitters import HeavyHitters, segment_knobs
 from config.cache_spec import DEFAULT_SCORE, CacheSpec
 
 if TYPE_CHECKING:
@@ -95,9 +95,12 @@ class H2OKVCache(HeavyHitters, ScoredCache):
 
     @classmethod
     def from_spec(cls, spec: CacheSpec, window: int | None = None) -> H2OKVCache:
-        """A layer of max_kv tokens (the windowed twins, cache/windowed.py, take `window`)."""
+        """A layer of max_kv tokens (the windowed twins, cache/policies/windowed.py, take
+        `window`)."""
         if window is not None:
-            raise ValueError(f"{cls.__name__} is no sliding-window cache (cache/windowed.py)")
+            raise ValueError(
+                f"{cls.__name__} is no sliding-window cache (cache/policies/windowed.py)"
+            )
         return cls(spec.max_kv, **segment_knobs(spec), **cls.spec_knobs(spec))
 
     @classmethod
@@ -144,7 +147,7 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         self.rope, self.wall, self.rotated = rope, wall, rotated
 
     def slab_key(self) -> Hashable | None:
-        """Dense and packed (cache/quantized.py) H2O caches can join a slab once filled,
+        """Dense and packed (cache/policies/quantized.py) H2O caches can join a slab once filled,
         never re-indexed; other layouts (subclasses) cannot."""
         return self._config_key() if self.slab_rows else None
 
@@ -164,7 +167,7 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         return (type(self).__name__, *config, self.score_rule, self.slab_layout(), shapes)
 
     # Whether its slots are all it stores per token (nothing else that moves): an H2OSlab
-    # can hold its rows (cache/h2o_slab.py).
+    # can hold its rows (cache/batching/h2o_slab.py).
     slab_rows: bool = True
     # Whether a decode step, the buffers at their final size, reads every slot under a
     # mask (`fused_decode`): slots one per token and KV head, and anything else kept per
@@ -575,7 +578,7 @@ class H2OKVCache(HeavyHitters, ScoredCache):
     # ------------------------------------------------------------------ internals
 
     # Slots one token takes along the slot axis: one here (a slot row per KV head);
-    # a layout whose heads share one slot axis (cache/adaptive.py) takes one per head.
+    # a layout whose heads share one slot axis (cache/policies/adaptive.py) takes one per head.
     _slots_per_token = 1
 
     @property
@@ -662,7 +665,7 @@ class H2OKVCache(HeavyHitters, ScoredCache):
             self._gather(kept, capacity=self.max_size + 1)
 
     # Whether a decode's eviction may leave slots out of position order (`_fill_holes`): a
-    # dense tail needs the newest tokens in the last slots (cache/quantized.py).
+    # dense tail needs the newest tokens in the last slots (cache/policies/quantized.py).
     fills_holes: bool = True
 
     def _fill_holes(self, kept: mx.array) -> None:

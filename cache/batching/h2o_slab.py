@@ -1,10 +1,10 @@
 """H2O sessions decoding together: each layer's slots for all of them in one buffer.
 
-Alone in a batched pass (cache/batch.py), an H2O session costs every decode step
+Alone in a batched pass (cache/batching/batch.py), an H2O session costs every decode step
 one cache update, one scored attention call and one score update per layer. On a
 GPU a decode step is launch-bound, so that cost grows with the sessions: 16 of them
 decoded at 1.85x one session's rate on an H100, where 16 rows of one KVCache ran
-at 8.9x (docs/gpu.md). KVSlab (cache/batch.py) already shares those calls among
+at 8.9x (docs/gpu.md). KVSlab (cache/batching/batch.py) already shares those calls among
 plain sessions; this is the same for H2O.
 
 Every member's layer is a row of [rows, kv_heads, max_kv + 1, ...] buffers (keys,
@@ -56,9 +56,9 @@ from cache.compiled_decode import (
     updated_scores,
 )
 from cache.contract import LayerCache, ScoredCache
-from cache.h2o import SLOT_BUFFERS as SLOTS
-from cache.h2o import H2OKVCache
-from cache.quantized import encoded, shifted_in
+from cache.policies.h2o import SLOT_BUFFERS as SLOTS
+from cache.policies.h2o import H2OKVCache
+from cache.policies.quantized import encoded, shifted_in
 
 
 def slab_key(caches: list) -> tuple | None:
@@ -334,7 +334,7 @@ class SlabRows:
 
     def admits(self, caches: list[list]) -> list[bool]:
         """Which of these sessions (their caches) may join, in order: all, where rows need
-        no padding (a padded slab weighs it: cache/kvarn_padded.py)."""
+        no padding (a padded slab weighs it: cache/batching/kvarn_padded.py)."""
         return [True] * len(caches)
 
     def near_wall(self, member: Hashable) -> bool:
@@ -519,7 +519,7 @@ def _written(select: bool, fmt: KVFormat, arrays: dict, keys, values, seen) -> d
         put, held = partial(scatter_write, at), mx.put_along_axis(held, at, mx.array(True), 2)
     seen = mx.broadcast_to(seen.reshape(B, 1, 1), (B, H, 1))
     written = {"held": held, "positions": put(arrays["positions"], seen)}
-    if "key_center" in arrays:  # packed rows store keys centred (cache/quantized.py)
+    if "key_center" in arrays:  # packed rows store keys centred (cache/policies/quantized.py)
         keys = keys - arrays["key_center"]
     if "tail_keys" in arrays:
         written["tail_keys"] = shifted_in(arrays["tail_keys"], keys)

@@ -31,14 +31,14 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
+from cache.batching.h2o_slab import H2OSlab, H2OSlabLayer, SlabRows
+from cache.batching.kvarn_padded import KVarNPaddedLayer, KVarNPaddedSlab
+from cache.batching.kvarn_slab import KVarNSlab, KVarNSlabLayer
 from cache.contract import is_state
-from cache.full import plain
-from cache.h2o_kvarn import H2OKVarNCache
-from cache.h2o_slab import H2OSlab, H2OSlabLayer, SlabRows
-from cache.kvarn import KVarNCache
-from cache.kvarn_padded import KVarNPaddedLayer, KVarNPaddedSlab
-from cache.kvarn_slab import KVarNSlab, KVarNSlabLayer
-from cache.rotating import SinkRotatingKVCache
+from cache.policies.full import plain
+from cache.policies.h2o_kvarn import H2OKVarNCache
+from cache.policies.kvarn import KVarNCache
+from cache.policies.rotating import SinkRotatingKVCache
 
 # The slab for a key, by the class of cache that made it (a key's first field, per layer);
 # any other: an H2OSlab.
@@ -46,8 +46,9 @@ SLAB_OF = {KVarNCache.__name__: KVarNPaddedSlab, H2OKVarNCache.__name__: KVarNSl
 
 
 def _rows(part) -> int:
-    """Batch rows a part carries: a slab's (KVSlab, cache/h2o_slab.py, cache/kvarn_slab.py,
-    cache/kvarn_padded.py) or one session's."""
+    """Batch rows a part carries: a slab's (KVSlab, cache/batching/h2o_slab.py,
+    cache/batching/kvarn_slab.py,
+    cache/batching/kvarn_padded.py) or one session's."""
     if isinstance(part, BatchKVCache | BatchRotatingKVCache):
         return part.offset.shape[0]
     slab_layers = H2OSlabLayer | KVarNSlabLayer | KVarNPaddedLayer

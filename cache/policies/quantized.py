@@ -28,7 +28,7 @@ costs as much as q4 everywhere. What 4-bit breaks is the keys: one scale per
 keys instead and is 15x closer to dense. Dense-recent (each token quantized
 once, on leaving the window) is closer still but costs 2.7x the memory, more
 than q8, whose perplexity is already that of dense h2o. All three schemes stay
-selectable (config/cache_spec.MIXED_SCHEMES, cache/mixed.py for the two
+selectable (config/cache_spec.MIXED_SCHEMES, cache/policies/mixed.py for the two
 segmented ones).
 
 Three changes narrow what a key's groups must span. `rotate=True` (Hadamard)
@@ -68,7 +68,7 @@ import mlx.core as mx
 from cache.attention import DENSE, KVFormat, seq_length
 from cache.budget import kv_width, packed_extras
 from cache.compiled_decode import slot_write
-from cache.h2o import H2OKVCache, turn_keys
+from cache.policies.h2o import H2OKVCache, turn_keys
 from config.cache_spec import DEFAULT_GROUP_SIZE, CacheSpec, dense_recent_tokens
 from kernels.hadamard import hadamard_block, rotate
 

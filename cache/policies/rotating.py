@@ -34,7 +34,7 @@ class SinkRotatingKVCache(RotatingKVCache, LayerCache):
     def from_spec(cls, spec, window: int | None = None) -> SinkRotatingKVCache:
         """max_kv tokens; sinks only in global layers: in a sliding-window layer, tokens
         older than its window (sinks included) triple Gemma 3's perplexity
-        (cache/windowed.py)."""
+        (cache/policies/windowed.py)."""
         return cls(max_size=spec.max_kv, keep=0 if window else spec.segments().sink)
 
     @classmethod

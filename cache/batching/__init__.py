@@ -1,0 +1,1 @@
+"""Several sessions' caches decoded as one batch: parts, slabs and padded rows."""
