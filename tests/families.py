@@ -426,10 +426,19 @@ FAMILIES: dict[str, dict] = {
 }
 
 
+def config_of(family: str, **overrides) -> dict:
+    """`family`'s config with `overrides` (inside its `text_config` where it wraps one)."""
+    config = dict(FAMILIES[family])
+    if "text_config" in config:
+        config["text_config"] = {**config["text_config"], **overrides}
+        return config
+    return {**config, **overrides}
+
+
 def build(family: str, **overrides):
     """A float32 random-weight model of `family` (seeded), parameters evaluated;
     `overrides`: config fields changed."""
-    config = {**FAMILIES[family], **overrides}
+    config = config_of(family, **overrides)
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(0)
     model = module.Model(module.ModelArgs.from_dict(config))
@@ -443,23 +452,24 @@ def build(family: str, **overrides):
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "[UNK]"]
 TEMPLATE = (
     "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
-    "{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+    "{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
 def write_folder(family: str, folder):
-    """`family`'s tiny model saved as an MLX folder with a word-level tokenizer of VOCAB
-    tokens (ChatML specials, then words) and a ChatML template; returns the folder."""
+    """`family`'s tiny model saved as an MLX folder with a byte-level tokenizer (ChatML
+    specials, then one token per printable byte: any text, any JSON a grammar forces; the
+    model's rows exactly these, so every id it samples is text) and a ChatML template;
+    returns the folder."""
     from pathlib import Path
 
     from mlx_lm.utils import save_config, save_model
-    from word_tokenizer import save_word_tokenizer
+    from word_tokenizer import CHARS, save_word_tokenizer
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_model(folder, build(family))
-    save_config(dict(FAMILIES[family]), folder / "config.json")
-    words = ["system", "user", "assistant", "tool", "{", "}", '"', ":", ","]
-    words += [f"w{i}" for i in range(VOCAB - len(SPECIAL) - len(words))]
-    save_word_tokenizer(folder, SPECIAL + words, SPECIAL, "<|im_end|>", TEMPLATE)
+    vocab = SPECIAL + CHARS
+    save_model(folder, build(family, vocab_size=len(vocab)))
+    save_config(config_of(family, vocab_size=len(vocab)), folder / "config.json")
+    save_word_tokenizer(folder, vocab, SPECIAL, "<|im_end|>", TEMPLATE)
     return folder

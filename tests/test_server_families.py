@@ -6,17 +6,20 @@ each greedy reply equal to what the same history gets from a fresh session.
 The families here carry the layer kinds the server must hold beside the policy's caches:
 recurrent state (qwen3_next's Gated DeltaNet, lfm2's convolutions, nemotron_h's Mamba with
 MLP-only layers), Gemma 4's KV-shared layers, DeepSeek's MLA latent and gpt-oss's sinks
-(scored: h2o). Qwen3.5 is the qwen3_next layout under a `text_config`, served in
-test_qwen3_5_serves (transformers gives its folder Qwen's own tokenizer class, which this
-word-level test vocabulary does not fit, so only its start and a reply are checked).
+(scored: h2o). Each also answers a streamed forced tool call (its byte-level vocabulary
+spells any JSON). Qwen3.5 is the qwen3_next layout under a `text_config`: its start and a
+reply are checked in test_qwen3_5_serves (transformers gives its folder Qwen's own
+tokenizer class, rebuilt from this vocabulary).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 
+import jsonschema
 import pytest
-from families import write_folder
+from families import SPECIAL, write_folder
 from openai import OpenAI
 from server_harness import running_server
 
@@ -44,6 +47,9 @@ def _chat(client: OpenAI, messages: list, key: str) -> tuple[str, int]:
         messages=messages,
         max_tokens=6,
         temperature=0,
+        # Text only: a random model's special tokens would not survive the history's
+        # rendering, and a wrapped window layer cannot rewind past them.
+        logit_bias=NO_SPECIALS,
         extra_body={"prompt_cache_key": key},
     )
     return reply.choices[0].message.content, reply.usage.prompt_tokens_details.cached_tokens
@@ -78,6 +84,10 @@ def test_family_sessions_through_the_server(family, folders, tmp_path):
             together = list(pool.map(lambda i: _chat(client, prompts[i], f"b{i}")[0], range(4)))
         alone = [_chat(client, p, f"alone-{i}")[0] for i, p in enumerate(prompts)]
         assert together == alone
+        # A forced tool call, streamed: tool_calls deltas whose arguments fit the schema.
+        name, arguments = _forced_call(client)
+        assert name == "get_weather"
+        jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
         # The reply s1's next turn gets without a restart: a twin given s1's turns.
         third = [*edited, _said(rewound), _asks("w2")]
         for messages in (FIRST, second, edited):
@@ -88,6 +98,43 @@ def test_family_sessions_through_the_server(family, folders, tmp_path):
         continued, cached = _chat(_client(server), third, "s1")
         assert cached > 0, "the spilled session came back with its cache"
         assert continued == expected
+
+
+NO_SPECIALS = {str(i): -100 for i in range(len(SPECIAL))}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def _forced_call(client: OpenAI) -> tuple[str, str]:
+    """A streamed `tool_choice: required` turn: the call's name and its arguments."""
+    stream = client.chat.completions.create(
+        model="default",
+        messages=[_asks("weather in Paris?")],
+        tools=[WEATHER],
+        tool_choice="required",
+        stream=True,
+        max_tokens=80,
+        temperature=0,
+    )
+    name, arguments, finish = None, "", None
+    for chunk in stream:
+        for call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            name = call.function.name or name
+            arguments += call.function.arguments or ""
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    assert finish == "tool_calls", finish
+    return name, arguments
 
 
 def _said(text: str) -> dict:

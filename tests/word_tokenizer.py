@@ -1,23 +1,34 @@
-"""A word-level tokenizer saved into a tiny model's folder, as mlx_lm.load reads it."""
+"""A word- or character-level tokenizer saved into a tiny model's folder, as mlx_lm.load
+reads it."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+# Printable ASCII and newline as byte-level BPE writes them (space is U+0120, newline U+010A).
+CHARS = [chr(c) for c in range(33, 127)] + ["\u0120", "\u010a"]
+
 
 def save_word_tokenizer(
     folder: Path, vocab: list[str], special: list[str], eos: str, template: str
 ) -> dict[str, int]:
     """Write tokenizer files for `vocab` (ids in order; `special` among them, `[UNK]` the
-    unknown token), whitespace-split, with a chat template; return the ids."""
+    unknown token), with a chat template; return the ids. Whitespace-split words; or, when
+    `vocab` holds byte-level characters (CHARS), one token per byte as a byte-level BPE
+    without merges, which spells any text (and any JSON a grammar forces)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     ids = {t: i for i, t in enumerate(vocab)}
-    tok = Tokenizer(models.WordLevel(vocab=ids, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
+    if set(CHARS) <= set(vocab):
+        tok = Tokenizer(models.BPE(vocab=ids, merges=[], unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+    else:
+        tok = Tokenizer(models.WordLevel(vocab=ids, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.decoder = decoders.WordPiece(prefix="##")
     tok.add_special_tokens(special)
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="[UNK]", eos_token=eos, pad_token="[UNK]"
