@@ -10,9 +10,10 @@ helpers below are the arithmetic those prices share:
 
 A shape measured from a model (models/shape.py `layer_plan`) prices each cache slot on
 its own: a per-token layer at its own heads and K/V widths, a state layer (linear
-attention, SSM) at the fixed bytes it holds; `model_refusal` says which policies the
-slots cannot hold (MLA's split widths packed, sinks scored, a group size that does not
-divide a head dim), and `auto` never picks one of those.
+attention, SSM) at the fixed bytes it holds, live and at each kept checkpoint;
+`model_refusal` says which policies the slots cannot hold (MLA's split widths packed,
+Gemma 4's shared K/V packed, a group size that does not divide a head dim, sinks under
+h2o-recall), and `auto` never picks one of those.
 
 bytes/token = layers x kv_heads x (2 x head_dim x element bytes + H2O bookkeeping)
 where packed K/V take head_dim x bits / 8 bytes plus one scale and one bias (in the
@@ -40,6 +41,9 @@ from config.policies import AUTO, AUTO_ORDER, FULL, H2O, POLICIES, ROTATING
 from models.shape import PER_TOKEN, SLIDING, ModelShape
 
 H2O_BOOKKEEPING = 8  # float32 score + int32 position, per KV head and token
+# A session keeps its state layers' arrays at this many prompt ends (the points a rewind
+# returns to: server/sessions/conversation.py), each priced as the live state is.
+STATE_CHECKPOINTS = 4
 ADAPTIVE_BOOKKEEPING = 1  # h2o-ada: a uint8 head id per slot (cache/policies/adaptive.py)
 MERGING_BOOKKEEPING = 4  # h2o-merge: a float32 count per slot (cache/policies/merging.py)
 MIN_MAX_KV = 16
@@ -174,7 +178,7 @@ def session_bytes(
                 window = slot.window if slot.kind == SLIDING else None
                 total += layer_bytes(shape.for_slot(slot), spec, window)
             else:
-                total += slot.fixed_bytes
+                total += slot.fixed_bytes * (1 + STATE_CHECKPOINTS)
         return total
     total = shape.global_layers * layer_bytes(shape, spec)
     return total + sum(layer_bytes(shape, spec, window) for window in shape.windows)

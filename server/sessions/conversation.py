@@ -12,6 +12,7 @@ from pathlib import Path
 from mlx_lm.models.cache import ArraysCache
 
 from cache import cache_usage
+from cache.budget import STATE_CHECKPOINTS
 from cache.contract import is_state, trimmable_tokens
 from config.cache_spec import CacheSpec
 from server.sessions.claims import Claim
@@ -84,9 +85,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-CHECKPOINTS_KEPT = 4  # a session's newest state checkpoints (each a copy of its state layers)
-
-
 def rewindable(caches: list, n: int) -> bool:
     """Whether every layer can drop its n newest tokens (H2O: none of them evicted)."""
     return n == 0 or all(trimmable_tokens(c) >= n for c in caches)
@@ -106,7 +104,7 @@ def keep_checkpoint(session: Session) -> None:
     if not states:
         return
     session.checkpoints[len(session.tokens)] = [list(c.cache) for c in states]
-    while len(session.checkpoints) > CHECKPOINTS_KEPT:
+    while len(session.checkpoints) > STATE_CHECKPOINTS:  # what the budget prices
         del session.checkpoints[min(session.checkpoints)]
 
 
