@@ -19,7 +19,7 @@ from cache.policies.rotating import SinkRotatingKVCache
 from cache.router import install_router, verify_routing
 from config.cache_spec import DEFAULT_POLICY, CacheSpec
 from config.policies import FULL, POLICIES, Policy
-from models.shape import LATENT, cache_owners, kv_shape, layer_plan, layer_windows
+from models.shape import LATENT, cache_owners, kv_shape, layer_windows
 
 log = logging.getLogger("h2o_server.cache")
 
@@ -107,10 +107,11 @@ def make_cache(
     info = spec.info
     from cache.budget import model_refusal  # budget prices through the classes: not at import
 
-    refusal = model_refusal(kv_shape(model), spec.policy, spec.group_size)
+    shape = kv_shape(model)  # its slots: what the model's layers hold (measured once)
+    refusal = model_refusal(shape, spec.policy, spec.group_size)
     if refusal is not None:
         raise ValueError(refusal)
-    plan = layer_plan(model)
+    plan = list(shape.slots)
     base = make_prompt_cache(model)
     if spec.layer_shares is not None and len(spec.layer_shares) != len(base):
         raise ValueError(
@@ -125,7 +126,7 @@ def make_cache(
     layer_specs = [spec.for_layer(k) for k in spec.layer_sizes()] or [spec] * len(base)
     own = cache_class(POLICIES[FULL.name] if spec.dense_until else info)  # pack_dense: later
     in_window = cache_class(info, window=True) if info.bounded else None
-    wall = context or kv_shape(model).context
+    wall = context or shape.context
     layers = cache_owners(model, base)
     caches = []
     for layer, slot, window, provided, layer_spec in zip(

@@ -47,8 +47,7 @@ SLAB_OF = {KVarNCache.__name__: KVarNPaddedSlab, H2OKVarNCache.__name__: KVarNSl
 
 def _rows(part) -> int:
     """Batch rows a part carries: a slab's (KVSlab, cache/batching/h2o_slab.py,
-    cache/batching/kvarn_slab.py,
-    cache/batching/kvarn_padded.py) or one session's."""
+    cache/batching/kvarn_slab.py, cache/batching/kvarn_padded.py) or one session's."""
     if isinstance(part, BatchKVCache | BatchRotatingKVCache):
         return part.offset.shape[0]
     slab_layers = H2OSlabLayer | KVarNSlabLayer | KVarNPaddedLayer
