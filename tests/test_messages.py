@@ -19,6 +19,7 @@ from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
 from jinja2 import TemplateError
 from pydantic import TypeAdapter
 from server_harness import MODEL
+from tool_plans import PROMPTED, prompted_plan
 
 from server.api.errors import APIError
 from server.api.messages.protocol import CountTokensRequest, MessagesRequest
@@ -26,7 +27,6 @@ from server.api.messages.replies import MessagesReply
 from server.api.messages.routes import prepared
 from server.api.messages.turn import folded, messages_turn
 from server.api.reasoning import ThinkingSplit
-from server.api.structured import ToolPlan
 from server.engine.jobs import Delta, Failed, Finished, Started
 
 pytestmark = pytest.mark.slow(seconds=60)
@@ -221,6 +221,7 @@ class _FirstSystemOnly:
 
 class _Engine:
     model_id, tokenizer = "m", _FirstSystemOnly()
+    tool_format = PROMPTED
 
     class settings:  # noqa: N801 - the engine's settings object, as prepare reads it
         prefix_min_tokens = 10**6
@@ -300,7 +301,7 @@ def test_thinking_text_and_stops_as_blocks():
 
 
 def test_a_forced_call_streams_its_input_and_an_auto_call_comes_whole():
-    forced = MessagesReply("m", None, [1], tools=ToolPlan(True, {"f"}))
+    forced = MessagesReply("m", None, [1], tools=prompted_plan(True, {"f"}))
     events = _events(forced, _deltas('{"name": "f", "arguments": {"a"', ": 1}}"), Finished(1, 2, 0))
     assert events[2]["content_block"]["type"] == "tool_use" and events[2]["content_block"][
         "id"
@@ -308,7 +309,7 @@ def test_a_forced_call_streams_its_input_and_an_auto_call_comes_whole():
     parts = [e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta"]
     assert len(parts) == 2 and json.loads("".join(parts)) == {"a": 1}
     assert events[-2]["delta"]["stop_reason"] == "tool_use"
-    auto = MessagesReply("m", None, [1], tools=ToolPlan(False, {"f"}))
+    auto = MessagesReply("m", None, [1], tools=prompted_plan(False, {"f"}))
     events = _events(
         auto,
         _deltas("<tool_call>", '{"name": "f", "arguments": {"a": 1}}</tool_call>'),
@@ -319,7 +320,8 @@ def test_a_forced_call_streams_its_input_and_an_auto_call_comes_whole():
     body = Message.model_validate(auto.body())
     assert body.content[0].input == {"a": 1} and body.stop_reason == "tool_use"
     two = '<tool_call>{"name": "f", "arguments": {}}</tool_call>' * 2
-    one = MessagesReply("m", None, [1], tools=ToolPlan(False, {"f"}), parallel=False)
+    plan = prompted_plan(False, {"f"}, parallel=False)
+    one = MessagesReply("m", None, [1], tools=plan, parallel=False)
     _events(one, _deltas(two), Finished(1, 2, 0))  # disable_parallel_tool_use: the first call
     assert [b.type for b in Message.model_validate(one.body()).content] == ["tool_use"]
 

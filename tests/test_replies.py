@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from tool_plans import prompted_plan
 
 from server.api.chat.replies import ReplyBuilder
-from server.api.structured import ToolPlan
 from server.engine.generation import StopText, stop_holdback
 from server.engine.jobs import Delta, Finished, TokenLogprob
 
@@ -92,7 +92,7 @@ def test_text_completion_with_echo_and_logprobs():
 
 
 def test_a_forced_call_streams_one_entry_per_index_in_a_chunk():
-    plan = ToolPlan(forced=True, names={"f"})
+    plan = prompted_plan(True, {"f"})
     reply = ReplyBuilder("chat", "m", Letters(), include_usage=False, tools=plan)
     chunks = reply.chunks(Delta('{"name": "f", "arguments": {"x": 1}}', finish_reason="stop"))
     entries = [c["choices"][0]["delta"].get("tool_calls") for c in chunks]
@@ -101,7 +101,7 @@ def test_a_forced_call_streams_one_entry_per_index_in_a_chunk():
 
 
 def test_a_forced_call_cut_by_max_tokens_is_a_call_with_partial_arguments():
-    plan = ToolPlan(forced=True, names={"f"})
+    plan = prompted_plan(True, {"f"})
     reply = ReplyBuilder("chat", "m", Letters(), include_usage=False, tools=plan)
     reply.add(Delta('{"name": "f", "arguments": {"city": "Pa', finish_reason="length"))
     reply.finish(FINISHED)

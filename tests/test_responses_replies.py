@@ -6,18 +6,18 @@ from __future__ import annotations
 
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
+from tool_plans import prompted_plan
 
 from server.api.reasoning import ThinkingSplit
 from server.api.responses.protocol import ReasoningConfig, ResponseObject, TextConfig
 from server.api.responses.replies import ResponseReply
-from server.api.structured import ToolPlan
 from server.engine.jobs import Delta, Failed, Finished, Started
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
 NAMES = {"get": (None, "get"), "agents.close": ("agents", "close")}
 
 
-def _reply(tools: ToolPlan | None = None, split: bool = False, parallel: bool = True):
+def _reply(tools=None, split: bool = False, parallel: bool = True):
     shell = ResponseObject(
         id="resp_" + "0" * 32,
         created_at=0,
@@ -74,7 +74,7 @@ def test_reasoning_then_text():
 
 
 def test_an_auto_call_is_held_then_sent_whole_with_its_namespace():
-    reply, _ = _reply(ToolPlan(False, set(NAMES)), parallel=False)
+    reply, _ = _reply(prompted_plan(False, NAMES, parallel=False), parallel=False)
     call = '<tool_call>{"name": "agents.close", "arguments": {"id": 1}}</tool_call>'
     events = _run(reply, [call[:9], call[9:30], call[30:], call])
     kinds = _kinds(events)
@@ -90,7 +90,7 @@ def test_an_auto_call_is_held_then_sent_whole_with_its_namespace():
 
 
 def test_a_forced_call_streams_as_generated():
-    reply, _ = _reply(ToolPlan(True, set(NAMES)))
+    reply, _ = _reply(prompted_plan(True, NAMES))
     text = '{"name": "get", "arguments": {"city": "Oslo"}}'
     events = _run(reply, [text[:20], text[20:36], text[36:]])
     kinds = _kinds(events)
@@ -99,7 +99,7 @@ def test_a_forced_call_streams_as_generated():
 
 
 def test_text_that_is_not_a_call_goes_out_as_it_comes():
-    reply, _ = _reply(ToolPlan(False, set(NAMES)))
+    reply, _ = _reply(prompted_plan(False, NAMES))
     events = reply.opening(Started("s", 0)) + reply.on_delta(0, Delta("<to"))
     assert _kinds([e["data"] for e in events])[-1] == "in_progress"  # held: may be a call
     more = reply.on_delta(0, Delta("day it rains"))

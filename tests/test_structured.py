@@ -10,16 +10,15 @@ from llguidance import LLMatcher
 from server.api.chat.protocol import ChatCompletionRequest
 from server.api.chat.turn import chat_turn
 from server.api.errors import APIError
-from server.api.structured import (
-    CALL_CLOSE,
-    CALL_OPEN,
-    TOOLS_INTRO,
-    ToolPlan,
-    may_become_call,
-    parse_calls,
-    render_tools,
-)
+from server.api.structured import Function, ToolPlan, closed, render_tools
+from server.api.tool_calls import ToolCallReader
+from server.api.tool_formats.hermes import HermesJSON
+from server.api.tool_formats.prompted import TOOLS_INTRO, PromptedJSON, _repointed
 from server.api.turns import turn_grammar
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+PROMPTED = PromptedJSON(None, CALL_OPEN, CALL_CLOSE, {})  # a template without tools
+NATIVE = HermesJSON(None, CALL_OPEN, CALL_CLOSE, {})
 
 WEATHER = {
     "type": "function",
@@ -41,14 +40,14 @@ def request(**fields) -> ChatCompletionRequest:
 
 def reply_grammar(body: ChatCompletionRequest):
     """(grammar, tool plan) of a chat request, as the engine makes them."""
-    return turn_grammar(chat_turn(body, None, ""))
+    return turn_grammar(chat_turn(body, None, ""), PROMPTED)
 
 
 def template_messages(body: ChatCompletionRequest, template_tools: bool):
     """(messages, tools argument) of a chat request for the chat template."""
     turn = chat_turn(body, None, "")
     offered = turn.functions if turn.tool_choice != "none" else []
-    return render_tools(turn.messages, offered, template_tools)
+    return render_tools(turn.messages, offered, NATIVE if template_tools else PROMPTED)
 
 
 def test_text_and_no_tools_need_no_grammar():
@@ -64,9 +63,9 @@ def test_json_formats_and_forced_calls_have_grammars():
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
     assert reply_grammar(request(response_format=fmt))[0]
     grammar, tools = reply_grammar(request(tools=[WEATHER], tool_choice="required"))
-    assert grammar and tools == ToolPlan(True, {"get_weather"})
+    assert grammar and tools.forced and tools.names == {"get_weather"}
     grammar, tools = reply_grammar(request(tools=[WEATHER]))  # auto: free text, parsed after
-    assert grammar is None and tools == ToolPlan(False, {"get_weather"})
+    assert grammar is None and not tools.forced and tools.names == {"get_weather"}
 
 
 @pytest.mark.parametrize(
@@ -110,7 +109,6 @@ def _matches(grammar: str, text: str) -> bool:
 
 
 def test_objects_that_name_their_properties_are_closed_for_the_grammar():
-    from server.api.structured import closed
 
     open_ = {"type": "object", "properties": {"a": {"type": "object", "properties": {}}}}
     assert closed(open_) == {
@@ -159,24 +157,42 @@ def test_tools_go_into_the_system_message_of_a_template_without_a_tools_section(
     assert messages[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
 
 
+def read(plan: ToolPlan, text: str, step: int = 1000, cut: bool = False):
+    """(events, calls and content) of a reply fed to a ToolCallReader `step` characters
+    at a time."""
+    reader, events = ToolCallReader(plan), []
+    for at in range(0, len(text), step):
+        events += reader.feed(text[at : at + step])
+    events += reader.feed("", final=True, cut=cut)
+    return events, reader.result()
+
+
+WEATHER_FN = Function("get_weather", None, WEATHER["function"]["parameters"])
+
+
 def test_calls_are_parsed_from_forced_and_auto_replies():
-    plan = ToolPlan(True, {"get_weather"})
-    [call], content = parse_calls('{"name": "get_weather", "arguments": {"city": "Rome"}}', plan)
+    plan = ToolPlan(True, PROMPTED, [WEATHER_FN])
+    _, ([call], content) = read(plan, '{"name": "get_weather", "arguments": {"city": "Rome"}}')
     assert content is None and call["type"] == "function" and call["id"].startswith("call_")
     assert json.loads(call["function"]["arguments"]) == {"city": "Rome"}
     two = '[{"name": "get_weather", "arguments": {}}, {"name": "get_weather", "arguments": {}}]'
-    assert len(parse_calls(two, plan)[0]) == 2
-    assert parse_calls('{"name": "other", "arguments": {}}', plan) is None  # unknown function
-    assert parse_calls('{"name": "get_wea', plan) is None  # cut short
-    auto = ToolPlan(False, {"get_weather"})
+    assert len(read(plan, two)[1][0]) == 2
+    auto = ToolPlan(False, PROMPTED, [WEATHER_FN])
     text = f' {CALL_OPEN}{{"name": "get_weather", "arguments": {{"city": "Rome"}}}}{CALL_CLOSE}'
-    assert parse_calls(text, auto)[0][0]["function"]["name"] == "get_weather"
-    assert parse_calls("It is sunny.", auto) is None
+    assert read(auto, text)[1][0][0]["function"]["name"] == "get_weather"
+    assert read(auto, "It is sunny.")[1] is None
+    unknown = f'{CALL_OPEN}{{"name": "other", "arguments": {{}}}}{CALL_CLOSE}'
+    assert read(auto, unknown) == ([("text", unknown)], None)  # a call of nothing offered: text
+    cut = f'{CALL_OPEN}{{"name": "get_wea'
+    assert read(auto, "Sure. " + cut, cut=True) == ([("text", "Sure. ")], None)
 
 
 def test_an_auto_reply_is_held_back_only_while_it_may_become_a_call():
-    assert may_become_call("") and may_become_call(" <tool") and may_become_call(CALL_OPEN + "{")
-    assert not may_become_call("Hello") and not may_become_call("<b>")
+    auto = ToolPlan(False, PROMPTED, [WEATHER_FN])
+    reader = ToolCallReader(auto)
+    assert reader.feed("Hello <b> and <tool") == [("text", "Hello <b> and ")]
+    assert reader.feed("box>") == [("text", "<toolbox>")]  # not the marker after all
+    assert reader.feed(f" {CALL_OPEN}{{") == [("text", " ")]  # held from the marker on
 
 
 @pytest.mark.parametrize(
@@ -213,33 +229,30 @@ def test_bad_tool_fields_fail_validation_naming_the_field(fields, param):
 
 @pytest.mark.parametrize("step", [1, 3, 1000])
 def test_forced_calls_stream_as_name_then_argument_fragments(step):
-    from server.api.structured import CallStream
-
     text = (
         '[{"name": "get_weather", "arguments": {"city": "Ro\\"me}\\\\", "n": [1, {"a": 2}]}}, '
         '{"name": "get_time", "arguments": {}}]'
     )
-    stream, deltas = CallStream(), []
-    for end in range(step, len(text) + step, step):
-        deltas += stream.feed(text[:end])
-    heads = [d for d in deltas if "id" in d]
-    assert [(d["index"], d["function"]["name"]) for d in heads] == [
-        (0, "get_weather"),
-        (1, "get_time"),
-    ]
-    assert all(d["function"]["arguments"] == "" for d in heads)
+    functions = [WEATHER_FN, Function("get_time")]
+    events, _ = read(ToolPlan(True, PROMPTED, functions), text, step)
+    heads = [e for e in events if e[0] == "call"]
+    assert [(e[1], e[3]) for e in heads] == [(0, "get_weather"), (1, "get_time")]
     arguments = ["", ""]
-    for d in deltas:
-        arguments[d["index"]] += d["function"]["arguments"]
+    for e in events:
+        if e[0] == "arguments":
+            arguments[e[1]] += e[2]
     assert [json.loads(a) for a in arguments] == [c["arguments"] for c in json.loads(text)]
     if step == 1:  # fragments as the arguments grow, not one at the end
-        assert sum(1 for d in deltas if d["index"] == 0 and "id" not in d) > 10
+        assert sum(1 for e in events if e[0] == "arguments" and e[1] == 0) > 10
+
+
+def _arguments_schema(parameters: dict, i: int) -> dict:
+    """Function i's parameters as a forced prompted call's grammar holds them."""
+    return _repointed({**closed(parameters), "type": "object"}, f"#/$defs/f{i}")
 
 
 def test_a_forced_call_with_an_untyped_schema_still_takes_an_object():
     """parameters {} would admit any JSON value; a call's arguments must be an object."""
-    from server.api.structured import _arguments_schema
-
     assert _arguments_schema({"properties": {"a": {"type": "integer"}}}, 0) == {
         "properties": {"a": {"type": "integer"}},
         "type": "object",
@@ -258,8 +271,6 @@ def test_local_refs_resolve_inside_their_own_function():
     root ("#/$defs/..."); a recursive schema refers to "#". Inside a forced call those
     roots are the function's own (two functions may both name an `Inner`), and a
     property named like a keyword ("default") is a schema still."""
-    from server.api.structured import _arguments_schema
-
     inner = {"$defs": {"Inner": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
     first = {
         **inner,

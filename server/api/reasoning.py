@@ -45,7 +45,7 @@ class ThinkingSplit:
                     out.append((REASONING, self.pending[:at]))
                     self.state, self.pending = "after", self.pending[at + len(self.end) :]
                     continue
-                keep = 0 if final else _partial_tag(self.pending, self.end)
+                keep = 0 if final else partial_tag(self.pending, self.end)
                 out.append((REASONING, self.pending[: len(self.pending) - keep]))
                 self.pending = self.pending[len(self.pending) - keep :]
                 break
@@ -63,7 +63,7 @@ class ThinkingSplit:
         return [(kind, piece) for kind, piece in out if piece]
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """Characters at the end of `text` that begin `tag` (held back: the tag may follow)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

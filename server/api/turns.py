@@ -33,12 +33,15 @@ from server.api.structured import (
     render_tools,
     shape_grammar,
 )
+from server.api.tool_formats import ToolFormat
+from server.api.tool_formats.harmony import Harmony, HarmonySplit
 from server.engine.jobs import Job, QueueFull, SamplingParams, ShuttingDown
 
 if TYPE_CHECKING:  # both import MLX
     from server.engine.engine import Engine
     from server.engine.worker import Worker
 
+EFFORTS = ("low", "medium", "high")
 DEFAULT_REPLY_TOKENS = 4096  # max_tokens when a request leaves it out (bounded caches)
 
 log = logging.getLogger("h2o_server.turns")
@@ -57,6 +60,7 @@ class Turn:
     parallel_tool_calls: bool = True
     answer: dict | None = None  # the JSON schema the reply's text follows (None: free)
     thinking: bool | None = None  # the template's thinking switch; None: its default
+    effort: str | None = None  # the API's reasoning effort (Harmony's template takes it)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     session_key: str | None = None
     owner: str = ""
@@ -80,7 +84,9 @@ class Prompt:
     def split(self) -> ThinkingSplit | None:
         """A fresh splitter of one reply into reasoning and content (None: no tags)."""
         t = self.thinking
-        return None if t is None else ThinkingSplit(t.start, t.end, t.opened)
+        if t is None:
+            return None
+        return HarmonySplit() if t.harmony else ThinkingSplit(t.start, t.end, t.opened)
 
 
 @dataclass
@@ -88,6 +94,7 @@ class Thinking:
     start: str
     end: str
     opened: bool  # the prompt ends inside a thinking block
+    harmony: bool = False  # gpt-oss: channels, not tags
 
 
 # ---------------------------------------------------------------------- callers
@@ -125,13 +132,14 @@ def check_session_id(session_id: str) -> None:
 # ---------------------------------------------------------------------- turn -> prompt
 
 
-def turn_grammar(turn: Turn) -> tuple[str | None, ToolPlan | None]:
+def turn_grammar(turn: Turn, fmt: ToolFormat) -> tuple[str | None, ToolPlan | None]:
     """The grammar the turn's reply follows (None: free text) and how it calls tools."""
     return shape_grammar(
         turn.functions,
         turn.tool_choice,
         turn.parallel_tool_calls,
         turn.answer,
+        fmt,
         turn.params.get("parameters", "tools[{i}].parameters"),
         turn.params.get("answer", "response_format"),
     )
@@ -141,15 +149,16 @@ async def prepare(engine: Engine, turn: Turn) -> Prompt:
     """The turn's prompt tokens, shareable prefix, grammar and tool plan (400s for what the
     template or the grammar engine refuses)."""
     check_model(engine, turn.model)
-    grammar, tools = turn_grammar(turn)
+    fmt = engine.tool_format
+    grammar, tools = turn_grammar(turn, fmt)
     tokenizer = engine.tokenizer
     offered = turn.functions if turn.tool_choice != "none" else []
-    messages, tools_arg = render_tools(
-        turn.messages, offered, "tools" in (tokenizer.chat_template or "")
-    )
+    messages, tools_arg = render_tools(turn.messages, offered, fmt)
     kwargs = dict(turn.template_kwargs)
     if turn.thinking is not None:
         kwargs["enable_thinking"] = turn.thinking
+    if turn.effort in EFFORTS:  # Harmony's template reads it (gpt-oss: low, medium, high)
+        kwargs.setdefault("reasoning_effort", turn.effort)
     thinks = bool(getattr(tokenizer, "has_thinking", False))
     if grammar is not None and thinks:  # a grammar shapes the reply from its first token
         kwargs["enable_thinking"] = False
@@ -179,7 +188,9 @@ async def prepare(engine: Engine, turn: Turn) -> Prompt:
         log.exception("the chat template could not be applied")
         raise APIError(500, f"the chat template failed: {type(e).__name__}: {e}") from None
     thinking = None
-    if thinks:
+    if isinstance(fmt, Harmony):
+        thinking = Thinking("", "", False, harmony=True)
+    elif thinks:
         start, end = tokenizer.think_start, tokenizer.think_end
         tail = tokenizer.decode(tokens[-8:])
         thinking = Thinking(start, end, opened_in_prompt(tail, start, end))

@@ -16,6 +16,7 @@ from config.settings import ServerSettings
 from models.loading import DEFAULT_MODEL, load_model, served_model_id
 from models.shape import kv_shape, layer_windows, text_args
 from server.api.common import CacheOptions
+from server.api.tool_formats import ToolFormat, format_for
 from server.engine.grammar import Grammars
 from server.engine.layer_budgets import load_layer_profile
 from server.sessions.prefixes import PrefixStore
@@ -64,9 +65,12 @@ class Engine:
     # What start-up chose without being told (logged, and shown by /health).
     notices: list[str] = field(default_factory=list)
     grammars: Grammars = field(init=False)  # constrained decoding (server/engine/grammar.py)
+    # How the model writes tool calls, read from its template (server/api/tool_formats).
+    tool_format: ToolFormat = field(init=False)
 
     def __post_init__(self):
         self.grammars = Grammars(self.tokenizer, self.vocab_size)
+        self.tool_format = format_for(self.tokenizer)
 
     @classmethod
     def load(cls, settings: ServerSettings) -> Engine:
@@ -149,9 +153,23 @@ class Engine:
             layer_budgets,
             f": max_kv {min(sizes)}-{max(sizes)} per layer" if sizes else "",
         )
-        return cls(
+        engine = cls(
             model, tokenizer, model_id, shape, budget, settings, spec, store, shares_for, notices
         )
+        fmt = engine.tool_format
+        log.info(
+            "tool calls: %s format%s; reasoning: %s",
+            fmt.name,
+            "" if fmt.native else " (the template has no tools: described in a system message)",
+            "Harmony channels"
+            if fmt.name == "harmony"
+            else (
+                f"{tokenizer.think_start}...{tokenizer.think_end}"
+                if getattr(tokenizer, "has_thinking", False)
+                else "none"
+            ),
+        )
+        return engine
 
     @property
     def kv_budget(self) -> int:

@@ -32,13 +32,8 @@ from server.api.chat.protocol import (
 from server.api.common import error_body, new_id, now
 from server.api.errors import error_response
 from server.api.reasoning import CONTENT, REASONING, ThinkingSplit
-from server.api.structured import (
-    CallStream,
-    ToolPlan,
-    may_become_call,
-    parse_calls,
-    partial_calls,
-)
+from server.api.structured import ToolPlan
+from server.api.tool_calls import ToolCallReader
 from server.engine.detokenize import decoder, piece
 from server.engine.jobs import Delta, Failed, Finished, Started, TokenLogprob
 
@@ -66,16 +61,17 @@ class Choice:
     finish_reason: str | None = None
     sent: int = 0  # characters of text streamed so far
     held: list[Token] = field(default_factory=list)  # tokens of text held back
-    call_stream: CallStream | None = None
+    reader: ToolCallReader | None = None  # its tool calls, in the model's format
+    events: list[tuple] = field(default_factory=list)  # what the latest delta added
     split: ThinkingSplit | None = None  # a thinking model's: reasoning apart from the text
     reasoning: str = ""
     new_reasoning: str = ""  # what the latest delta added to it
 
 
 class ReplyBuilder:
-    """`tools`: how the reply may call tools (server/api/structured.py). A stream sends a
-    forced reply's calls as they are generated (CallStream); under "auto" it holds back
-    text that may become a call and sends the calls once they are whole.
+    """`tools`: how the reply may call tools (server/api/structured.py); each choice's
+    content goes through a ToolCallReader (server/api/tool_calls.py), whose events a
+    stream sends as content and `tool_calls` deltas.
 
     `prompts`: per job, its prompt's tokens (the reply's first token reads after the
     last; an echo's logprobs are theirs) and the text echoed before the reply."""
@@ -98,13 +94,12 @@ class ReplyBuilder:
         self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
         self.created = now()
         self.prompts = [list(tokens) for tokens, _ in prompts]
-        forced = tools is not None and tools.forced
         self.choices = [
             Choice(
                 j * n + i,
                 tokens[-1] if tokens else None,
                 echo,
-                call_stream=CallStream() if forced else None,
+                reader=ToolCallReader(tools) if tools is not None else None,
                 split=thinking() if thinking else None,
             )
             for j, (tokens, echo) in enumerate(prompts)
@@ -152,12 +147,15 @@ class ReplyBuilder:
             c.tokens.append(Token(text, at, c.last, lp))
             new.append(c.tokens[-1])
             c.last = lp.token
-        text = delta.text
+        text, final = delta.text, delta.finish_reason is not None
         if c.split is not None:
-            pieces = c.split.feed(text, final=delta.finish_reason is not None)
+            pieces = c.split.feed(text, final=final)
             c.new_reasoning = "".join(t for kind, t in pieces if kind == REASONING)
             c.reasoning += c.new_reasoning
             text = "".join(t for kind, t in pieces if kind == CONTENT)
+        if c.reader is not None:
+            c.events = c.reader.feed(text, final, cut=delta.finish_reason == "length")
+            text = "".join(e[1] for e in c.events if e[0] == "text")
         c.text += text
         c.finish_reason = delta.finish_reason or c.finish_reason
         return c, new
@@ -175,14 +173,9 @@ class ReplyBuilder:
         self.usage.append(finished)
 
     def calls(self, c: Choice) -> tuple[list[dict], str | None] | None:
-        """The finished choice's tool calls and remaining content, if it made any. A forced
-        call cut by max_tokens comes back as what it holds (its arguments unfinished)."""
-        if self.tools is None:
-            return None
-        cut = c.finish_reason == "length"
-        if cut and self.tools.forced:
-            return partial_calls(c.text)
-        return parse_calls(c.text, self.tools, cut)
+        """The finished choice's tool calls and the content beside them, if it made any. A
+        forced call cut by max_tokens comes back as what it holds (arguments unfinished)."""
+        return None if c.reader is None else c.reader.result()
 
     def response(self) -> dict:
         usage = self._usage()
@@ -238,12 +231,8 @@ class ReplyBuilder:
         if c.new_reasoning:  # reasoning streams apart from the content, never held
             out.append(self._chunk(c, ChatDelta(reasoning_content=c.new_reasoning), None, []))
             c.new_reasoning = ""
-        if c.call_stream is not None:
-            out += self._call_deltas(c)
-        elif self.tools is not None and not c.finish_reason and may_become_call(c.text):
-            pass
-        elif self.tools is not None and c.finish_reason and (calls := self.calls(c)):
-            out += self._call_chunks(c, *calls)
+        if c.reader is not None:
+            out += self._reader_chunks(c)
         elif c.sent < len(c.text) or c.held:
             out.append(self._release(c))
         if c.finish_reason:
@@ -253,34 +242,33 @@ class ReplyBuilder:
             out.append(self._chunk(c, ChatDelta(), finish, []))
         return out
 
-    def _call_deltas(self, c: Choice) -> list[dict]:
-        """The forced calls' new deltas, a chunk each: one entry per index in a chunk, as
-        OpenAI streams them (clients read an index's first entry in a chunk only)."""
-        deltas = c.call_stream.feed(c.text)
-        if not deltas:
-            return []
-        c.sent, held, c.held = len(c.text), c.held, []
-        return [
-            self._chunk(c, ChatDelta(tool_calls=[d]), None, held if i == 0 else [])
-            for i, d in enumerate(deltas)
-        ]
+    def _reader_chunks(self, c: Choice) -> list[dict]:
+        """The reader's new events as chunks: content, and per call its id and name, then
+        its arguments (one entry per index in a chunk, as OpenAI streams them). Logprobs
+        ride on the first chunk that goes out."""
+        out = []
+        for event in c.events:
+            if event[0] == "text":
+                delta = ChatDelta(content=event[1])
+            elif event[0] == "call":
+                _, index, call_id, name = event
+                function = {"name": name, "arguments": ""}
+                delta = ChatDelta(tool_calls=[{"index": index, "id": call_id, "type": "function",
+                                               "function": function}])  # fmt: skip
+            elif event[0] == "arguments":
+                entry = {"index": event[1], "function": {"arguments": event[2]}}
+                delta = ChatDelta(tool_calls=[entry])
+            else:
+                continue
+            out.append(self._chunk(c, delta, None, c.held))
+            c.held = []
+        c.events, c.sent = [], len(c.text)
+        return out
 
     def _release(self, c: Choice) -> dict:
         text, held = c.text[c.sent :], c.held
         c.sent, c.held = len(c.text), []
         return self._chunk(c, ChatDelta(content=text), None, held)
-
-    def _call_chunks(self, c: Choice, calls: list[dict], content: str | None) -> list[dict]:
-        """A whole call per index: its id and name, then its arguments (as OpenAI streams)."""
-        chunks = [self._chunk(c, ChatDelta(content=content), None, [])] if content else []
-        for i, call in enumerate(calls):
-            head = {**call, "index": i, "function": {**call["function"], "arguments": ""}}
-            arguments = {"index": i, "function": {"arguments": call["function"]["arguments"]}}
-            chunks += [
-                self._chunk(c, ChatDelta(tool_calls=[d]), None, []) for d in (head, arguments)
-            ]
-        c.sent, c.held = len(c.text), []
-        return chunks
 
     def usage_chunks(self) -> list[dict]:
         """After every choice ended: the usage chunk, when the client asked for it."""

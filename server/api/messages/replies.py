@@ -2,14 +2,13 @@
 
 The reply's text is taken in as chat completions take it (server/api/chat/replies.py's
 ReplyBuilder, one choice: the reasoning split off, stop strings already cut, tool calls
-parsed or, when forced, streamed as generated); this module makes Anthropic's blocks of
-it: a `thinking` block, a `text` block, `tool_use` blocks. A stream sends each block as
+read in the model's format as they stream); this module makes Anthropic's blocks of it:
+a `thinking` block, `text` blocks, `tool_use` blocks. A stream sends each block as
 `content_block_start`, its deltas (`thinking_delta`, `text_delta`, `input_json_delta`),
 `content_block_stop`; the message opens with `message_start` and a `ping` (before the
 prefill, so a long prompt's wait is pings) and ends with `message_delta` (stop reason,
-usage) and `message_stop`. Under "auto" tools, text that may still become a call is held
-back and a call goes out whole once it is; a forced call (`any`, `tool`) streams its
-input as it is generated.
+usage) and `message_stop`. Under "auto" tools a call goes out whole once it is; a forced
+call (`any`, `tool`) streams its input as it is generated.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ from server.api.messages.protocol import (
     sse,
 )
 from server.api.reasoning import ThinkingSplit
-from server.api.structured import ToolPlan, may_become_call
+from server.api.structured import ToolPlan
 from server.engine.jobs import Delta, Failed, Finished, Started
 
 TOO_LONG = "context_length_exceeded"  # the engine's code for a prompt over the limit
@@ -114,23 +113,15 @@ class MessagesReply:
         events = []
         if c.new_reasoning:
             events += self._extend("thinking", ThinkingDelta(thinking=c.new_reasoning))
-        plan = self.chat.tools
-        if c.call_stream is not None:  # a forced call: its input as it is generated
-            for d in c.call_stream.feed(c.text):
-                if "id" in d:
-                    events += self._start(self._tool_use(d["function"]["name"]))
-                elif d["function"]["arguments"]:
-                    events += self._delta(InputJSONDelta(partial_json=d["function"]["arguments"]))
-            c.sent = len(c.text)
-        elif plan is not None and not c.finish_reason and may_become_call(c.text):
-            pass  # held back: it may be a call, sent whole once it is
-        elif plan is not None and c.finish_reason and (calls := self.calls()):
-            if calls[1]:
-                events += self._extend("text", TextDelta(text=calls[1]))
-            for call in calls[0]:
-                events += self._start(self._tool_use(call["function"]["name"]))
-                events += self._delta(InputJSONDelta(partial_json=call["function"]["arguments"]))
-            c.sent = len(c.text)
+        if c.reader is not None:
+            for event in c.events:
+                if event[0] == "text":
+                    events += self._extend("text", TextDelta(text=event[1]))
+                elif event[0] == "call":
+                    events += self._start(self._tool_use(event[3]))
+                elif event[0] == "arguments" and event[2]:
+                    events += self._delta(InputJSONDelta(partial_json=event[2]))
+            c.events, c.sent = [], len(c.text)
         elif c.sent < len(c.text):
             events += self._extend("text", TextDelta(text=c.text[c.sent :]))
             c.sent = len(c.text)
@@ -194,13 +185,9 @@ class MessagesReply:
         return blocks
 
     def calls(self) -> tuple[list[dict], str | None] | None:
-        """The reply's calls (OpenAI's shape) and its other text; with
-        `disable_parallel_tool_use`, an auto reply's first call only (a forced one's
-        grammar allows one)."""
-        calls = self.chat.calls(self.choice)
-        if calls and not self.parallel:
-            return calls[0][:1], calls[1]
-        return calls
+        """The reply's calls (OpenAI's shape) and its other text (with
+        `disable_parallel_tool_use` the reader keeps an auto reply's first call only)."""
+        return self.chat.calls(self.choice)
 
     def stop_reason(self) -> StopReason:
         c = self.choice

@@ -9,8 +9,8 @@ its deltas (`response.output_text.delta`, `response.reasoning_text.delta`,
 `response.output_item.done`; around them `response.created`, `response.in_progress`
 and `response.completed` (`response.incomplete` when max_output_tokens cut it,
 `response.failed` when it failed), every event with its `event:` line and
-`sequence_number`. A forced call streams as it is generated (CallStream); under
-"auto" text that may still become a call is held back, and calls go out once whole.
+`sequence_number`. The content goes through a ToolCallReader (server/api/tool_calls.py):
+a forced call streams as it is generated, an "auto" one goes out once whole.
 
 A streamed Response is finished (and handed to `on_done` with its session, which stores
 it) before the event that says so is sent: a client that continues the chain at once
@@ -45,7 +45,8 @@ from server.api.responses.protocol import (
     TextDoneEvent,
 )
 from server.api.responses.turn import item_id
-from server.api.structured import CallStream, ToolPlan, may_become_call, parse_calls
+from server.api.structured import ToolPlan
+from server.api.tool_calls import ToolCallReader
 from server.engine.jobs import Delta, Failed, Finished, Started
 
 Event = dict  # sse-starlette's: {"event": type, "data": payload}
@@ -67,13 +68,10 @@ class ResponseReply:
         self.response, self.tools, self.split = shell, tools, split
         self.names, self.on_done, self.kept = names, on_done, kept
         self.sequence = 0
-        self.text = ""  # the content so far (the reasoning apart)
-        self.sent = 0  # characters of it sent as message text
-        self.released = tools is None  # the text is a message (it can no longer be calls)
         self.message: MessageOut | None = None  # the item open now, if any
         self.reasoning: ReasoningOut | None = None
         self.call: FunctionCallOut | None = None
-        self.calls = CallStream() if tools is not None and tools.forced else None
+        self.reader = ToolCallReader(tools) if tools is not None else None
         self.cut = False  # max_output_tokens ended it
         self.session_id = ""  # the session serving it (a stream's start tells)
 
@@ -92,15 +90,21 @@ class ResponseReply:
         self.cut = self.cut or delta.finish_reason == "length"
         pieces = self.split.feed(delta.text, final) if self.split else [("content", delta.text)]
         out: list[Event] = []
+        content = ""
         for kind, piece in pieces:
             if kind == REASONING:
                 out += self._reason(piece)
             else:
                 out += self._close_reasoning()
-                self.text += piece
-        out += self._content(final)
+                content += piece
+        if self.reader is None:
+            events = [("text", content)] if content else []
+        else:
+            events = self.reader.feed(content, final, self.cut)
+        for event in events:
+            out += self._on_event(event)
         if final:
-            out += self._close_reasoning() + self._finish_content()
+            out += self._close_reasoning() + self._close_message() + self._close_call()
         return out
 
     def on_finished(self, job: int, finished: Finished) -> list[Event]:
@@ -174,38 +178,20 @@ class ResponseReply:
 
     # ------------------------------------------------------------------ content
 
-    def _content(self, final: bool) -> list[Event]:
-        """What the content so far lets go out: a forced call's pieces, or message text
-        once it can no longer be a call."""
-        if self.calls is not None:
-            return self._forced_calls()
-        if not self.released:
-            if final or may_become_call(self.text):
-                return []  # decided at the end (_finish_content)
-            self.released = True
-        return self._message_text()
+    def _on_event(self, event: tuple) -> list[Event]:
+        """One of the reader's events as items: message text, or a call's item."""
+        if event[0] == "text":
+            return self._message_text(event[1])
+        if event[0] == "call":
+            _, _, call_id, name = event
+            self.call = self._function_call(call_id, name)
+            return self._close_message() + self._open(self.call)
+        if event[0] == "arguments":
+            self.call.arguments += event[2]
+            return [self._arguments_delta(self.call, event[2])] if event[2] else []
+        return self._close_call()
 
-    def _finish_content(self) -> list[Event]:
-        out = []
-        if self.calls is not None:
-            out += self._close_call()
-        elif not self.released:
-            found = parse_calls(self.text, self.tools, self.cut)
-            if found is None:
-                out += self._message_text()
-            else:
-                calls, rest = found
-                if not self.response.parallel_tool_calls:
-                    calls = calls[:1]  # under "auto" the grammar does not bound them
-                if rest:
-                    self.text, self.sent = rest, 0
-                    out += self._message_text() + self._close_message()
-                for call in calls:
-                    out += self._whole_call(call)
-        return out + self._close_message()
-
-    def _message_text(self) -> list[Event]:
-        piece = self.text[self.sent :]
+    def _message_text(self, piece: str) -> list[Event]:
         if not piece:
             return []
         out = []
@@ -223,7 +209,6 @@ class ResponseReply:
                 )
             )
         self.message.content[0].text += piece
-        self.sent = len(self.text)
         out.append(
             self._part_event(
                 TextDeltaEvent, "response.output_text.delta", self.message, delta=piece, logprobs=[]
@@ -246,38 +231,17 @@ class ResponseReply:
 
     # ------------------------------------------------------------------ calls
 
-    def _function_call(self, call: dict) -> FunctionCallOut:
-        """An item for one call (structured.py's {id, function: {name, arguments}})."""
-        offered = call["function"]["name"]
+    def _function_call(self, call_id: str, offered: str) -> FunctionCallOut:
+        """An item for one call of the function offered as `offered`."""
         namespace, name = self.names.get(offered, (None, offered))
         return FunctionCallOut(
             id=item_id("function_call"),
-            call_id=call["id"],
+            call_id=call_id,
             name=name,
             namespace=namespace,
             arguments="",
             status="in_progress",
         )
-
-    def _forced_calls(self) -> list[Event]:
-        out = []
-        for delta in self.calls.feed(self.text):
-            if "id" in delta:  # a new call: the one before it is whole
-                out += self._close_call()
-                self.call = self._function_call(delta)
-                out += self._open(self.call)
-            else:
-                piece = delta["function"]["arguments"]
-                self.call.arguments += piece
-                out.append(self._arguments_delta(self.call, piece))
-        return out
-
-    def _whole_call(self, call: dict) -> list[Event]:
-        self.call = self._function_call(call)
-        out = self._open(self.call)
-        self.call.arguments = call["function"]["arguments"]
-        out.append(self._arguments_delta(self.call, self.call.arguments))
-        return out + self._close_call()
 
     def _close_call(self) -> list[Event]:
         item, self.call = self.call, None
