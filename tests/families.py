@@ -456,11 +456,11 @@ TEMPLATE = (
 )
 
 
-def write_folder(family: str, folder):
+def write_folder(family: str, folder, template: str = TEMPLATE, special: list[str] | None = None):
     """`family`'s tiny model saved as an MLX folder with a byte-level tokenizer (ChatML
     specials, then one token per printable byte: any text, any JSON a grammar forces; the
-    model's rows exactly these, so every id it samples is text) and a ChatML template;
-    returns the folder."""
+    model's rows exactly these, so every id it samples is text) and a ChatML template
+    (or `template`, with its `special` tokens first); returns the folder."""
     from pathlib import Path
 
     from mlx_lm.utils import save_config, save_model
@@ -468,8 +468,9 @@ def write_folder(family: str, folder):
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = SPECIAL + CHARS
+    special = special or SPECIAL
+    vocab = special + CHARS
     save_model(folder, build(family, vocab_size=len(vocab)))
     save_config(config_of(family, vocab_size=len(vocab)), folder / "config.json")
-    save_word_tokenizer(folder, vocab, SPECIAL, "<|im_end|>", TEMPLATE)
+    save_word_tokenizer(folder, vocab, special, "<|im_end|>", template)
     return folder

@@ -155,7 +155,8 @@ def emit(name: str, calls: list[tuple[str, dict]], before: str = "") -> str:
         body = (
             "<|tool_call_start|>["
             + ", ".join(
-                f"{n}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in a.items()) + ")" for n, a in calls
+                f"{n}(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in a.items()) + ")"
+                for n, a in calls
             )
             + "]<|tool_call_end|>"
         )

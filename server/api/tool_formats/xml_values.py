@@ -38,8 +38,8 @@ def parameter_rules(
             lines.append(f"{name}: /(?s:.*)/ {fmt.literal(closer.lstrip())}")
             term = name
         elif _is_text(schema):
-            c = _regex_text(closer)
-            lines.append(f"{name.upper()}: /(?s:.*{c})/ & ~/(?s:.*{c}.+)/")
+            c, span = _regex_text(closer), _length(schema)
+            lines.append(f"{name.upper()}: /(?s:.{span}{c})/ & ~/(?s:.*{c}.+)/")
             term = name.upper()
         else:
             lines.append(f"{name}: {_json_value(schema, defs)}")
@@ -73,3 +73,11 @@ def _json_value(schema: dict, defs: dict) -> str:
 def _regex_text(text: str) -> str:
     """`text` matched literally inside a Lark /regex/ (newline as \\n, slashes escaped)."""
     return re.escape(text).replace("\\\n", "\\n").replace("/", "\\/")
+
+
+def _length(schema: dict) -> str:
+    """The regex repeat of a string's minLength / maxLength ("*" when it has neither)."""
+    low, high = schema.get("minLength"), schema.get("maxLength")
+    if low is None and high is None:
+        return "*"
+    return f"{{{int(low or 0)},{'' if high is None else int(high)}}}"

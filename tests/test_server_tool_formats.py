@@ -1,0 +1,145 @@
+"""A model with Qwen3-Coder's tool-call format through the real server, in all three APIs.
+
+The stand-in is a tiny random qwen3 with a byte-level vocabulary and a template that
+renders tools and earlier calls as Qwen3-Coder's does (tests/tool_templates.py): what
+it writes on its own is noise, so the checks are the ones that hold for any weights: a
+forced call comes back parsed, in the format the model was taught and with arguments
+valid against the schema; and a 3-turn tool loop (call, result, answer) re-renders the
+history exactly as the cache holds it, so each turn reads the one before from cache.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import jsonschema
+import pytest
+from families import write_folder
+from openai import OpenAI
+from server_harness import running_server
+from tool_templates import SPECIAL, template
+
+pytestmark = pytest.mark.slow(seconds=90)
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+    },
+    "required": ["city", "days"],
+}
+CHAT_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
+NO_SPECIALS = {str(i): -100 for i in range(len(SPECIAL))}
+QUESTION = "What is the weather in Rome for the next days?"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3_coder")
+    folder = write_folder("qwen3", root / "model", template("qwen3_coder"), SPECIAL)
+    with running_server(root, "--model", str(folder), "--max-sessions", "4") as running:
+        yield running
+
+
+def _openai(server) -> OpenAI:
+    return OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
+
+
+def _anthropic(server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.port}", api_key="x",
+                               max_retries=0)  # fmt: skip
+
+
+def test_the_start_up_names_the_format(server):
+    assert "tool calls: qwen3_coder format" in server.log_text()
+
+
+def test_chat_three_turn_tool_loop_reads_each_turn_from_cache(server):
+    client, key = _openai(server), {"prompt_cache_key": "chat-loop"}
+    messages = [{"role": "user", "content": QUESTION}]
+    first = client.chat.completions.create(
+        model="default", messages=messages, tools=[CHAT_TOOL], tool_choice="required",
+        temperature=0, max_tokens=200, extra_body=key,
+    )  # fmt: skip
+    [call] = first.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and first.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+    ]
+    cached = [first.usage.prompt_tokens_details.cached_tokens]
+    seen = first.usage.prompt_tokens + first.usage.completion_tokens
+    for follow_up in ("", "And tomorrow?"):
+        if follow_up:
+            messages.append({"role": "user", "content": follow_up})
+        reply = client.chat.completions.create(
+            model="default", messages=messages, tools=[CHAT_TOOL], temperature=0, max_tokens=5,
+            logit_bias=NO_SPECIALS, extra_body=key,
+        )  # fmt: skip
+        cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+        # Everything the session held (prompt and reply) came from cache: the call was
+        # rendered back exactly as the model wrote it.
+        assert cached[-1] >= seen - 1, (cached, seen)
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        seen = reply.usage.prompt_tokens + reply.usage.completion_tokens
+    assert cached[0] < cached[1] < cached[2]
+
+
+def test_a_forced_call_streams_in_chat_and_responses(server):
+    client = _openai(server)
+    stream = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": QUESTION}], tools=[CHAT_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0, max_tokens=200, stream=True,
+    )  # fmt: skip
+    name, arguments, finish = None, "", None
+    for chunk in stream:
+        for entry in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            name = entry.function.name or name
+            arguments += entry.function.arguments or ""
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    assert (name, finish) == ("get_weather", "tool_calls")
+    jsonschema.validate(json.loads(arguments), SCHEMA)
+
+    tool = {"type": "function", "name": "get_weather", "parameters": SCHEMA, "strict": False}
+    response = client.responses.create(
+        model="default", input=QUESTION, tools=[tool], tool_choice="required",
+        temperature=0, max_output_tokens=200,
+    )  # fmt: skip
+    [item] = [i for i in response.output if i.type == "function_call"]
+    assert item.name == "get_weather"
+    jsonschema.validate(json.loads(item.arguments), SCHEMA)
+    follow = client.responses.create(
+        model="default", previous_response_id=response.id, temperature=0, max_output_tokens=5,
+        input=[{"type": "function_call_output", "call_id": item.call_id, "output": "sunny"}],
+        tools=[tool],
+    )  # fmt: skip
+    assert follow.usage.input_tokens_details.cached_tokens >= response.usage.input_tokens
+
+
+def test_messages_tool_loop_with_a_forced_call(server):
+    client = _anthropic(server)
+    tool = {"name": "get_weather", "input_schema": SCHEMA}
+    headers = {"X-Session-ID": "messages-loop"}
+    messages = [{"role": "user", "content": QUESTION}]
+    first = client.messages.create(
+        model="default", max_tokens=200, messages=messages, tools=[tool],
+        tool_choice={"type": "any"}, extra_headers=headers,
+    )  # fmt: skip
+    [use] = [b for b in first.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and first.stop_reason == "tool_use"
+    jsonschema.validate(use.input, SCHEMA)
+    messages += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                      "content": "sunny"}]},
+    ]  # fmt: skip
+    second = client.messages.create(
+        model="default", max_tokens=5, messages=messages, tools=[tool],
+        extra_headers=headers,
+    )  # fmt: skip
+    assert second.usage.cache_read_input_tokens >= first.usage.input_tokens
