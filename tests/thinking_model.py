@@ -39,33 +39,8 @@ def next_token() -> dict[str, str]:
 
 def write_thinking_model(folder: Path, opens: bool = False) -> Path:
     """Write the model folder (config, weights, tokenizer, template); return it."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map
-    from mlx_lm.models import llama
-    from mlx_lm.utils import save_config, save_model
-    from word_tokenizer import save_word_tokenizer
-
-    folder.mkdir(parents=True, exist_ok=True)
-    v, hidden = len(VOCAB), 32
-    config = {
-        "model_type": "llama", "hidden_size": hidden, "intermediate_size": 32,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-        "num_hidden_layers": 1, "vocab_size": v, "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 4096, "tie_word_embeddings": False,
-    }  # fmt: skip
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    model.update(tree_map(lambda a: mx.zeros_like(a), model.parameters()))
-    ids = {t: i for i, t in enumerate(VOCAB)}
-    embed, head = mx.zeros((v, hidden)), mx.zeros((v, hidden))
-    embed = embed.at[mx.arange(v), mx.arange(v)].add(1.0)
-    nxt = [ids[next_token()[t]] for t in VOCAB]
-    head = head.at[mx.array(nxt), mx.arange(v)].add(10.0)
-    norms = {k: mx.ones_like(a) for k, a in tree_flatten(model.parameters()) if "norm" in k}
-    model.load_weights([("model.embed_tokens.weight", embed), ("lm_head.weight", head),
-                        *norms.items()], strict=False)  # fmt: skip
-    save_model(folder, model)
-    save_config(config, folder / "config.json")
+    from scripted_model import write_chain_model
 
     template = TEMPLATE.replace("OPENS", "true" if opens else "false")
-    save_word_tokenizer(folder, VOCAB, SPECIAL, "<|im_end|>", template)
+    write_chain_model(folder, SPECIAL, WORDS, next_token(), "<|im_end|>", template)
     return folder

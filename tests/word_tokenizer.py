@@ -11,12 +11,19 @@ CHARS = [chr(c) for c in range(33, 127)] + ["\u0120", "\u010a"]
 
 
 def save_word_tokenizer(
-    folder: Path, vocab: list[str], special: list[str], eos: str, template: str
+    folder: Path,
+    vocab: list[str],
+    special: list[str],
+    eos: str,
+    template: str,
+    phrases: list[str] = (),
 ) -> dict[str, int]:
     """Write tokenizer files for `vocab` (ids in order; `special` among them, `[UNK]` the
     unknown token), with a chat template; return the ids. Whitespace-split words; or, when
     `vocab` holds byte-level characters (CHARS), one token per byte as a byte-level BPE
-    without merges, which spells any text (and any JSON a grammar forces)."""
+    without merges, which spells any text (and any JSON a grammar forces). `phrases`
+    (in `vocab` too): whole pieces of text, each one token wherever it occurs (added
+    tokens), read back as written (no spaces put between tokens)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -28,8 +35,9 @@ def save_word_tokenizer(
     else:
         tok = Tokenizer(models.WordLevel(vocab=ids, unk_token="[UNK]"))
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        tok.decoder = decoders.WordPiece(prefix="##")
+        tok.decoder = decoders.Fuse() if phrases else decoders.WordPiece(prefix="##")
     tok.add_special_tokens(special)
+    tok.add_tokens(list(phrases))
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="[UNK]", eos_token=eos, pad_token="[UNK]"
     )

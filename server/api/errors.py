@@ -17,11 +17,19 @@ log = logging.getLogger("h2o_server")
 
 
 class APIError(Exception):
+    """`details`: Anthropic's `error.details` (its machine-readable `error_code`)."""
+
     def __init__(
-        self, status: int, message: str, code: str | None = None, param: str | None = None
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        details: dict | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+        self.details = details
 
 
 ANTHROPIC_PATHS = ("/v1/messages",)
@@ -41,9 +49,10 @@ def anthropic_path(path: str) -> bool:
     return path.startswith(ANTHROPIC_PATHS)
 
 
-def anthropic_body(status: int, message: str) -> dict:
+def anthropic_body(status: int, message: str, details: dict | None = None) -> dict:
     kind = ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
+    error = {"type": kind, "message": message}
+    return {"type": "error", "error": {**error, "details": details} if details else error}
 
 
 def error_response(
@@ -52,10 +61,12 @@ def error_response(
     code: str | None = None,
     param: str | None = None,
     anthropic: bool = False,
+    details: dict | None = None,
 ):
     headers = {"Retry-After": "1"} if status in (429, 503) else None
     if anthropic:
-        return JSONResponse(anthropic_body(status, message), status_code=status, headers=headers)
+        body = anthropic_body(status, message, details)
+        return JSONResponse(body, status_code=status, headers=headers)
     kind = {
         401: "authentication_error",
         404: "not_found_error",
@@ -65,12 +76,13 @@ def error_response(
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    def shaped(request: Request, status: int, message: str, code=None, param=None):
-        return error_response(status, message, code, param, anthropic_path(request.url.path))
+    def shaped(request: Request, status: int, message: str, code=None, param=None, details=None):
+        anthropic = anthropic_path(request.url.path)
+        return error_response(status, message, code, param, anthropic, details)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
-        return shaped(request, e.status, e.message, e.code, e.param)
+        return shaped(request, e.status, e.message, e.code, e.param, e.details)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, e: RequestValidationError):

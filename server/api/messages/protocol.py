@@ -324,6 +324,20 @@ class PromptRequest(TextRequest):
         return None if fmt is None else fmt.schema_
 
 
+class ThreadParam(Request):
+    """A message thread (server/api/messages/threads.py): `create` keeps the conversation
+    under the reply's id; `continue` sends only the messages since `previous_message_id`."""
+
+    type: Literal["create", "continue"]
+    previous_message_id: str | None = None
+
+    @model_validator(mode="after")
+    def _continues_a_reply(self) -> ThreadParam:
+        if self.type == "continue" and not self.previous_message_id:
+            raise ValueError("a thread's continue names its previous_message_id")
+        return self
+
+
 class MessagesRequest(PromptRequest):
     # 0 is Anthropic's "pre-warm the cache": the prompt is prefilled, nothing is generated.
     max_tokens: int = Field(ge=0)
@@ -334,6 +348,7 @@ class MessagesRequest(PromptRequest):
     stream: bool = False
     metadata: Metadata | None = None
     kv_cache: CacheOptions | None = None  # this server's extension, as in chat completions
+    thread: ThreadParam | None = None
     # Accepted and ignored:
     service_tier: Any = None
     container: Any = None

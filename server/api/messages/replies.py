@@ -77,6 +77,7 @@ class MessagesReply:
         prefill_only: bool = False,
         new_token_limit: int | None = None,
         parallel: bool = True,
+        on_done: Callable[[str, list[BlockOut]], None] | None = None,
     ):
         self.chat = ReplyBuilder(  # the reply taken in as chat completions take it
             "chat", model, tokenizer, False, [(prompt_tokens, "")], 1, tools, thinking
@@ -88,6 +89,7 @@ class MessagesReply:
         self.stop_sequence: str | None = None
         self.finished: Finished | None = None
         self.failed = False
+        self.on_done = on_done  # given the id and content once the reply is whole (threads)
         self.index = -1  # the stream's open block (-1: none yet)
         self.open: str | None = None  # its type; None once closed
 
@@ -118,7 +120,7 @@ class MessagesReply:
                 if event[0] == "text":
                     events += self._extend("text", TextDelta(text=event[1]))
                 elif event[0] == "call":
-                    events += self._start(self._tool_use(event[3]))
+                    events += self._start(self._tool_use(event[2], event[3]))
                 elif event[0] == "arguments" and event[2]:
                     events += self._delta(InputJSONDelta(partial_json=event[2]))
             c.events, c.sent = [], len(c.text)
@@ -131,6 +133,8 @@ class MessagesReply:
 
     def on_finished(self, job: int, finished: Finished) -> list[dict]:
         self.finished = finished
+        if self.on_done is not None:  # before the stream's end: a client continues at once
+            self.on_done(self.id, self.content())
         return []
 
     def closing(self) -> list[dict]:
@@ -177,7 +181,7 @@ class MessagesReply:
                 blocks.append(TextOut(text=calls[1]))
             for call in calls[0]:
                 function = call["function"]
-                block = self._tool_use(function["name"])
+                block = self._tool_use(call["id"], function["name"])
                 block.input = _input(function["arguments"])
                 blocks.append(block)
         elif c.text and not (self.chat.tools and self.chat.tools.forced):
@@ -217,8 +221,9 @@ class MessagesReply:
     def _matched(self) -> str | None:
         return self.stop_sequence if self.stop_reason() == "stop_sequence" else None
 
-    def _tool_use(self, name: str) -> ToolUseOut:
-        return ToolUseOut(id=anthropic_id("toolu"), name=name, input={})
+    def _tool_use(self, call_id: str, name: str) -> ToolUseOut:
+        """A call's block; its id follows the call's, so the stream and the body agree."""
+        return ToolUseOut(id="toolu_" + call_id.removeprefix("call_"), name=name, input={})
 
     # ------------------------------------------------------------------ stream blocks
 
