@@ -42,6 +42,7 @@ def chat_turn(
         parallel_tool_calls=body.parallel_tool_calls,
         answer=answer_schema(fmt),
         thinking=body.thinking(),
+        effort=body.reasoning_effort,
         template_kwargs=body.chat_template_kwargs or {},
         params={**CHAT_PARAMS, "answer": answer_param or "response_format"},
     )

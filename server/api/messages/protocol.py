@@ -286,7 +286,7 @@ class JSONOutputFormat(Request):
 
 
 class OutputConfig(Request):
-    effort: str | None = None  # accepted, ignored
+    effort: str | None = None  # low / medium / high reach a template that takes them (Harmony)
     format: JSONOutputFormat | None = None  # the reply's text follows the schema
 
 

@@ -84,6 +84,7 @@ def messages_turn(
         parallel_tool_calls=parallel,
         answer=body.answer_schema(),
         thinking=thinking(body),
+        effort=body.output_config.effort if body.output_config else None,
         session_key=key,
         owner=owner,
         kv_cache=request.kv_cache if request else None,

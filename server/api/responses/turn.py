@@ -297,6 +297,7 @@ def responses_turn(
         parallel_tool_calls=body.parallel_tool_calls,
         answer=answer_schema(fmt),
         thinking=body.thinking(),
+        effort=body.reasoning.effort if body.reasoning else None,
         session_key=session_key,
         owner=owner,
         kv_cache=body.kv_cache,
