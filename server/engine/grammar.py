@@ -57,9 +57,15 @@ class Grammars:
     def _tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._ll is None:
-                self._ll = llguidance.hf.from_tokenizer(
-                    self._hf, n_vocab=self.vocab, eos_token=self._eos
-                )
+                try:
+                    self._ll = llguidance.hf.from_tokenizer(
+                        self._hf, n_vocab=self.vocab, eos_token=self._eos
+                    )
+                except ValueError:  # a decoder it cannot read (Fuse, ...): token by token
+                    wrapper = llguidance.TokenizerWrapper(DecodedVocabulary(self._hf, self.vocab))
+                    self._ll = llguidance.LLTokenizer(
+                        wrapper, n_vocab=self.vocab, eos_token=self._eos
+                    )
             return self._ll
 
     def constraint(self, grammar: str) -> Constraint:
@@ -67,3 +73,47 @@ class Grammars:
         if matcher.is_error():
             raise ValueError(f"the grammar cannot be used: {matcher.get_error()}")
         return Constraint(matcher, self.vocab)
+
+
+class DecodedVocabulary:
+    """A vocabulary as llguidance's TokenizerWrapper reads it, each token's bytes what it
+    decodes to alone: right for decoders that only join tokens (Fuse, SentencePiece's
+    replace-and-join), which llguidance's own reader of tokenizer.json does not know.
+    SentencePiece's byte tokens (<0xNN>) are their byte."""
+
+    def __init__(self, hf, vocab: int):
+        self._hf = hf
+        self.eos_token_id = hf.eos_token_id
+        self.bos_token_id = hf.bos_token_id
+        decoder = getattr(hf, "added_tokens_decoder", {}) or {}
+        self.special_token_ids = [i for i, t in decoder.items() if t.special and i < vocab]
+        pieces = hf.convert_ids_to_tokens(list(range(vocab)))
+        self.tokens = [_bytes_of(hf, i, piece) for i, piece in enumerate(pieces)]
+        special = set(self.special_token_ids)
+        self._ids = {t: i for i, t in enumerate(self.tokens) if t and i not in special}
+        self._longest = max(map(len, self._ids), default=1)
+
+    def __call__(self, text: str) -> list[int]:
+        """The tokenizer's own ids; where it cannot spell the text (an unknown token), the
+        longest tokens that do, left to right (llguidance tokenizes a grammar's fixed text
+        with this, and then allows only its first token)."""
+        ids = self._hf.encode(text, add_special_tokens=False)
+        unknown = self._hf.unk_token_id
+        if unknown is None or unknown not in ids:
+            return ids
+        data, out, at = text.encode(), [], 0
+        while at < len(data):
+            for end in range(min(len(data), at + self._longest), at, -1):
+                if (token := self._ids.get(data[at:end])) is not None:
+                    out.append(token)
+                    at = end
+                    break
+            else:
+                return ids  # not even one byte spells: the tokenizer's own answer
+        return out
+
+
+def _bytes_of(hf, token: int, piece: str | None) -> bytes:
+    if piece and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    return hf.decode([token], clean_up_tokenization_spaces=False).encode()
