@@ -143,3 +143,41 @@ def test_messages_tool_loop_with_a_forced_call(server):
         extra_headers=headers,
     )  # fmt: skip
     assert second.usage.cache_read_input_tokens >= first.usage.input_tokens
+
+
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory):
+    """A tiny random gpt-oss with a Harmony template and vocabulary."""
+    from tool_templates import HARMONY_SPECIAL
+
+    root = tmp_path_factory.mktemp("harmony")
+    special = ["<|im_start|>", "<|im_end|>", *HARMONY_SPECIAL[:-1], "[UNK]"]
+    folder = write_folder("gpt_oss", root / "model", template("harmony"), special)
+    with running_server(root, "--model", str(folder), "--policy", "h2o") as running:
+        yield running
+
+
+def test_harmony_forced_calls_come_back_parsed_in_every_api(harmony):
+    assert "tool calls: harmony format; reasoning: Harmony channels" in harmony.log_text()
+    client = _openai(harmony)
+    reply = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": QUESTION}], tools=[CHAT_TOOL],
+        tool_choice="required", temperature=0, max_tokens=200, reasoning_effort="low",
+    )  # fmt: skip
+    [call] = reply.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and reply.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+    assert not reply.choices[0].message.content  # the channel markers are not content
+    tool = {"type": "function", "name": "get_weather", "parameters": SCHEMA, "strict": False}
+    response = client.responses.create(
+        model="default", input=QUESTION, tools=[tool], tool_choice="required",
+        temperature=0, max_output_tokens=200,
+    )  # fmt: skip
+    [item] = [i for i in response.output if i.type == "function_call"]
+    jsonschema.validate(json.loads(item.arguments), SCHEMA)
+    message = _anthropic(harmony).messages.create(
+        model="default", max_tokens=200, messages=[{"role": "user", "content": QUESTION}],
+        tools=[{"name": "get_weather", "input_schema": SCHEMA}], tool_choice={"type": "any"},
+    )  # fmt: skip
+    [use] = [b for b in message.content if b.type == "tool_use"]
+    jsonschema.validate(use.input, SCHEMA)
