@@ -62,24 +62,11 @@ def weather(tmp_path_factory):
 
 
 def test_openai_agents_sdk_runs_the_tool_and_answers(weather):
-    from agents import (
-        Agent,
-        OpenAIChatCompletionsModel,
-        OpenAIProvider,
-        RunConfig,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )  # fmt: skip
+    from agents import Agent, OpenAIChatCompletionsModel, OpenAIProvider, RunConfig, Runner
+    from weather_tool import weather_function_tool
 
-    set_tracing_disabled(True)
     calls = []
-
-    @function_tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        calls.append(city)
-        return f"It is sunny in {city}."
+    get_weather = weather_function_tool(calls)
 
     def client() -> openai.AsyncOpenAI:  # one per event loop (asyncio.run)
         url = f"http://127.0.0.1:{weather.port}/v1"

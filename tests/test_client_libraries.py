@@ -52,17 +52,11 @@ def test_instructor_create_partial_and_iterable_in_tools_mode(api):
 def _weather_agent(model) -> tuple:
     """The OpenAI Agents SDK's agent with one function tool, a typed output and a forced
     first call, on `model`; the list its tool's calls land in."""
-    from agents import Agent, ModelSettings, function_tool, set_tracing_disabled
+    from agents import Agent, ModelSettings
+    from weather_tool import weather_function_tool
 
-    set_tracing_disabled(True)
     calls = []
-
-    @function_tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        calls.append(city)
-        return f"It is sunny in {city}."
-
+    get_weather = weather_function_tool(calls)
     agent = Agent(
         name="weather",
         instructions="Answer with the city.",

@@ -52,6 +52,21 @@ def _anthropic(server) -> anthropic.Anthropic:
                                max_retries=0)  # fmt: skip
 
 
+RESPONSES_TOOL = {"type": "function", "name": "get_weather", "parameters": SCHEMA, "strict": False}
+
+
+def _forced_responses_call(client: OpenAI):
+    """A Responses create forced to call: (the response, its schema-valid call item)."""
+    response = client.responses.create(
+        model="default", input=QUESTION, tools=[RESPONSES_TOOL], tool_choice="required",
+        temperature=0, max_output_tokens=200,
+    )  # fmt: skip
+    [item] = [i for i in response.output if i.type == "function_call"]
+    assert item.name == "get_weather"
+    jsonschema.validate(json.loads(item.arguments), SCHEMA)
+    return response, item
+
+
 def test_the_start_up_names_the_format(server):
     assert "tool calls: qwen3_coder format" in server.log_text()
 
@@ -105,18 +120,11 @@ def test_a_forced_call_streams_in_chat_and_responses(server):
     assert (name, finish) == ("get_weather", "tool_calls")
     jsonschema.validate(json.loads(arguments), SCHEMA)
 
-    tool = {"type": "function", "name": "get_weather", "parameters": SCHEMA, "strict": False}
-    response = client.responses.create(
-        model="default", input=QUESTION, tools=[tool], tool_choice="required",
-        temperature=0, max_output_tokens=200,
-    )  # fmt: skip
-    [item] = [i for i in response.output if i.type == "function_call"]
-    assert item.name == "get_weather"
-    jsonschema.validate(json.loads(item.arguments), SCHEMA)
+    response, item = _forced_responses_call(client)
     follow = client.responses.create(
         model="default", previous_response_id=response.id, temperature=0, max_output_tokens=5,
         input=[{"type": "function_call_output", "call_id": item.call_id, "output": "sunny"}],
-        tools=[tool],
+        tools=[RESPONSES_TOOL],
     )  # fmt: skip
     assert follow.usage.input_tokens_details.cached_tokens >= response.usage.input_tokens
 
@@ -168,13 +176,7 @@ def test_harmony_forced_calls_come_back_parsed_in_every_api(harmony):
     assert call.function.name == "get_weather" and reply.choices[0].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
     assert not reply.choices[0].message.content  # the channel markers are not content
-    tool = {"type": "function", "name": "get_weather", "parameters": SCHEMA, "strict": False}
-    response = client.responses.create(
-        model="default", input=QUESTION, tools=[tool], tool_choice="required",
-        temperature=0, max_output_tokens=200,
-    )  # fmt: skip
-    [item] = [i for i in response.output if i.type == "function_call"]
-    jsonschema.validate(json.loads(item.arguments), SCHEMA)
+    _forced_responses_call(client)
     message = _anthropic(harmony).messages.create(
         model="default", max_tokens=200, messages=[{"role": "user", "content": QUESTION}],
         tools=[{"name": "get_weather", "input_schema": SCHEMA}], tool_choice={"type": "any"},
