@@ -14,6 +14,7 @@ import logging
 import mlx.core as mx
 import pytest
 from jinja2 import TemplateError
+from tool_plans import PROMPTED
 
 import kernels.dispatch as dispatch
 import models.shape
@@ -89,6 +90,7 @@ class _Tokenizer:
 
 class _Engine:
     model_id = "m"
+    tool_format = PROMPTED  # a template without tools
 
     def __init__(self, error: Exception):
         self.tokenizer = _Tokenizer(error)
