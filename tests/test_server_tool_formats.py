@@ -1,7 +1,8 @@
-"""A model with Qwen3-Coder's tool-call format through the real server, in all three APIs.
+"""Models with each family's tool-call format through the real server, in all three APIs.
 
 The stand-in is a tiny random qwen3 with a byte-level vocabulary and a template that
-renders tools and earlier calls as Qwen3-Coder's does (tests/tool_templates.py): what
+renders tools and earlier calls as that family's does (tests/tool_templates.py: Qwen3-
+Coder's, GLM's, Mistral's, Kimi K2's, Hermes'; and gpt-oss's Harmony on a gpt-oss): what
 it writes on its own is noise, so the checks are the ones that hold for any weights: a
 forced call comes back parsed, in the format the model was taught and with arguments
 valid against the schema; and a 3-turn tool loop (call, result, answer) re-renders the
@@ -35,11 +36,13 @@ NO_SPECIALS = {str(i): -100 for i in range(len(SPECIAL))}
 QUESTION = "What is the weather in Rome for the next days?"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen3_coder")
-    folder = write_folder("qwen3", root / "model", template("qwen3_coder"), SPECIAL)
+@pytest.fixture(scope="module", params=["qwen3_coder", "glm47", "mistral", "kimi_k2",
+                                        "json_tools"])  # fmt: skip
+def server(tmp_path_factory, request):
+    root = tmp_path_factory.mktemp(request.param)
+    folder = write_folder("qwen3", root / "model", template(request.param), SPECIAL)
     with running_server(root, "--model", str(folder), "--max-sessions", "4") as running:
+        running.format = request.param
         yield running
 
 
@@ -68,7 +71,7 @@ def _forced_responses_call(client: OpenAI):
 
 
 def test_the_start_up_names_the_format(server):
-    assert "tool calls: qwen3_coder format" in server.log_text()
+    assert f"tool calls: {server.format} format" in server.log_text()
 
 
 def test_chat_three_turn_tool_loop_reads_each_turn_from_cache(server):

@@ -151,7 +151,8 @@ def test_the_format_comes_from_the_template(tokenizers):
 @pytest.mark.parametrize("name", [n for n in FORMATS if n != "harmony"])
 def test_earlier_calls_render_as_the_model_writes_them(tokenizers, name):
     tok = tokenizers[name]
-    call = {"id": "c1", "type": "function", "function": {"name": CALL[0], "arguments": CALL[1]}}
+    function = {"name": CALL[0], "arguments": CALL[1]}
+    call = {"id": "functions.get_weather:0", "type": "function", "function": function}
     history = [
         {"role": "user", "content": "Weather?"},
         {"role": "assistant", "content": "", "tool_calls": [call]},

@@ -36,7 +36,7 @@ _CALLS = {
     ),
     "mistral": "[TOOL_CALLS]{{ tool_call.name }}[ARGS]{{ tool_call.arguments | tojson }}",
     "kimi_k2": (
-        "<|tool_calls_section_begin|><|tool_call_begin|>functions.{{ tool_call.name }}:0"
+        "<|tool_calls_section_begin|><|tool_call_begin|>{{ call.id }}"  # the model's own id
         "<|tool_call_argument_begin|>{{ tool_call.arguments | tojson }}<|tool_call_end|>"
         "<|tool_calls_section_end|>"
     ),
@@ -73,8 +73,8 @@ def template(name: str) -> str:
         "{%- for m in messages %}"
         "{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
         "{% if m.content %}{{ m.content }}{% endif %}"
-        "{%- for tool_call in m.tool_calls %}"
-        "{%- if tool_call.function %}{% set tool_call = tool_call.function %}{% endif %}"
+        "{%- for call in m.tool_calls %}"
+        "{%- set tool_call = call.function if call.function else call %}"
         f"{call}{{% endfor %}}<|im_end|>\n"
         "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
         "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

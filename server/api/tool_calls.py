@@ -58,8 +58,10 @@ class ToolCallReader:
             return None
         return self.calls, self.content.strip() or None
 
-    def _new_call(self, name: str) -> tuple:
-        self.calls.append({"id": call_id(), "type": "function",
+    def _new_call(self, name: str, given: str | None = None) -> tuple:
+        """A call opens; `given`: the id the model wrote (Kimi's `functions.NAME:0`), kept
+        so that the template renders the history back as the model wrote it."""
+        self.calls.append({"id": given or call_id(), "type": "function",
                            "function": {"name": name, "arguments": ""}})  # fmt: skip
         return ("call", len(self.calls) - 1, self.calls[-1]["id"], name)
 
@@ -94,10 +96,10 @@ class ToolCallReader:
             if calls is None:
                 out += self._text(raw)
                 continue
-            for name, arguments in calls:
+            for name, arguments, given in calls:
                 if self.calls and not self.plan.parallel:
                     break  # one call asked for: the rest are dropped
-                out += [self._new_call(name), self._arguments(arguments)]
+                out += [self._new_call(name, given), self._arguments(arguments)]
                 out.append(("done", len(self.calls) - 1))
         return out
 
@@ -107,7 +109,9 @@ class ToolCallReader:
             return []
         return [("text", piece)] if piece else []
 
-    def _parsed(self, body: str) -> list[tuple[str, str]] | None:
+    def _parsed(self, body: str) -> list[tuple[str, str, str | None]] | None:
+        """(name, JSON arguments, the model's id if it wrote one) per call in `body`; None
+        when it is not calls of offered functions."""
         try:
             found = self.fmt.parse(body, self.plan.described)
         except Exception:  # noqa: BLE001 - a parser's error is the model's malformed call
@@ -124,7 +128,9 @@ class ToolCallReader:
             if name not in self.plan.names or not isinstance(arguments, dict):
                 return None
             schema = self.plan.parameters.get(name, {})
-            calls.append((name, json.dumps(coerce(arguments, schema), ensure_ascii=False)))
+            given = call.get("id") if isinstance(call.get("id"), str) else None
+            arguments = json.dumps(coerce(arguments, schema), ensure_ascii=False)
+            calls.append((name, arguments, given))
         return calls or None
 
     # ------------------------------------------------------------------ forced
@@ -136,7 +142,7 @@ class ToolCallReader:
                 head = fmt.head.search(self.pending) if fmt.head else None
                 if head is None:
                     break
-                out.append(self._new_call(fmt.name_of(head)))
+                out.append(self._new_call(fmt.name_of(head), head.groupdict().get("id")))
                 self.open, self.depth = True, 0
                 self.in_string = self.escaped = False
                 # JSON: the arguments follow the head; XML: the parser reads the body whole

@@ -14,6 +14,7 @@ call (`any`, `tool`) streams its input as it is generated.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable
 
@@ -222,8 +223,10 @@ class MessagesReply:
         return self.stop_sequence if self.stop_reason() == "stop_sequence" else None
 
     def _tool_use(self, call_id: str, name: str) -> ToolUseOut:
-        """A call's block; its id follows the call's, so the stream and the body agree."""
-        return ToolUseOut(id="toolu_" + call_id.removeprefix("call_"), name=name, input={})
+        """A call's block; its id follows the call's, so the stream and the body agree (a
+        model's own id, Kimi's `functions.NAME:0`, in the letters Anthropic's ids use)."""
+        tail = re.sub(r"[^A-Za-z0-9_-]", "_", call_id.removeprefix("call_"))
+        return ToolUseOut(id=f"toolu_{tail}", name=name, input={})
 
     # ------------------------------------------------------------------ stream blocks
 

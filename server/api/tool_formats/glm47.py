@@ -1,6 +1,7 @@
 """GLM 4.5-4.7: the name, then key/value pairs, values as plain text (strings) or JSON:
 `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>` (4.5 and 4.6
-put a newline after the name and each pair; the grammar allows either)."""
+put a newline after the name, the key and each pair: the grammar follows the template,
+so that the history renders back as the model wrote it)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,13 @@ class GLM47(ToolFormat):
     name = "glm47"
     head = re.compile(r"<tool_call>\s*(?P<name>[^<\s]+)(?=[\s<])")
     has_grammar = True
+    newlines = False
+
+    def configure(self, template: str) -> None:
+        self.newlines = "</arg_key>\n<arg_value>" in template
 
     def call_rule(self, name: str, parameters: dict, rule: str) -> list[str]:
-        newline = f"{self.literal(chr(10))}?"
+        newline = self.literal("\n") if self.newlines else ""
 
         def element(key: str, value: str) -> str:
             key_part = self.literal(f"<arg_key>{key}</arg_key>")

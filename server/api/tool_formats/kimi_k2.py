@@ -11,7 +11,10 @@ from server.api.tool_formats import ToolFormat, json_term
 
 class KimiK2(ToolFormat):
     name = "kimi_k2"
-    head = re.compile(r"functions\.(?P<name>[\w.\-]+?):\d+\s*<\|tool_call_argument_begin\|>")
+    # The call's id is the model's own `functions.NAME:INDEX`, which the template renders.
+    head = re.compile(
+        r"(?P<id>functions\.(?P<name>[\w.\-]+?):\d+)\s*<\|tool_call_argument_begin\|>"
+    )
     json_arguments = True
     has_grammar = True
 
@@ -19,7 +22,7 @@ class KimiK2(ToolFormat):
         opening = self.literal(f"<|tool_call_begin|>functions.{name}:")
         middle = self.literal("<|tool_call_argument_begin|>")
         closing = self.literal("<|tool_call_end|>")
-        return [f"{rule}: {opening} /[0-9]+/ {middle} {json_term(parameters)} {closing}"]
+        return [f"{rule}: {opening} /[0-9]{{1,4}}/ {middle} {json_term(parameters)} {closing}"]
 
     def calls_lines(self, functions: list, many: int, forced: bool) -> list[str]:
         lines = super().calls_lines(functions, many, forced)

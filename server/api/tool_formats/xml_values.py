@@ -35,7 +35,8 @@ def parameter_rules(
     for i, (key, schema) in enumerate(properties.items()):
         name = f"{rule}_v{i}"
         if _is_text(schema) and any(s in closer for s in fmt.specials):
-            lines.append(f"{name}: /(?s:.*)/ {fmt.literal(closer.lstrip())}")
+            span = _length(schema)
+            lines.append(f"{name}: /(?s:.{span})/ {fmt.literal(closer.lstrip())}")
             term = name
         elif _is_text(schema):
             c, span = _regex_text(closer), _length(schema)
