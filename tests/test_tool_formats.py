@@ -272,3 +272,22 @@ def test_a_cut_auto_call_is_dropped_and_a_cut_forced_one_kept(tokenizers):
     [call], _ = forced.result()
     assert call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"]) == {"city": "42"}
+
+
+@pytest.mark.parametrize("name", ["gemma4", "pythonic"])
+def test_a_forced_call_in_a_format_without_a_grammar_opens_with_its_marker(tokenizers, name):
+    """No schema grammar here for these: the forced reply is the marker, text, the end
+    marker; it is read like an auto reply."""
+    from server.engine.grammar import Grammars
+
+    tok = tokenizers[name]
+    fmt = format_for(tok)
+    grammar, _ = shape_grammar([WEATHER, TIME], "required", False, None, fmt)
+    constraint = Grammars(tok, max(tok.get_vocab().values()) + 1).constraint(grammar)
+    text = emit(name, [CALL])
+    ids = tok.encode(text, add_special_tokens=False)
+    assert all(constraint.matcher.consume_token(t) for t in ids)
+    assert constraint.matcher.is_accepting()
+    assert chat(tokenizers, name, text, 3, forced=True)[0] == [CALL]
+    refused = Grammars(tok, max(tok.get_vocab().values()) + 1).constraint(grammar)
+    assert not refused.matcher.consume_token(tok.encode("x", add_special_tokens=False)[0])

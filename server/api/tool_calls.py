@@ -39,6 +39,9 @@ class ToolCallReader:
         self.content = ""  # what went out as text
         self.calls: list[dict] = []  # OpenAI's tool_calls, as they stand
         self.open = False  # a forced call's arguments are streaming
+        # A format with no head to stream from (marker-only grammars) reads a forced reply
+        # as an auto one: whole calls between its markers.
+        self.forced = plan.forced and plan.format.head is not None
         self.depth = 0
         self.in_string = self.escaped = False
 
@@ -46,7 +49,7 @@ class ToolCallReader:
 
     def feed(self, text: str, final: bool = False, cut: bool = False) -> list[tuple]:
         self.pending += text
-        events = self._forced(final) if self.plan.forced else self._auto(final, cut)
+        events = self._forced(final) if self.forced else self._auto(final, cut)
         for e in events:
             if e[0] == "text":
                 self.content += e[1]

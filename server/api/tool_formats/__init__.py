@@ -50,6 +50,9 @@ class ToolFormat:
     def __repr__(self) -> str:
         return f"{self.name} ({self.start!r}...{self.end!r})"
 
+    def configure(self, template: str) -> None:
+        """Details the chat template settles (Mistral's two call shapes, GLM's spacing)."""
+
     # ------------------------------------------------------------------ reading
 
     def parse(self, body: str, tools: list[dict]) -> list[dict]:
@@ -86,9 +89,25 @@ class ToolFormat:
     def call_rule(self, name: str, parameters: dict, rule: str) -> list[str]:
         """Lark lines defining `rule`: one call of `name` whose arguments follow
         `parameters` (a closed JSON schema), wrapper included. The base: the start marker,
-        then text the parser reads back."""
-        free = "/(?s:.*)/"
-        return [f"{rule}: {self.literal(self.start)} {free} {self.literal(self.end)}"]
+        then text the parser reads back, up to the end marker."""
+        if self.end in self.specials:  # any tokens but it, special ones too (Gemma 4's <|"|>)
+            end = self.specials[self.end]
+            return [f"{rule}: {self.literal(self.start)} <[^{end}]>* <[{end}]>"]
+        text, lines = self.text_until(self.end, f"{rule}_text")
+        return [f"{rule}: {self.literal(self.start)} {text}", *lines]
+
+    def text_until(self, closer: str, rule: str, span: str = "*") -> tuple[str, list[str]]:
+        """(a Lark term for text of `span` characters then `closer`, the lines it needs).
+        llguidance lexes greedily, so text and a closer spelled in text are one lexeme:
+        whatever ends with the closer and holds it nowhere else. A closer that is a special
+        token cannot be spelled by text: there the text is anything before it."""
+        if not closer:
+            return f"/(?s:.{span})/", []
+        if any(s in closer for s in self.specials):
+            return rule, [f"{rule}: /(?s:.{span})/ {self.literal(closer.lstrip())}"]
+        c = re.escape(closer).replace("\\\n", "\\n").replace("/", "\\/")
+        token = rule.upper()
+        return token, [f"{token}: /(?s:.{span}{c})/ & ~/(?s:.*{c}.+)/"]
 
     def calls_lines(self, functions: list, many: int, forced: bool) -> list[str]:
         """Lark lines for `calls`: a call of one of `functions` (each with .name and
@@ -134,7 +153,7 @@ def format_for(tokenizer) -> ToolFormat:
     name = parser.__module__.rsplit(".", 1)[-1]
     kind = _formats().get(name, ToolFormat)
     fmt = kind(parser, tokenizer.tool_call_start or "", tokenizer.tool_call_end or "", specials)
-    fmt.configure(template) if hasattr(fmt, "configure") else None
+    fmt.configure(template)
     if kind is ToolFormat:
         fmt.name = name
     return fmt

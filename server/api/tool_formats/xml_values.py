@@ -1,15 +1,10 @@
 """Parameters written one element each (Qwen3-Coder's, GLM's): a string value as plain
-text, anything else as JSON, in the order the schema lists them (required ones always,
-optional ones may be left out).
-
-llguidance lexes greedily, so a plain-text value and the text that closes it are one
-token: anything that ends with the closer and holds it nowhere else. A closer that is a
-special token cannot be spelled by text, so there the value is any text before it."""
+text (with the text that closes it: ToolFormat.text_until), anything else as JSON, in the
+order the schema lists them (required ones always, optional ones may be left out)."""
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 
 from server.api.tool_formats import ToolFormat, json_term
@@ -34,14 +29,9 @@ def parameter_rules(
     parts, lines = [], []
     for i, (key, schema) in enumerate(properties.items()):
         name = f"{rule}_v{i}"
-        if _is_text(schema) and any(s in closer for s in fmt.specials):
-            span = _length(schema)
-            lines.append(f"{name}: /(?s:.{span})/ {fmt.literal(closer.lstrip())}")
-            term = name
-        elif _is_text(schema):
-            c, span = _regex_text(closer), _length(schema)
-            lines.append(f"{name.upper()}: /(?s:.{span}{c})/ & ~/(?s:.*{c}.+)/")
-            term = name.upper()
+        if _is_text(schema):
+            term, extra = fmt.text_until(closer, name, _length(schema))
+            lines += extra
         else:
             lines.append(f"{name}: {_json_value(schema, defs)}")
             term = f"{name} {fmt.literal(closer)}"
@@ -69,11 +59,6 @@ def _json_value(schema: dict, defs: dict) -> str:
     if kind == "boolean":
         return '"true" | "false"'
     return json_term({**schema, **defs})
-
-
-def _regex_text(text: str) -> str:
-    """`text` matched literally inside a Lark /regex/ (newline as \\n, slashes escaped)."""
-    return re.escape(text).replace("\\\n", "\\n").replace("/", "\\/")
 
 
 def _length(schema: dict) -> str:
