@@ -33,6 +33,8 @@ def call_id() -> str:
 
 
 class ToolCallReader:
+    """One reply's (one choice's) content, read into text and calls under `plan`."""
+
     def __init__(self, plan: ToolPlan):
         self.plan, self.fmt = plan, plan.format
         self.pending = ""  # text not yet placed
