@@ -50,9 +50,10 @@ serve: setup
 	$(VENV)/bin/h2o-server serve --model default
 
 # Two workers (one per core; each test file stays on one of them, so its fixtures and
-# servers start once), every process with one OpenBLAS thread (tests/conftest.py).
+# servers start once), every process with one OpenBLAS thread (tests/conftest.py). The
+# slowest tests are listed at the end: the suite's time is a budget (~12 minutes).
 test: setup
-	$(PY) -m pytest -q -n auto --maxprocesses 2 --dist loadfile
+	$(PY) -m pytest -q -n auto --maxprocesses 2 --dist loadfile --durations=15
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -8,7 +8,8 @@ it is whole. Each API turns them into its own deltas: `tool_calls` in chat chunk
 `function_call` items in Responses, `tool_use` blocks in Messages.
 
 - Forced (`tool_choice` required, a named tool, Anthropic's `any`): the grammar fixes
-  the text, so a call's name goes out once whole and JSON arguments as generated.
+  the text, so a call's name goes out once whole and its arguments as generated: JSON
+  text as it comes, an XML format's parameters each as it closes.
 - "auto": content streams until the format's start marker; from there the text is held
   until the call is whole, then read with the format's parser (mlx-lm's), its arguments
   coerced to the types the schema names, and sent whole. A call that does not parse, or
@@ -150,9 +151,8 @@ class ToolCallReader:
                 out.append(self._new_call(fmt.name_of(head), head.groupdict().get("id")))
                 self.open, self.depth = True, 0
                 self.in_string = self.escaped = False
-                # JSON: the arguments follow the head; XML: the parser reads the body whole
-                cut = head.end() if fmt.json_arguments else head.start() + len(fmt.start)
-                self.pending = self.pending[cut:]
+                self.pending = self.pending[head.end() :]
+                self.xml_count = self.xml_at = 0
             if fmt.json_arguments:
                 n = self._scan_json()
                 if n:
@@ -161,20 +161,31 @@ class ToolCallReader:
                 if self.depth is not None:
                     break
             else:
-                end = self.pending.find(fmt.end)
+                out += self._xml_parameters()
+                end = self.pending.find(fmt.end, self.xml_at)
                 if end < 0:
                     break
-                parsed = self._parsed(self.pending[:end]) or [("", "{}")]
-                out.append(self._arguments(parsed[0][1]))
+                out.append(self._arguments("}" if self.xml_count else "{}"))
                 self.pending = self.pending[end + len(fmt.end) :]
             out.append(("done", len(self.calls) - 1))
             self.open = False
-        if final and self.open:
-            if not fmt.json_arguments:  # cut: the parameters written so far, if they parse
-                parsed = self._parsed(self.pending + self.fmt.closing)
-                out.append(self._arguments(parsed[0][1] if parsed else ""))
+        if final and self.open:  # cut by max_tokens: the arguments as far as they got
             out.append(("done", len(self.calls) - 1))
             self.open = False
+        return out
+
+    def _xml_parameters(self) -> list[tuple]:
+        """A forced XML call's parameters whole so far, each the next piece of its JSON
+        arguments, typed as the schema says (`{"city": "Oslo"`, then `, "days": 3`, ...)."""
+        out = []
+        schema = self.plan.parameters.get(self.calls[-1]["function"]["name"], {})
+        for element in self.fmt.element.finditer(self.pending, self.xml_at):
+            key, value = element.group("key"), self.fmt.value_of(element.group("value"))
+            value = coerce({key: value}, schema)[key]
+            lead = ", " if self.xml_count else "{"
+            text = json.dumps(value, ensure_ascii=False)
+            out.append(self._arguments(f"{lead}{json.dumps(key, ensure_ascii=False)}: {text}"))
+            self.xml_count, self.xml_at = self.xml_count + 1, element.end()
         return out
 
     def _scan_json(self) -> int:

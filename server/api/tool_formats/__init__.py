@@ -41,7 +41,12 @@ class ToolFormat:
     head: re.Pattern | None = None  # a forced call's name (group "name"); its end: where
     json_arguments = False  # ... the JSON arguments start, when they are JSON text
     has_grammar = False
-    closing = ""  # what a forced call cut short needs after it for the parser to read it
+    element: re.Pattern | None = None  # XML formats: one parameter (groups key, value)
+
+    def value_of(self, text: str) -> str:
+        """An XML parameter's value as the parser reads it (Qwen3-Coder: one newline off
+        each end)."""
+        return text
 
     def __init__(self, parser: Parser | None, start: str, end: str, specials: dict[str, int]):
         self.parser, self.start, self.end = parser, start, end

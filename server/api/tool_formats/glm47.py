@@ -16,6 +16,9 @@ class GLM47(ToolFormat):
     head = re.compile(r"<tool_call>\s*(?P<name>[^<\s]+)(?=[\s<])")
     has_grammar = True
     newlines = False
+    element = re.compile(
+        r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>", re.S
+    )
 
     def configure(self, template: str) -> None:
         self.newlines = "</arg_key>\n<arg_value>" in template

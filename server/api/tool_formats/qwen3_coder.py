@@ -14,7 +14,11 @@ class Qwen3Coder(ToolFormat):
     name = "qwen3_coder"
     head = re.compile(r"<tool_call>\s*<function=(?P<name>[^>\s]+)>")
     has_grammar = True
-    closing = "\n</function>"
+    element = re.compile(r"<parameter=(?P<key>[^>\n]+)>(?P<value>.*?)</parameter>", re.S)
+
+    def value_of(self, text: str) -> str:
+        text = text[1:] if text.startswith("\n") else text
+        return text[:-1] if text.endswith("\n") else text
 
     def call_rule(self, name: str, parameters: dict, rule: str) -> list[str]:
         def element(key: str, value: str) -> str:
