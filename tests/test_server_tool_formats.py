@@ -32,17 +32,20 @@ SCHEMA = {
     "required": ["city", "days"],
 }
 CHAT_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
-NO_SPECIALS = {str(i): -100 for i in range(len(SPECIAL))}
 QUESTION = "What is the weather in Rome for the next days?"
 
 
 @pytest.fixture(scope="module", params=["qwen3_coder", "glm47", "mistral", "kimi_k2",
-                                        "json_tools"])  # fmt: skip
+                                        "json_tools", "llama3_json"])  # fmt: skip
 def server(tmp_path_factory, request):
     root = tmp_path_factory.mktemp(request.param)
-    folder = write_folder("qwen3", root / "model", template(request.param), SPECIAL)
+    # Llama's vocabulary has no other family's markers (mlx-lm reads some from it).
+    special = SPECIAL[:3] if request.param == "llama3_json" else SPECIAL
+    folder = write_folder("qwen3", root / "model", template(request.param), special)
     with running_server(root, "--model", str(folder), "--max-sessions", "4") as running:
         running.format = request.param
+        # Free text only where a reply is not a call: no special token to render back.
+        running.no_specials = {str(i): -100 for i in range(len(special))}
         yield running
 
 
@@ -95,7 +98,7 @@ def test_chat_three_turn_tool_loop_reads_each_turn_from_cache(server):
             messages.append({"role": "user", "content": follow_up})
         reply = client.chat.completions.create(
             model="default", messages=messages, tools=[CHAT_TOOL], temperature=0, max_tokens=5,
-            logit_bias=NO_SPECIALS, extra_body=key,
+            logit_bias=server.no_specials, extra_body=key,
         )  # fmt: skip
         cached.append(reply.usage.prompt_tokens_details.cached_tokens)
         # Everything the session held (prompt and reply) came from cache: the call was

@@ -55,6 +55,10 @@ _CALLS = {
         "{{ k }}={{ v | tojson }}{% if not loop.last %}, {% endif %}{% endfor %})]"
         "<|tool_call_end|>"
     ),
+    "llama3_json": (
+        "{{ '{\"name\": \"' + tool_call.name + '\", ' }}{{ '\"parameters\": ' }}"
+        "{{ tool_call.arguments | tojson }}{{ '}' }}"
+    ),
     "harmony": (
         "<|start|>assistant<|channel|>commentary to=functions.{{ tool_call.name }} "
         "<|constrain|>json<|message|>{{ tool_call.arguments | tojson }}<|call|>"
@@ -160,6 +164,9 @@ def emit(name: str, calls: list[tuple[str, dict]], before: str = "") -> str:
             )
             + "]<|tool_call_end|>"
         )
+    elif name == "llama3_json":  # one call a reply
+        [(n, a)] = calls
+        body = json.dumps({"name": n, "parameters": a})
     elif name == "harmony":  # one call a reply: <|call|> ends generation
         [(n, a)] = calls
         lead = f"<|channel|>final<|message|>{before}<|end|><|start|>assistant" if before else ""

@@ -3,7 +3,8 @@
 The format comes from the model: mlx-lm's tokenizer loader reads the chat template (and
 the vocabulary) and names a parser in `mlx_lm/tool_parsers/` (`TokenizerWrapper.
 tool_parser`, `tool_call_start`, `tool_call_end`); gpt-oss's Harmony is recognised by
-its vocabulary. `format_for` turns that into a `ToolFormat`: mlx-lm's own parser reads
+its vocabulary, Llama 3's bare JSON by its template (mlx-lm has no parser for either).
+`format_for` turns that into a `ToolFormat`: mlx-lm's own parser reads
 a call back, and the format adds what a server needs beyond it: the Lark grammar of a
 forced call in the model's own words (`call_rule`), and where a forced call's name and
 JSON arguments begin, so they stream as they are generated (`head`). A template that
@@ -144,6 +145,7 @@ def special_tokens(hf_tokenizer) -> dict[str, int]:
 def format_for(tokenizer) -> ToolFormat:
     """The tool format of a loaded model (mlx-lm's TokenizerWrapper)."""
     from server.api.tool_formats.harmony import Harmony, is_harmony
+    from server.api.tool_formats.llama3_json import Llama3JSON, is_llama3_json
     from server.api.tool_formats.prompted import PromptedJSON
 
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
@@ -153,6 +155,8 @@ def format_for(tokenizer) -> ToolFormat:
     if is_harmony(specials):
         return Harmony(None, Harmony.start, "", specials)
     parser = getattr(tokenizer, "tool_parser", None)
+    if parser is None and "tools" in template and is_llama3_json(template):
+        return Llama3JSON(None, "", "", specials)
     if parser is None or "tools" not in template:
         return PromptedJSON(None, "<tool_call>", "</tool_call>", specials)
     name = parser.__module__.rsplit(".", 1)[-1]
