@@ -264,6 +264,10 @@ def test_xml_arguments_take_the_schemas_types():
     schema = closed(WEATHER.parameters)
     assert coerce({"city": 42, "days": "3"}, schema) == {"city": "42", "days": 3}
     assert coerce({"city": "Oslo", "days": "x"}, schema) == {"city": "Oslo", "days": "x"}
+    flag = {"properties": {"on": {"type": "boolean"}}}
+    assert coerce({"on": "True"}, flag) == {"on": True} and coerce({"on": "false"}, flag) == {
+        "on": False
+    }
 
 
 def test_a_cut_auto_call_is_dropped_and_a_cut_forced_one_kept(tokenizers):

@@ -224,7 +224,9 @@ def _as_type(value: Any, schema: Any) -> Any:
     kind = schema.get("type") if isinstance(schema, dict) else None
     if kind == "string" and not isinstance(value, str):
         return json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else value
-    if isinstance(value, str) and kind in ("integer", "number", "boolean", "object", "array"):
+    if kind == "boolean" and isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"  # JSON's, or Python's as Qwen3-Coder's template writes
+    if isinstance(value, str) and kind in ("integer", "number", "object", "array"):
         try:
             parsed = json.loads(value)
         except json.JSONDecodeError:

@@ -56,8 +56,8 @@ def _json_value(schema: dict, defs: dict) -> str:
         return INTEGER
     if kind == "number" and len(schema) == 1:
         return NUMBER
-    if kind == "boolean":
-        return '"true" | "false"'
+    if kind == "boolean":  # Qwen3-Coder's template writes Python's (`v | string`)
+        return '"true" | "false" | "True" | "False"'
     return json_term({**schema, **defs})
 
 
