@@ -23,6 +23,8 @@ from config.cache_spec import (
     ServePolicyName,
 )
 
+DRAFT_MAX = 12  # speculative decoding's default draft length (server/engine/speculation.py)
+
 
 class ServerSettings(BaseSettings):
     """`h2o-server serve`: every flag is also an environment variable H2O_<NAME>.
@@ -51,6 +53,13 @@ class ServerSettings(BaseSettings):
         ge=16,
         description="prompt tokens prefilled per round while others decode (whole chunks, "
         "at least one)",
+    )
+    draft_max: int = Field(
+        DRAFT_MAX,
+        ge=0,
+        le=64,
+        description="speculative decoding: most tokens a draft (the conversation's own "
+        "n-grams, a grammar's forced tokens) feeds beside the decoding token; 0: off",
     )
     preset: PresetName = DEFAULT_PRESET
     score: ScoreRuleName = DEFAULT_SCORE

@@ -51,6 +51,7 @@ from cache.batching.h2o_slab import H2OSlab, near_wall, slab_key
 from cache.batching.kvarn_slab import KVarNSlab
 from cache.contract import step_scores
 from cache.factory import dense_layers, outgrows_dense, pack_dense
+from cache.policies.full import plain
 from config.cache_spec import CacheSpec
 from server.engine.generation import Generation
 from server.engine.jobs import Delta
@@ -70,6 +71,7 @@ class Round:
     outcomes: list[tuple[Generation, Delta | Exception]] = field(default_factory=list)
     prefill_tokens: int = 0
     decode_seconds: float = 0.0
+    decode_passes: int = 0  # forward passes its decode took (0 or 1)
     decoding: list[Generation] = field(default_factory=list)  # still decoding after it
 
 
@@ -110,7 +112,12 @@ class Batcher:
         t0 = time.perf_counter()
         decoding = [g for g in gens if not g.prefilling]
         rows = self._pack_outgrown(decoding, lambda g, k: len(g.session.tokens) + k, done)
+        if len(rows) == 1 and self._speculates(rows[0]):
+            self._speculate(rows[0], done)
+            done.decode_seconds = time.perf_counter() - t0
+            return done
         rows, draws = self._decode(rows, done) if rows else ([], [])
+        done.decode_passes = int(bool(rows))
         for g, draw in zip(rows, draws, strict=True):
             if g.sampled is not None:
                 try:
@@ -126,6 +133,33 @@ class Batcher:
                 done.decoding.append(g)
         done.decode_seconds = time.perf_counter() - t0
         return done
+
+    def _speculates(self, g: Generation) -> bool:
+        """Whether a lone decoding row takes a speculative round (server/engine/speculation.py):
+        its caches give a refused draft back exactly (mlx-lm's plain KVCache trims), it
+        stays clear of its dense share (packing runs a token a round), and it has a draft."""
+        s = g.session
+        if g.drafter is None or not all(plain(c) for c in s.caches):
+            return False
+        rounds = math.ceil(dense_layers(s.caches) / PACK_LAYERS) + 1
+        if outgrows_dense(s.spec, s.caches, len(s.tokens) + g.drafter.length.ceiling + rounds):
+            return False
+        return g.expects_drafts()
+
+    def _speculate(self, g: Generation, done: Round) -> None:
+        """One speculative round for `g` alone: its draw read, a draft verified with it."""
+        self.leave(g)  # out of any slab it decoded in beside others
+        try:
+            delta = g.speculate(self.model)
+        except Exception as e:  # its pass, grammar or sampler: it alone fails
+            done.outcomes.append((g, e))
+            self.leave(g, broken=True)
+            return
+        done.decode_passes = 1
+        if delta is not None:
+            done.outcomes.append((g, delta))
+        if not g.done:
+            done.decoding.append(g)
 
     def prefill(self, gens: list[Generation], decoding: bool) -> Round:
         """Prefill the waiting generations among `gens`: within `prefill_budget` tokens

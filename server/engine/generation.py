@@ -29,6 +29,7 @@ from cache.batching.batch import kv_slab_layer
 from server.engine.detokenize import IncrementalText, decoder
 from server.engine.grammar import Constraint
 from server.engine.jobs import Delta, Finished, SamplingParams, TokenLogprob
+from server.engine.speculation import Drafter
 from server.sessions.conversation import keep_checkpoint
 from server.sessions.store import Session
 
@@ -38,14 +39,7 @@ PENALTY_CONTEXT = 64  # tokens the presence/frequency penalties look back on
 LOGPROB_FLOOR = -9999.0  # a logprob JSON can carry (vLLM's floor): never -inf
 
 
-def make_request_sampler(
-    temperature: float,
-    top_p: float,
-    min_p: float,
-    seed: int | None,
-    choice: int = 0,
-    top_k: int = 0,
-):
+class RequestSampler:
     """mlx-lm's top-k/top-p/min-p filters, then sampling from this request's own random key.
 
     A key per request (not MLX's global one) keeps a seeded request reproducible
@@ -53,24 +47,81 @@ def make_request_sampler(
     draws from its own key split off the seed's, so each choice is reproducible and
     choice 0 is the reply the same request with n = 1 gets.
     """
-    if temperature == 0:
-        return greedy_sampler
-    key = mx.random.key(secrets.randbits(62) if seed is None else seed)
-    if choice:
-        key = mx.random.split(key, choice + 1)[choice]
 
-    def sample(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        key, draw = mx.random.split(key)
-        if 0 < top_k < logprobs.shape[-1]:  # k as large as the vocabulary filters nothing
-            logprobs = apply_top_k(logprobs, top_k)
-        if 0 < top_p < 1:
-            logprobs = apply_top_p(logprobs, top_p)
-        if min_p > 0:
-            logprobs = apply_min_p(logprobs, min_p)
-        return mx.random.categorical(logprobs * (1 / temperature), key=draw)
+    def __init__(
+        self,
+        temperature: float,
+        top_p: float,
+        min_p: float,
+        seed: int | None,
+        choice: int = 0,
+        top_k: int = 0,
+    ):
+        self.temperature, self.top_p, self.min_p, self.top_k = temperature, top_p, min_p, top_k
+        self.greedy = temperature == 0
+        self.key = None
+        if not self.greedy:
+            self.key = mx.random.key(secrets.randbits(62) if seed is None else seed)
+            if choice:
+                self.key = mx.random.split(self.key, choice + 1)[choice]
 
-    return sample
+    def _draw_key(self) -> mx.array:
+        self.key, draw = mx.random.split(self.key)
+        return draw
+
+    def scaled(self, logprobs: mx.array) -> mx.array:
+        """The logits a token is drawn from: filtered, over the temperature ([..., vocab])."""
+        if 0 < self.top_k < logprobs.shape[-1]:  # k as large as the vocabulary filters nothing
+            logprobs = apply_top_k(logprobs, self.top_k)
+        if 0 < self.top_p < 1:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p > 0:
+            logprobs = apply_min_p(logprobs, self.min_p)
+        return logprobs * (1 / self.temperature)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        if self.greedy:
+            return greedy_sampler(logprobs)
+        draw = self._draw_key()
+        return mx.random.categorical(self.scaled(logprobs), key=draw)
+
+    def verify(self, logprobs: mx.array, drafts: list[int]) -> tuple[int, mx.array]:
+        """How many of `drafts` the target takes, and the token drawn after them ([1]).
+
+        `logprobs` [k + 1, vocab]: the target's distribution at each fed position (row i
+        predicts what follows drafts[:i]). Greedy: a draft is taken while it is the
+        argmax. Sampled: the standard rule for a point-mass draft, which keeps the
+        target's distribution exactly: draft x is taken with probability p(x); at the
+        first one refused, the token is drawn from p without x, renormalized; after a
+        draft taken whole, from the last row.
+        """
+        k = len(drafts)
+        if self.greedy:
+            best = mx.argmax(logprobs, axis=-1).tolist()
+            taken = next((i for i in range(k) if best[i] != drafts[i]), k)
+            return taken, mx.array([best[taken]])
+        scaled = self.scaled(logprobs)
+        taken = k
+        if k:
+            p = mx.softmax(scaled[:k], axis=-1)[mx.arange(k), mx.array(drafts)]
+            u = mx.random.uniform(shape=(k,), key=self._draw_key())
+            refused = (u >= p).tolist()
+            taken = next((i for i in range(k) if refused[i]), k)
+        row = scaled[taken]
+        if taken < k:  # p without the refused draft
+            row = mx.where(mx.arange(row.shape[-1]) == drafts[taken], -mx.inf, row)
+        return taken, mx.random.categorical(row, key=self._draw_key()).reshape(1)
+
+
+def make_request_sampler(
+    temperature: float,
+    top_p: float,
+    min_p: float,
+    seed: int | None,
+    choice: int = 0,
+    top_k: int = 0,
+) -> RequestSampler:
+    return RequestSampler(temperature, top_p, min_p, seed, choice, top_k)
 
 
 def stop_holdback(text: str, stops: list[str]) -> int:
@@ -126,6 +177,7 @@ class Generation:
         keep_prefix: Callable[[Session], None] | None = None,
         constraint: Constraint | None = None,
         choice: int = 0,
+        draft_max: int = 0,
     ):
         self.tokenizer, self.session = tokenizer, session
         self.choice = choice  # which of the request's n choices this is
@@ -158,6 +210,8 @@ class Generation:
         # what this round sampled (token, logprobs), read once the next round is launched.
         self.next_input: int | mx.array | None = None
         self.sampled: tuple[mx.array, mx.array] | None = None
+        # Speculative decoding (server/engine/speculation.py): None where it is off.
+        self.drafter = Drafter(draft_max) if draft_max else None
         self._start_decoding()
 
     @property
@@ -255,11 +309,95 @@ class Generation:
         self.session.tokens.append(token)
         return self.accept(token, logprobs)
 
-    def _processed(self, logits: mx.array) -> mx.array:
-        """Penalties and logit bias over the last PENALTY_CONTEXT tokens of prompt and reply."""
+    # ------------------------------------------------------------------ speculation
+
+    @property
+    def room(self) -> int:
+        """Tokens the reply may still take."""
+        return self.params.max_tokens - len(self.generated)
+
+    def expects_drafts(self) -> bool:
+        """Whether this round should feed a draft (asked once a round, for a row that may
+        speculate): a grammar may force tokens; else the history's suffix recurs."""
+        if self.drafter is None or self.room < 2:
+            return False
+        return self.constraint is not None or self.drafter.expects(self.session.tokens)
+
+    def speculate(self, model) -> Delta | None:
+        """One speculative round: read last round's draw (it is this round's input), draft
+        what may follow it, and verify both in one forward pass. Returns the reply's new
+        tokens as one Delta (None when it has none yet: the prompt's first round)."""
+        delta = None
+        if self.sampled is not None:
+            token = self.sampled[0].item()
+            delta = self.read()
+            if self.constraint is not None and not self.done:
+                self.constraint.consume(token)
+            self.next_input = token
+        else:
+            self.fed()  # the prompt's last token
+        drafts, forced = [], 0
+        if not self.done:
+            drafts, forced = self.drafter.draft(
+                self.session.tokens, self.constraint, min(self.drafter.length.k, self.room - 1)
+            )
+        more = self.verify(model, self.next_input, drafts, forced)
+        return more if delta is None else delta.join(more) if more else delta
+
+    def verify(self, model, token: int, drafts: list[int], forced: int = 0) -> Delta | None:
+        """Feed `token` and `drafts` in one pass and keep the drafted tokens the model takes
+        (RequestSampler.verify); the caches give back the rest (mlx-lm's trim: only plain
+        caches speculate), and the grammar forgets them. The token drawn after the kept
+        ones is this generation's next input, as a plain round's draw. The first `forced`
+        drafts are the grammar's (always taken: not counted against the draft length)."""
+        caches = self.session.caches
+        logits = model(mx.array([token, *drafts])[None], cache=caches)[0]
+        if self.done:  # `token` ended the reply: fed so the caches hold what the tokens say
+            mx.eval([c.state for c in caches])
+            return None
+        rows, consumed = self._draft_rows(logits, drafts)
+        logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+        taken, draw = self.sampler.verify(logprobs, drafts)
+        delta, kept = None, 0
+        while kept < taken and not self.done:
+            piece = self.accept(drafts[kept], logprobs[kept])
+            delta = piece if delta is None else delta.join(piece)
+            kept += 1
+        for c in caches:
+            if len(drafts) > kept:
+                c.trim(len(drafts) - kept)
+        self.session.tokens.extend(drafts[:kept])
+        if self.constraint is not None and consumed > kept:
+            self.constraint.rollback(consumed - kept)
+        self.drafter.took(len(drafts), kept, forced)
+        if self.done:
+            self.sampled = None
+        else:
+            self.sampled, self.next_input = (draw, logprobs[taken]), draw
+        return delta
+
+    def _draft_rows(self, logits: mx.array, drafts: list[int]) -> tuple[mx.array, int]:
+        """The logits [k + 1, vocab] each position draws from (penalties over the drafts
+        before it, the grammar's mask after them), and how many drafts the grammar took in
+        (it stops at one it refuses: that draft is refused, so later rows go unread)."""
+        rows = [logits[i : i + 1] for i in range(len(drafts) + 1)]
+        if self.processors:
+            rows = [self._processed(row, drafts[:i]) for i, row in enumerate(rows)]
+        consumed = 0
+        if self.constraint is not None:
+            for i, row in enumerate(rows):
+                rows[i] = self.constraint.apply(row)
+                if i == len(drafts) or not self.constraint.advance(drafts[i]):
+                    break
+                consumed += 1
+        return mx.concatenate(rows), consumed
+
+    def _processed(self, logits: mx.array, drafts: list[int] | None = None) -> mx.array:
+        """Penalties and logit bias over the last PENALTY_CONTEXT tokens of prompt and reply
+        (and, verifying a draft, of the drafted tokens before this position)."""
         unread = None if self.sampled is None else self.sampled[0]
-        known = (self.prompt + self.generated)[-(PENALTY_CONTEXT - (unread is not None)) :]
-        context = mx.array(known)
+        known = self.prompt + self.generated + (drafts or [])
+        context = mx.array(known[-(PENALTY_CONTEXT - (unread is not None)) :])
         if unread is not None:
             context = mx.concatenate([context, unread])
         for process in self.processors:
@@ -306,7 +444,9 @@ class Generation:
             self.prompt_logprobs.append(token_logprob(token, logprobs[j], k))
 
     def finished(self) -> Finished:
-        return Finished(len(self.prompt), len(self.generated), self.reused)
+        d = self.drafter
+        taken, refused = (d.accepted, d.proposed - d.accepted) if d else (0, 0)
+        return Finished(len(self.prompt), len(self.generated), self.reused, taken, refused)
 
 
 def token_logprob(token: int, logprobs: mx.array, k: int) -> TokenLogprob:

@@ -30,6 +30,19 @@ class Constraint:
         if not self.matcher.consume_token(token):
             raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
 
+    def advance(self, token: int) -> bool:
+        """Take `token` if the grammar allows it (a draft's); False, and nothing taken, if not."""
+        return self.matcher.try_consume_tokens([token]) == 1
+
+    def rollback(self, n: int) -> None:
+        """Forget the last n tokens taken (drafted ones the model refused)."""
+        if not self.matcher.rollback(n):
+            raise RuntimeError(f"the grammar could not roll back: {self.matcher.get_error()}")
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar allows one way only from here (llguidance's fast-forward)."""
+        return list(self.matcher.compute_ff_tokens())
+
     def allowed(self) -> mx.array:
         """[vocab] bool: the tokens the grammar allows next (only end-of-sequence once the
         reply is complete)."""

@@ -27,6 +27,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None  # None: off; k: the chosen token plus k alternatives
     prompt_logprobs: bool = False  # the prompt's tokens' logprobs too (completions echo)
+    speculation: bool | None = None  # drafts verified in one pass; None: the server's choice
 
 
 @dataclass
@@ -54,6 +55,15 @@ class Delta:
     # The first delta of a reply that echoes its prompt's logprobs: one per prompt
     # token, None for the first (nothing predicts it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    tokens: int = 1  # reply tokens it carries (several where a draft was taken)
+
+    def join(self, later: Delta) -> Delta:
+        """This delta followed by `later` (the same choice's next tokens), as one."""
+        self.text += later.text
+        self.logprobs += later.logprobs
+        self.finish_reason, self.stop_sequence = later.finish_reason, later.stop_sequence
+        self.tokens += later.tokens
+        return self
 
 
 @dataclass
@@ -61,6 +71,10 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # Speculative decoding: drafted tokens the model took, and ones it refused (OpenAI's
+    # accepted/rejected_prediction_tokens).
+    accepted_draft_tokens: int = 0
+    rejected_draft_tokens: int = 0
 
 
 @dataclass

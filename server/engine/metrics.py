@@ -16,6 +16,9 @@ COUNTERS = {
     "decode_seconds_total": "seconds spent in decode steps",
     "decoded_tokens_total": "tokens decoded, for finished and cancelled requests alike",
     "prefill_tokens_total": "prompt tokens run through the model",
+    "decode_passes_total": "decode forward passes (a speculative one verifies several tokens)",
+    "draft_tokens_total": "tokens proposed by speculative drafts",
+    "accepted_draft_tokens_total": "drafted tokens the model took",
 }
 # Counted by the session store (server/sessions/store.py, SessionStore.counts).
 SESSION_COUNTERS = {

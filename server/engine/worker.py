@@ -19,6 +19,7 @@ Between rounds (at most every TICK seconds) the store spills sessions idle past
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -44,6 +45,7 @@ from server.engine.jobs import (
     Started,
 )
 from server.engine.metrics import Metrics
+from server.engine.speculation import MAX_DRAFT
 
 log = logging.getLogger("h2o_server.worker")
 TICK = 0.25  # seconds between looks for idle and wanted sessions
@@ -66,8 +68,7 @@ class Choices:
 
     def finished(self) -> Finished:
         """The request's usage: the prompt counted once, every choice's tokens."""
-        first = self.first
-        return Finished(first.prompt_tokens, self.completion_tokens, first.cached_tokens)
+        return dataclasses.replace(self.first, completion_tokens=self.completion_tokens)
 
 
 class Worker:
@@ -295,7 +296,16 @@ class Worker:
             store.keep_prefix if choice == 0 else None,
             grammars.constraint(job.grammar) if job.grammar else None,
             choice,
+            self._draft_max(job),
         )
+
+    def _draft_max(self, job: Job) -> int:
+        """The longest draft a job's reply may feed: the server's (--draft-max), unless its
+        request turned speculation off, or on where the server has it off."""
+        asked = job.params.speculation
+        if asked is None:
+            return self.settings.draft_max
+        return (self.settings.draft_max or MAX_DRAFT) if asked else 0
 
     def _fork_choices(self) -> None:
         """A job with n > 1 whose prompt is in (all but the token that starts decoding):
@@ -351,6 +361,7 @@ class Worker:
         jobs = {gen: job for job, gen in self._active}
         decoded = self.batcher.decode(list(jobs))
         self.metrics.add("decode_seconds_total", decoded.decode_seconds)
+        self.metrics.add("decode_passes_total", decoded.decode_passes)
         self._deliver(jobs, decoded.outcomes)
         still = [gen for _, gen in self._active]
         filled = self.batcher.prefill(still, decoding=bool(decoded.decoding))
@@ -368,7 +379,7 @@ class Worker:
                 job.cancel("another of its choices failed")  # the rest end next round
                 continue
             job.emit(outcome)
-            self.metrics.add("decoded_tokens_total")
+            self.metrics.add("decoded_tokens_total", outcome.tokens)
             if gen.done:
                 choices = self._choices[job]
                 self._finish(job, gen)
@@ -383,6 +394,9 @@ class Worker:
         self._active.remove((job, gen))
         self.batcher.leave(gen, broken)  # its session's caches are whole again
         turn = None if broken else gen.finished()  # a stopped turn counts too: its tokens stay
+        if gen.drafter is not None:
+            self.metrics.add("draft_tokens_total", gen.drafter.proposed)
+            self.metrics.add("accepted_draft_tokens_total", gen.drafter.accepted)
         self.engine.store.release(gen.session, broken=broken, turn=turn)
         choices = self._choices[job]
         choices.done(gen)

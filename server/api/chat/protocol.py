@@ -59,6 +59,9 @@ class SamplingRequest(TextRequest):
     user: str | None = None
     prompt_cache_key: str | None = Field(None, pattern=SESSION_ID_PATTERN)
     kv_cache: CacheOptions | None = None
+    # This server's extension: drafts verified in one pass (docs/speculation.md); None: the
+    # server's --draft-max.
+    speculation: bool | None = None
 
     @field_validator("stop")
     @classmethod
@@ -103,6 +106,7 @@ class SamplingRequest(TextRequest):
             logit_bias=self.logit_bias,
             logprobs=self.n_logprobs(),
             prompt_logprobs=self.prompt_logprobs(),
+            speculation=self.speculation,
         )
 
 
@@ -338,6 +342,10 @@ class PromptTokensDetails(BaseModel):
 
 class CompletionTokensDetails(BaseModel):
     reasoning_tokens: int = 0  # a thinking model's reply tokens spent thinking
+    # Speculative decoding's drafted tokens the model took and refused (OpenAI reports its
+    # Predicted Outputs here: the same thing).
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 class Usage(BaseModel):
@@ -348,8 +356,22 @@ class Usage(BaseModel):
     completion_tokens_details: CompletionTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt: int, completion: int, cached: int, reasoning: int | None = None) -> Usage:
-        details = None if reasoning is None else CompletionTokensDetails(reasoning_tokens=reasoning)
+    def of(
+        cls,
+        prompt: int,
+        completion: int,
+        cached: int,
+        reasoning: int | None = None,
+        drafts: tuple[int, int] = (0, 0),
+    ) -> Usage:
+        """`drafts`: speculative decoding's (accepted, rejected) drafted tokens."""
+        details = None
+        if reasoning is not None or any(drafts):
+            details = CompletionTokensDetails(
+                reasoning_tokens=reasoning or 0,
+                accepted_prediction_tokens=drafts[0],
+                rejected_prediction_tokens=drafts[1],
+            )
         return cls(
             prompt_tokens=prompt,
             completion_tokens=completion,

@@ -287,7 +287,12 @@ class ReplyBuilder:
         completion = sum(f.completion_tokens for f in self.usage)
         splits = [c.split for c in self.choices if c.split is not None]
         reasoning = sum(s.reasoning_deltas for s in splits) if splits else None
-        return Usage.of(prompt, completion, sum(f.cached_tokens for f in self.usage), reasoning)
+        drafts = (
+            sum(f.accepted_draft_tokens for f in self.usage),
+            sum(f.rejected_draft_tokens for f in self.usage),
+        )
+        cached = sum(f.cached_tokens for f in self.usage)
+        return Usage.of(prompt, completion, cached, reasoning, drafts)
 
     def _chunk(self, c: Choice, content, finish_reason: str | None, tokens: list[Token]) -> dict:
         if self.kind == "chat":

@@ -348,6 +348,7 @@ class MessagesRequest(PromptRequest):
     stream: bool = False
     metadata: Metadata | None = None
     kv_cache: CacheOptions | None = None  # this server's extension, as in chat completions
+    speculation: bool | None = None  # the same
     thread: ThreadParam | None = None
     # Accepted and ignored:
     service_tier: Any = None

@@ -104,6 +104,7 @@ def sampling(body: MessagesRequest | None, default_temperature: float | None) ->
         top_p=body.top_p if body.top_p is not None else 1.0,
         top_k=body.top_k or 0,
         stop=list(body.stop_sequences or []),
+        speculation=body.speculation,
     )
 
 

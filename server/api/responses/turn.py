@@ -285,7 +285,9 @@ def responses_turn(
     offered = offer([("tools", body.tools), *extra])
     choice = tool_choice(body, offered)
     temperature = temperature_or_default(body.temperature, default_temperature)
-    sampling = SamplingParams(max_tokens=0, temperature=temperature, top_p=body.top_p)
+    sampling = SamplingParams(
+        max_tokens=0, temperature=temperature, top_p=body.top_p, speculation=body.speculation
+    )
     fmt = body.text.format
     turn = Turn(
         model=body.model,

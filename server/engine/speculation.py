@@ -1,0 +1,147 @@
+"""Speculative decoding from the conversation itself: where drafts come from, how long they
+are, and the rule that keeps the target model's distribution.
+
+A draft is a guess at the next tokens. The batcher (server/engine/batcher.py) feeds the
+decoding token and the draft in one forward pass, which on a weight-bound step costs
+little more than one token, and `Generation.verify` keeps the drafted tokens the model
+would have produced itself. Drafts come from two places that cost no model:
+- the tokens a grammar forces (llguidance's fast-forward tokens: `{"name": "` of a
+  forced tool call, the rest of a JSON key), which are always taken;
+- n-gram lookup over the conversation's whole token history (every turn's prompt and
+  reply, whatever its cache evicted, and a request's `prediction`): the tokens that
+  followed the latest earlier occurrence of the history's last few tokens. An agent's
+  reply repeats what it was shown: code it edits, paths, a tool result's JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from config.settings import DRAFT_MAX as MAX_DRAFT  # the adaptive length's ceiling by default
+
+NGRAM_SIZES = (4, 3, 2)  # suffix lengths looked up, longest first (a longer match guesses better)
+
+
+class NgramIndex:
+    """Where each n-gram of a token history last occurred (n in `sizes`).
+
+    The n-grams ending at the history's last token are indexed only once another token
+    follows, so a lookup of the history's own suffix finds an earlier occurrence, and
+    the continuation after it holds at least one token.
+    """
+
+    def __init__(self, sizes: Sequence[int] = NGRAM_SIZES):
+        self.sizes = tuple(sorted(sizes, reverse=True))
+        self.tokens: list[int] = []
+        self._after: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest copy ends
+        self._indexed = 0  # n-grams followed by a token before this position are indexed
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(tokens)
+        history = self.tokens
+        for end in range(self._indexed, len(history)):  # the n-grams just before `end`
+            for n in self.sizes:
+                if end >= n:
+                    self._after[tuple(history[end - n : end])] = end
+        self._indexed = len(history)
+
+    def sync(self, history: Sequence[int]) -> None:
+        """Catch up with `history`, which only grew since the last call."""
+        if len(history) > len(self.tokens):
+            self.extend(history[len(self.tokens) :])
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier copy of the longest indexed
+        suffix; [] when none recurs."""
+        history = self.tokens
+        for n in self.sizes:
+            if len(history) > n:
+                at = self._after.get(tuple(history[-n:]))
+                if at is not None:
+                    return history[at : at + k]
+        return []
+
+
+@dataclass
+class DraftLength:
+    """How many tokens to propose next: doubles while drafts are taken whole, shrinks to
+    what was taken, and pauses (for a span that doubles each time, up to `MAX_PAUSE`
+    rounds) after `MISSES` drafts in a row of which nothing was taken: where the
+    conversation does not repeat itself, speculation turns itself off."""
+
+    MISSES = 2
+    MAX_PAUSE = 64
+
+    ceiling: int = MAX_DRAFT
+    k: int = 4
+    misses: int = 0
+    pause: int = 0  # rounds left without proposing
+    _span: int = 4  # the next pause's length
+    proposed: int = field(default=0)  # totals over the reply: usage reports them
+    accepted: int = field(default=0)
+
+    def allows(self) -> bool:
+        """Whether this round may propose (a paused length counts the round down)."""
+        if self.pause:
+            self.pause -= 1
+            return False
+        return True
+
+    def took(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+        if accepted == proposed:
+            self.k = min(2 * self.k, self.ceiling)
+        else:
+            self.k = max(2, accepted + 1)
+        if accepted:
+            self.misses, self._span = 0, 4
+            return
+        self.misses += 1
+        if self.misses >= self.MISSES:
+            self.pause, self.misses = self._span, 0
+            self._span = min(2 * self._span, self.MAX_PAUSE)
+
+
+class Drafter:
+    """One reply's drafts: the grammar's forced tokens first, else the n-gram lookup over
+    its conversation, at the length its acceptance earned."""
+
+    def __init__(self, ceiling: int = MAX_DRAFT):
+        self.index = NgramIndex()
+        self.length = DraftLength(ceiling, k=min(4, ceiling))
+        self.forced = 0  # grammar-forced tokens fed as drafts (all taken)
+
+    @property
+    def proposed(self) -> int:
+        return self.length.proposed + self.forced
+
+    @property
+    def accepted(self) -> int:
+        return self.length.accepted + self.forced
+
+    def expects(self, history: Sequence[int]) -> bool:
+        """Whether the lookup has a draft for `history` (a paused length counts down)."""
+        if not self.length.allows():
+            return False
+        self.index.sync(history)
+        return bool(self.index.propose(1))
+
+    def draft(self, history: Sequence[int], constraint, k: int) -> tuple[list[int], int]:
+        """(drafts, how many of them the grammar forces) of at most k tokens after `history`."""
+        if k <= 0:
+            return [], 0
+        forced = constraint.forced()[:k] if constraint is not None else []
+        if forced:
+            return forced, len(forced)
+        self.index.sync(history)
+        return self.index.propose(k), 0
+
+    def took(self, proposed: int, kept: int, forced: int = 0) -> None:
+        """A verify pass kept `kept` of `proposed` drafts (the first `forced` the grammar's)."""
+        if forced:
+            self.forced += min(forced, kept)
+            return
+        if proposed:
+            self.length.took(proposed, kept)

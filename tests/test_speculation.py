@@ -1,0 +1,283 @@
+"""Speculative decoding (server/engine/speculation.py): drafts from the conversation and the
+grammar, verified in one pass, change nothing but the number of passes.
+
+Greedy replies of the real default model are token for token the ones decoded without
+drafts (policy full, and a dense-first kvarn session that is packed mid-reply), with the
+same logprobs, penalties and logit bias; a JSON-schema reply takes its forced tokens as
+drafts; sampled replies keep the target's distribution (a chi-square over a small
+vocabulary); the server reports drafted tokens in usage and /metrics.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import pytest
+
+from cache import make_cache
+from config.cache_spec import CacheSpec
+from server.engine.batcher import Batcher
+from server.engine.generation import Generation, RequestSampler
+from server.engine.grammar import Grammars
+from server.engine.jobs import SamplingParams
+from server.engine.speculation import DraftLength, NgramIndex
+from server.sessions.store import Session
+
+pytestmark = pytest.mark.slow(seconds=120)
+
+FULL = CacheSpec("full", 4096)
+
+
+# ---------------------------------------------------------------------- drafts
+
+
+def test_lookup_proposes_what_followed_the_latest_earlier_copy():
+    index = NgramIndex()
+    index.extend([1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2, 3])
+    assert index.propose(3) == [7, 8, 1]  # the latest copy of (1, 2, 3) went on with 7, 8
+    index.extend([7])
+    assert index.propose(8) == [8, 1, 2, 3, 7]  # as far as the history goes
+
+
+def test_lookup_never_finds_its_own_suffix():
+    index = NgramIndex()
+    index.extend([5, 6, 7, 8])
+    assert index.propose(4) == []
+    index.sync([5, 6, 7, 8, 5, 6])
+    assert index.propose(4) == [7, 8, 5, 6]
+    index.sync([5, 6, 7, 8, 5, 6])  # nothing new: no change
+    assert index.tokens == [5, 6, 7, 8, 5, 6]
+
+
+def test_lookup_prefers_the_longest_suffix():
+    index = NgramIndex(sizes=(3, 2))
+    # (2, 3) last went on with 0, but (1, 2, 3) with 4
+    index.extend([1, 2, 3, 4, 9, 2, 3, 0, 1, 2, 3])
+    assert index.propose(1) == [4]
+
+
+def test_draft_length_grows_shrinks_and_pauses():
+    length = DraftLength(ceiling=12, k=4)
+    length.took(4, 4)
+    assert length.k == 8
+    length.took(8, 8)
+    assert length.k == 12  # the ceiling
+    length.took(12, 3)
+    assert length.k == 4  # what was taken, and one more
+    length.took(4, 0)
+    assert length.allows()  # one miss: still proposing
+    length.took(2, 0)
+    assert [length.allows() for _ in range(5)] == [False] * 4 + [True]  # paused 4 rounds
+    length.took(2, 0)
+    length.took(2, 0)
+    assert sum(not length.allows() for _ in range(9)) == 8  # the next pause is twice as long
+    length.took(2, 1)  # a draft taken in part: the pauses start short again
+    length.took(2, 0)
+    length.took(2, 0)
+    assert sum(not length.allows() for _ in range(9)) == 4
+    assert (length.proposed, length.accepted) == (40, 16)
+
+
+# ---------------------------------------------------------------------- the accept rule
+
+
+def chi_square(counts: list[int], probs: list[float]) -> float:
+    n = sum(counts)
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs, strict=True) if p > 0)
+
+
+@pytest.mark.parametrize("draft", [0, 4], ids=["likely-draft", "unlikely-draft"])
+def test_sampled_tokens_keep_the_targets_distribution(draft):
+    """With a point-mass draft, the first token drawn (the draft taken, or a draw from p
+    without it) is distributed as p itself, and so is the token after a taken draft."""
+    logits = mx.array([[2.0, 1.0, 0.5, 0.0, -1.0, -0.5], [0.0, 1.5, -1.0, 0.3, 0.7, 1.0]])
+    temperature = 0.8
+    target = mx.softmax(logits / temperature, axis=-1).tolist()
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    sampler = RequestSampler(temperature, 1.0, 0.0, seed=1234)
+    first, second = [0] * 6, [0] * 6
+    for _ in range(3000):
+        taken, token = sampler.verify(logprobs, [draft])
+        first[draft if taken else token.item()] += 1
+        if taken:
+            second[token.item()] += 1
+    # 5 degrees of freedom: P(chi2 > 25.7) = 1e-4
+    assert chi_square(first, target[0]) < 25.7, first
+    assert chi_square(second, target[1]) < 25.7, second
+
+
+def test_greedy_takes_drafts_while_they_are_the_argmax():
+    logits = mx.array([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]])
+    sampler = RequestSampler(0.0, 1.0, 0.0, None)
+    taken, token = sampler.verify(logits, [1, 0])
+    assert (taken, token.item()) == (2, 2)
+    taken, token = sampler.verify(logits, [1, 2])
+    assert (taken, token.item()) == (1, 0)  # the argmax where the draft was refused
+
+
+# ---------------------------------------------------------------------- replies
+
+
+def document_prompt(tokenizer, essay_text: str) -> list[int]:
+    """A prompt whose reply repeats a document: the lookup's best case."""
+    text = essay_text[:1200]
+    messages = [{"role": "user", "content": f"Copy this text exactly:\n\n{text}"}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def decode(model, tokenizer, prompt, spec=FULL, draft_max=0, constraint=None, **params):
+    """(tokens, logprobs, decode passes, generation) of one reply decoded alone."""
+    session = Session(id="s", spec=spec, keyed=True, caches=make_cache(model, spec))
+    sampling = SamplingParams(**{"max_tokens": 48, "temperature": 0.0, "logprobs": 2, **params})
+    g = Generation(tokenizer, session, prompt, 0, sampling, constraint=constraint,
+                   draft_max=draft_max)  # fmt: skip
+    batcher = Batcher(model, prefill_step=256, prefill_budget=256)
+    logprobs, passes = [], 0
+    while not g.done:
+        done = batcher.run([g])
+        passes += done.decode_passes
+        for _, delta in done.outcomes:
+            assert not isinstance(delta, Exception), delta
+            logprobs += [lp.logprob for lp in delta.logprobs]
+    assert g.session.tokens == prompt + g.generated
+    return g.generated, logprobs, passes, g
+
+
+@pytest.fixture(scope="module")
+def plain_reply(default_model, essay_text):
+    model, tokenizer = default_model
+    prompt = document_prompt(tokenizer, essay_text)
+    return prompt, decode(model, tokenizer, prompt)
+
+
+def test_greedy_reply_is_the_same_in_fewer_passes(default_model, plain_reply):
+    model, tokenizer = default_model
+    prompt, (tokens, logprobs, passes, _) = plain_reply
+    drafted, drafted_logprobs, drafted_passes, g = decode(model, tokenizer, prompt, draft_max=12)
+    assert drafted == tokens
+    assert drafted_logprobs == pytest.approx(logprobs, abs=1e-3)
+    assert passes == len(tokens) + 1  # the prompt's last token, then each reply token
+    assert drafted_passes < 0.7 * passes, (drafted_passes, passes)
+    assert g.drafter.accepted > len(tokens) / 3
+    finished = g.finished()
+    assert finished.accepted_draft_tokens == g.drafter.accepted
+    assert finished.rejected_draft_tokens == g.drafter.proposed - g.drafter.accepted
+    # the session holds exactly its tokens: the refused drafts were trimmed away
+    assert g.session.caches[0].offset == len(g.session.tokens)
+
+
+def test_penalties_and_logit_bias_see_the_drafts(default_model, plain_reply):
+    model, tokenizer = default_model
+    prompt, _ = plain_reply
+    bias = {tokenizer.encode(" the")[0]: -5.0}
+    params = {"frequency_penalty": 0.4, "presence_penalty": 0.2, "logit_bias": bias}
+    plain = decode(model, tokenizer, prompt, **params)
+    drafted = decode(model, tokenizer, prompt, draft_max=12, **params)
+    assert drafted[0] == plain[0]
+    assert drafted[1] == pytest.approx(plain[1], abs=1e-3)
+    assert drafted[3].drafter.proposed > 0
+
+
+def test_stop_string_inside_a_draft_ends_the_reply_there(default_model, plain_reply):
+    model, tokenizer = default_model
+    prompt, (tokens, *_) = plain_reply
+    stop = tokenizer.decode(tokens[20:22]).strip()
+    plain = decode(model, tokenizer, prompt, stop=[stop])
+    drafted = decode(model, tokenizer, prompt, draft_max=12, stop=[stop])
+    assert drafted[0] == plain[0]
+    assert drafted[3].finish_reason == plain[3].finish_reason == "stop"
+    assert drafted[3].reply.text == plain[3].reply.text
+
+
+def test_sampled_reply_is_reproducible_with_its_seed(default_model, plain_reply):
+    model, tokenizer = default_model
+    prompt, _ = plain_reply
+    params = {"temperature": 0.7, "seed": 99, "max_tokens": 24}
+    first = decode(model, tokenizer, prompt, draft_max=12, **params)
+    again = decode(model, tokenizer, prompt, draft_max=12, **params)
+    assert first[0] == again[0]
+    assert first[3].drafter.proposed > 0
+
+
+def test_dense_first_session_speculates_then_packs(default_model, plain_reply):
+    """auto's kvarn holds a conversation dense until its share, then packs it a few layers
+    a round: speculation stops short of the share, and the reply is the same."""
+    model, tokenizer = default_model
+    prompt, _ = plain_reply
+    spec = CacheSpec("kvarn", 4096, dense_until=len(prompt) + 30)
+    plain = decode(model, tokenizer, prompt, spec)
+    drafted = decode(model, tokenizer, prompt, spec, draft_max=12)
+    assert drafted[0] == plain[0]
+    g = drafted[3]
+    assert g.drafter.accepted > 0
+    assert not any(type(c).__name__ == "KVCache" for c in g.session.caches)  # packed
+
+
+def test_json_reply_takes_the_grammars_forced_tokens(default_model):
+    model, tokenizer = default_model
+    grammars = Grammars(tokenizer, model.args.vocab_size)
+    schema = {
+        "type": "object",
+        "properties": {"temperature_in_celsius": {"type": "integer"},
+                       "description_of_the_weather": {"type": "string", "maxLength": 20}},
+        "required": ["temperature_in_celsius", "description_of_the_weather"],
+        "additionalProperties": False,
+    }  # fmt: skip
+    from server.api.structured import compile_schema
+
+    grammar = compile_schema(schema, "response_format")
+    messages = [{"role": "user", "content": "The weather in Paris as JSON."}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    plain = decode(model, tokenizer, prompt, constraint=grammars.constraint(grammar),
+                   max_tokens=64)  # fmt: skip
+    drafted = decode(model, tokenizer, prompt, draft_max=12,
+                     constraint=grammars.constraint(grammar), max_tokens=64)  # fmt: skip
+    assert drafted[0] == plain[0]
+    assert drafted[2] < len(drafted[0]) - 5, (drafted[2], len(drafted[0]))
+    assert drafted[3].drafter.forced >= 8  # the keys, spelled by the grammar
+
+
+def test_rows_decoding_together_do_not_speculate(default_model, plain_reply):
+    model, tokenizer = default_model
+    prompt, (tokens, *_) = plain_reply
+    batcher = Batcher(model, prefill_step=256, prefill_budget=1024)
+    gens = []
+    for _ in range(2):
+        session = Session(id="s", spec=FULL, keyed=True, caches=make_cache(model, FULL))
+        params = SamplingParams(max_tokens=12, temperature=0.0)
+        gens.append(Generation(tokenizer, session, prompt, 0, params, draft_max=12))
+    while not all(g.done for g in gens):
+        batcher.run([g for g in gens if not g.done])
+    assert all(g.generated == tokens[:12] for g in gens)
+    assert all(g.drafter.proposed == 0 for g in gens)
+
+
+# ---------------------------------------------------------------------- server
+
+
+def test_server_reports_drafted_tokens(api, essay_text):
+    text = essay_text[:800]
+    messages = [{"role": "user", "content": f"Copy this text exactly:\n\n{text}"},
+                {"role": "assistant", "content": text[:30]}]  # fmt: skip
+    before = api.metrics()
+    r = api.client.chat.completions.create(
+        model="default", messages=messages, max_tokens=40, temperature=0
+    )
+    details = r.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0
+    after = api.metrics()
+    drafted = after["h2o_draft_tokens_total"] - before["h2o_draft_tokens_total"]
+    taken = after["h2o_accepted_draft_tokens_total"] - before["h2o_accepted_draft_tokens_total"]
+    assert taken == details.accepted_prediction_tokens
+    assert drafted == taken + details.rejected_prediction_tokens
+    passes = after["h2o_decode_passes_total"] - before["h2o_decode_passes_total"]
+    assert passes < r.usage.completion_tokens
+
+    off = api.client.chat.completions.create(
+        model="default", messages=messages, max_tokens=40, temperature=0,
+        extra_body={"speculation": False},
+    )  # fmt: skip
+    assert off.choices[0].message.content == r.choices[0].message.content
+    assert off.usage.completion_tokens_details is None
+    assert math.isclose(api.metrics()["h2o_draft_tokens_total"], after["h2o_draft_tokens_total"])
