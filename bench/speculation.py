@@ -11,7 +11,7 @@ Each of ours runs under the server's `auto` policy and under an evicting h2o cac
 time from the first streamed token to the last; passes per token come from /metrics;
 CPU seconds are the server process's over the request.
 
-    python -m bench.speculation [--rounds 2] [--out docs/speculation.md]
+    python -m bench.speculation [--rounds 4] [--out docs/speculation.md]
 """
 
 from __future__ import annotations
@@ -85,6 +85,17 @@ def cases() -> dict[str, dict]:
                     f"reply with the whole file, nothing else:\n\n{code}",
                 }
             ],
+            "max_tokens": 160,
+        },
+        "(a) rewrite, predicted": {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": "Rename `make_sampler` to `build_sampler` in this file and "
+                    f"reply with the whole file, nothing else:\n\n{code}",
+                }
+            ],
+            "prediction": {"type": "content", "content": code},
             "max_tokens": 160,
         },
         "(b) quote a document": {
@@ -168,15 +179,17 @@ def measure(rounds: int) -> dict:
         (MLX_LM, lambda: start_mlx_lm(folder)),
     ]
     for r in range(rounds):
-        for name, start in variants:
+        # drafts, none, mlx_lm.server; then none, drafts, mlx_lm.server: neither goes first always
+        order = variants if r % 2 == 0 else [variants[1], variants[0], variants[2]]
+        for name, start in order:
             server = start()
             try:
                 run_case(server, work["(c) free chat"], {})  # warm-up
                 policies = [("auto", {}), ("h2o 256", H2O)] if name != MLX_LM else [("-", {})]
                 for policy, extra in policies:
                     for case, body in work.items():
-                        if name == MLX_LM and case.startswith("(d)"):
-                            continue  # no grammar there: a different reply, not comparable
+                        if name == MLX_LM and (case.startswith("(d)") or "prediction" in body):
+                            continue  # no grammar, no prediction there: not comparable
                         row = run_case(server, body, extra)
                         results.setdefault((name, policy, case), []).append(row)
                         print(f"round {r} {name:24} {policy:8} {case:22} {row}", flush=True)
@@ -216,10 +229,11 @@ Speculative decoding feeds a draft of the next tokens beside the decoding token,
 forward pass, and keeps the drafted tokens the model would have produced itself
 (server/engine/speculation.py). Drafts cost no model: the tokens that followed the latest
 earlier copy of the conversation's last 2-4 tokens (its whole history: every turn's prompt
-and reply), and the tokens a grammar forces (a JSON schema's keys, a forced tool call's
-name). The draft length doubles while drafts are taken whole and pauses where nothing is
-taken. Greedy replies are token for token the ones without drafts; sampled ones keep the
-model's distribution (the accept/resample rule; tests/test_speculation.py).
+and reply, then a chat request's `prediction`, OpenAI's Predicted Outputs), and the
+tokens a grammar forces (a JSON schema's keys, a forced tool call's name). The draft
+length doubles while drafts are taken whole and pauses where nothing is taken. Greedy
+replies are token for token the ones without drafts; sampled ones keep the model's
+distribution (the accept/resample rule; tests/test_speculation.py).
 
 Where it runs today: a conversation decoding alone whose caches are mlx-lm's plain
 KVCache (policy `full`, and `auto`'s kvarn until its dense share), where a refused
@@ -234,14 +248,15 @@ and /metrics `h2o_draft_tokens_total`, `h2o_accepted_draft_tokens_total`,
 Decode tok/s: (completion tokens - 1) over the time from the first streamed token to the
 last, median over rounds; the ratio is drafts / no drafts within each round, then the
 median. Passes per token from /metrics (1.0 without drafts: one pass a token). Servers run
-one at a time, in the order drafts, no drafts, mlx_lm.server each round. mlx_lm.server
+one at a time: drafts, no drafts, mlx_lm.server in even rounds, no drafts first in odd
+ones. `(a) rewrite, predicted` sends the file as the request's `prediction`. mlx_lm.server
 (plain, no draft model: none with this tokenizer is embedded) runs only the free-text
 cases; it has no grammar for (d)."""
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("docs/speculation.md"))
     args = parser.parse_args(argv)
     results = measure(args.rounds)

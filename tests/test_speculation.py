@@ -21,7 +21,7 @@ from server.engine.batcher import Batcher
 from server.engine.generation import Generation, RequestSampler
 from server.engine.grammar import Grammars
 from server.engine.jobs import SamplingParams
-from server.engine.speculation import DraftLength, NgramIndex
+from server.engine.speculation import Drafter, DraftLength, NgramIndex
 from server.sessions.store import Session
 
 pytestmark = pytest.mark.slow(seconds=120)
@@ -77,6 +77,18 @@ def test_draft_length_grows_shrinks_and_pauses():
     length.took(2, 0)
     assert sum(not length.allows() for _ in range(9)) == 4
     assert (length.proposed, length.accepted) == (40, 16)
+
+
+def test_a_predicted_reply_drafts_its_start_then_what_follows_the_history():
+    drafter = Drafter(8, predicted=[10, 11, 12, 13, 14, 15])
+    prompt = [1, 2, 3]
+    assert drafter.draft(prompt, None, 4, opening=True) == ([10, 11, 12, 13], 0)
+    # the reply went its own way for a token, then met the prediction again
+    assert drafter.draft([*prompt, 10, 11, 99, 12, 13], None, 4) == ([14, 15], 0)
+    assert drafter.draft([*prompt, 98, 99], None, 4) == ([], 0)  # nothing recurs
+    # the conversation's own history comes first
+    drafter = Drafter(8, predicted=[10, 11, 12, 13, 14, 15])
+    assert drafter.draft([7, 12, 13, 40, 41, 12, 13], None, 2) == ([40, 41], 0)
 
 
 # ---------------------------------------------------------------------- the accept rule
@@ -281,3 +293,30 @@ def test_server_reports_drafted_tokens(api, essay_text):
     assert off.choices[0].message.content == r.choices[0].message.content
     assert off.usage.completion_tokens_details is None
     assert math.isclose(api.metrics()["h2o_draft_tokens_total"], after["h2o_draft_tokens_total"])
+
+
+def test_server_takes_a_predicted_reply(api, essay_text):
+    """OpenAI's Predicted Outputs: the predicted text feeds the drafts; the reply is the
+    one without it, and usage counts the predicted tokens taken and refused."""
+    messages = [{"role": "user", "content": "Write one paragraph about cities."}]
+    plain = api.client.chat.completions.create(
+        model="default", messages=messages, max_tokens=40, temperature=0,
+        extra_body={"speculation": False},
+    )  # fmt: skip
+    text = plain.choices[0].message.content
+    predicted = text[:60] + " and then something else entirely. " + text[60:]
+    r = api.client.chat.completions.create(
+        model="default", messages=messages, max_tokens=40, temperature=0,
+        prediction={"type": "content", "content": [{"type": "text", "text": predicted}]},
+    )  # fmt: skip
+    assert r.choices[0].message.content == text
+    details = r.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 20
+    assert details.rejected_prediction_tokens > 0  # the inserted sentence
+
+    bad = api.post(
+        "/v1/chat/completions",
+        {"model": "default", "messages": messages, "prediction": {"type": "text", "content": "x"}},
+    )
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"].startswith("prediction")

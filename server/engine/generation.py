@@ -178,6 +178,7 @@ class Generation:
         constraint: Constraint | None = None,
         choice: int = 0,
         draft_max: int = 0,
+        predicted: list[int] | None = None,
     ):
         self.tokenizer, self.session = tokenizer, session
         self.choice = choice  # which of the request's n choices this is
@@ -211,7 +212,7 @@ class Generation:
         self.next_input: int | mx.array | None = None
         self.sampled: tuple[mx.array, mx.array] | None = None
         # Speculative decoding (server/engine/speculation.py): None where it is off.
-        self.drafter = Drafter(draft_max) if draft_max else None
+        self.drafter = Drafter(draft_max, predicted or []) if draft_max else None
         self._start_decoding()
 
     @property
@@ -321,7 +322,9 @@ class Generation:
         speculate): a grammar may force tokens; else the history's suffix recurs."""
         if self.drafter is None or self.room < 2:
             return False
-        return self.constraint is not None or self.drafter.expects(self.session.tokens)
+        if self.constraint is not None:
+            return True
+        return self.drafter.expects(self.session.tokens, opening=not self.generated)
 
     def speculate(self, model) -> Delta | None:
         """One speculative round: read last round's draw (it is this round's input), draft
@@ -338,9 +341,9 @@ class Generation:
             self.fed()  # the prompt's last token
         drafts, forced = [], 0
         if not self.done:
-            drafts, forced = self.drafter.draft(
-                self.session.tokens, self.constraint, min(self.drafter.length.k, self.room - 1)
-            )
+            k = min(self.drafter.length.k, self.room - 1)
+            opening = not self.generated
+            drafts, forced = self.drafter.draft(self.session.tokens, self.constraint, k, opening)
         more = self.verify(model, self.next_input, drafts, forced)
         return more if delta is None else delta.join(more) if more else delta
 

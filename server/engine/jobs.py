@@ -28,6 +28,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k: the chosen token plus k alternatives
     prompt_logprobs: bool = False  # the prompt's tokens' logprobs too (completions echo)
     speculation: bool | None = None  # drafts verified in one pass; None: the server's choice
+    prediction: str | None = None  # text the reply is expected to repeat: a draft source
 
 
 @dataclass

@@ -51,13 +51,14 @@ class NgramIndex:
         if len(history) > len(self.tokens):
             self.extend(history[len(self.tokens) :])
 
-    def propose(self, k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier copy of the longest indexed
-        suffix; [] when none recurs."""
+    def propose(self, k: int, tail: Sequence[int] | None = None) -> list[int]:
+        """Up to k tokens that followed the latest earlier copy of the longest suffix of
+        `tail` (default: this history's own); [] when none recurs."""
         history = self.tokens
+        tail = history if tail is None else tail
         for n in self.sizes:
-            if len(history) > n:
-                at = self._after.get(tuple(history[-n:]))
+            if len(tail) > n or (tail is not history and len(tail) == n):
+                at = self._after.get(tuple(tail[-n:]))
                 if at is not None:
                     return history[at : at + k]
         return []
@@ -108,8 +109,10 @@ class Drafter:
     """One reply's drafts: the grammar's forced tokens first, else the n-gram lookup over
     its conversation, at the length its acceptance earned."""
 
-    def __init__(self, ceiling: int = MAX_DRAFT):
+    def __init__(self, ceiling: int = MAX_DRAFT, predicted: Sequence[int] = ()):
         self.index = NgramIndex()
+        self.predicted = NgramIndex()  # a request's predicted reply (chat's `prediction`)
+        self.predicted.extend(predicted)
         self.length = DraftLength(ceiling, k=min(4, ceiling))
         self.forced = 0  # grammar-forced tokens fed as drafts (all taken)
 
@@ -121,22 +124,31 @@ class Drafter:
     def accepted(self) -> int:
         return self.length.accepted + self.forced
 
-    def expects(self, history: Sequence[int]) -> bool:
-        """Whether the lookup has a draft for `history` (a paused length counts down)."""
+    def expects(self, history: Sequence[int], opening: bool = False) -> bool:
+        """Whether the lookup has a draft for `history` (a paused length counts down).
+        `opening`: the reply has no token yet (a predicted reply is drafted from its start)."""
         if not self.length.allows():
             return False
-        self.index.sync(history)
-        return bool(self.index.propose(1))
+        return bool(self._lookup(history, 1, opening))
 
-    def draft(self, history: Sequence[int], constraint, k: int) -> tuple[list[int], int]:
+    def draft(
+        self, history: Sequence[int], constraint, k: int, opening: bool = False
+    ) -> tuple[list[int], int]:
         """(drafts, how many of them the grammar forces) of at most k tokens after `history`."""
         if k <= 0:
             return [], 0
         forced = constraint.forced()[:k] if constraint is not None else []
         if forced:
             return forced, len(forced)
+        return self._lookup(history, k, opening), 0
+
+    def _lookup(self, history: Sequence[int], k: int, opening: bool) -> list[int]:
+        """The predicted reply's start for a reply's first token; else the history's own
+        continuation, else the predicted reply's after the same suffix."""
+        if opening and self.predicted.tokens:
+            return self.predicted.tokens[:k]
         self.index.sync(history)
-        return self.index.propose(k), 0
+        return self.index.propose(k) or self.predicted.propose(k, history)
 
     def took(self, proposed: int, kept: int, forced: int = 0) -> None:
         """A verify pass kept `kept` of `proposed` drafts (the first `forced` the grammar's)."""

@@ -297,15 +297,21 @@ class Worker:
             grammars.constraint(job.grammar) if job.grammar else None,
             choice,
             self._draft_max(job),
+            self._predicted(job),
         )
 
     def _draft_max(self, job: Job) -> int:
         """The longest draft a job's reply may feed: the server's (--draft-max), unless its
         request turned speculation off, or on where the server has it off."""
         asked = job.params.speculation
-        if asked is None:
+        if asked is None and not job.params.prediction:
             return self.settings.draft_max
-        return (self.settings.draft_max or MAX_DRAFT) if asked else 0
+        return (self.settings.draft_max or MAX_DRAFT) if asked is not False else 0
+
+    def _predicted(self, job: Job) -> list[int]:
+        """The tokens of the reply's predicted text (chat's `prediction`), a draft source."""
+        text = job.params.prediction
+        return self.engine.tokenizer.encode(text, add_special_tokens=False) if text else []
 
     def _fork_choices(self) -> None:
         """A job with n > 1 whose prompt is in (all but the token that starts decoding):

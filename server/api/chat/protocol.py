@@ -92,6 +92,10 @@ class SamplingRequest(TextRequest):
         """Whether the prompt's own tokens' logprobs are asked for (completions' echo)."""
         return False
 
+    def predicted(self) -> str | None:
+        """The reply's predicted text (chat completions' `prediction`)."""
+        return None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """This request's sampling, with the reply length the server settled on."""
         return SamplingParams(
@@ -107,6 +111,7 @@ class SamplingRequest(TextRequest):
             logprobs=self.n_logprobs(),
             prompt_logprobs=self.prompt_logprobs(),
             speculation=self.speculation,
+            prediction=self.predicted(),
         )
 
 
@@ -230,8 +235,27 @@ class ResponseFormat(Request):
         return self
 
 
+class TextPart(Request):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(Request):
+    """OpenAI's Predicted Outputs: text the reply is expected to repeat (a file being
+    edited). Its tokens feed speculative decoding's drafts (docs/speculation.md)."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return (
+            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        )
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    prediction: Prediction | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -280,6 +304,9 @@ class ChatCompletionRequest(SamplingRequest):
     def n_logprobs(self) -> int | None:
         """None: no logprobs; else how many alternatives per token."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def predicted(self) -> str | None:
+        return self.prediction.text() if self.prediction else None
 
     def thinking(self) -> bool | None:
         """The template's thinking switch: off for effort "none", on for any other effort,
