@@ -341,9 +341,10 @@ class Generation:
             self.fed()  # the prompt's last token
         drafts, forced = [], 0
         if not self.done:
-            k = min(self.drafter.length.k, self.room - 1)
             opening = not self.generated
-            drafts, forced = self.drafter.draft(self.session.tokens, self.constraint, k, opening)
+            drafts, forced = self.drafter.draft(
+                self.session.tokens, self.constraint, self.room - 1, opening
+            )
         more = self.verify(model, self.next_input, drafts, forced)
         return more if delta is None else delta.join(more) if more else delta
 

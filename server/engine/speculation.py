@@ -132,15 +132,18 @@ class Drafter:
         return bool(self._lookup(history, 1, opening))
 
     def draft(
-        self, history: Sequence[int], constraint, k: int, opening: bool = False
+        self, history: Sequence[int], constraint, room: int, opening: bool = False
     ) -> tuple[list[int], int]:
-        """(drafts, how many of them the grammar forces) of at most k tokens after `history`."""
-        if k <= 0:
+        """(drafts, how many of them the grammar forces) of at most `room` tokens after
+        `history`: the grammar's forced ones up to the ceiling (all are taken), else the
+        lookup's at the length it earned."""
+        if room <= 0:
             return [], 0
-        forced = constraint.forced()[:k] if constraint is not None else []
-        if forced:
-            return forced, len(forced)
-        return self._lookup(history, k, opening), 0
+        if constraint is not None:
+            forced = constraint.forced()[: min(room, self.length.ceiling)]
+            if forced:
+                return forced, len(forced)
+        return self._lookup(history, min(room, self.length.k), opening), 0
 
     def _lookup(self, history: Sequence[int], k: int, opening: bool) -> list[int]:
         """The predicted reply's start for a reply's first token; else the history's own
