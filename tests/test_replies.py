@@ -151,12 +151,12 @@ def test_stop_text_names_the_stop_string_that_ended_it():
 def test_top_k_draws_only_among_the_k_likeliest():
     import mlx.core as mx
 
-    from server.engine.generation import make_request_sampler
+    from server.engine.generation import RequestSampler
 
     logprobs = mx.log(mx.array([[0.1, 0.4, 0.2, 0.3]]))
-    top1 = make_request_sampler(1.0, 1.0, 0.0, seed=7, top_k=1)
+    top1 = RequestSampler(1.0, 1.0, 0.0, seed=7, top_k=1)
     assert {top1(logprobs).item() for _ in range(20)} == {1}
-    top2 = make_request_sampler(1.0, 1.0, 0.0, seed=7, top_k=2)
+    top2 = RequestSampler(1.0, 1.0, 0.0, seed=7, top_k=2)
     assert {top2(logprobs).item() for _ in range(60)} == {1, 3}
-    whole = make_request_sampler(1.0, 1.0, 0.0, seed=7, top_k=4)  # the vocabulary: no filter
+    whole = RequestSampler(1.0, 1.0, 0.0, seed=7, top_k=4)  # the vocabulary: no filter
     assert len({whole(logprobs).item() for _ in range(100)}) == 4

@@ -113,17 +113,6 @@ class RequestSampler:
         return taken, mx.random.categorical(row, key=self._draw_key()).reshape(1)
 
 
-def make_request_sampler(
-    temperature: float,
-    top_p: float,
-    min_p: float,
-    seed: int | None,
-    choice: int = 0,
-    top_k: int = 0,
-) -> RequestSampler:
-    return RequestSampler(temperature, top_p, min_p, seed, choice, top_k)
-
-
 def stop_holdback(text: str, stops: list[str]) -> int:
     """Characters at the end of `text` that could still grow into a stop string."""
     longest = 0
@@ -192,7 +181,7 @@ class Generation:
         self.reply = StopText(params.stop)
         self.finish_reason: str | None = None
         self.text = IncrementalText(decoder(tokenizer), prompt)
-        self.sampler = make_request_sampler(
+        self.sampler = RequestSampler(
             params.temperature, params.top_p, params.min_p, params.seed, choice, params.top_k
         )
         # /v1/completions echo with logprobs: each prompt token's logprob, from the
@@ -332,8 +321,8 @@ class Generation:
         tokens as one Delta (None when it has none yet: the prompt's first round)."""
         delta = None
         if self.sampled is not None:
-            token = self.sampled[0].item()
             delta = self.read()
+            token = self.session.tokens[-1]  # the draw read() took in
             if self.constraint is not None and not self.done:
                 self.constraint.consume(token)
             self.next_input = token
@@ -367,8 +356,8 @@ class Generation:
             piece = self.accept(drafts[kept], logprobs[kept])
             delta = piece if delta is None else delta.join(piece)
             kept += 1
-        for c in caches:
-            if len(drafts) > kept:
+        if len(drafts) > kept:
+            for c in caches:
                 c.trim(len(drafts) - kept)
         self.session.tokens.extend(drafts[:kept])
         if self.constraint is not None and consumed > kept:

@@ -16,7 +16,7 @@ would have produced itself. Drafts come from two places that cost no model:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from config.settings import DRAFT_MAX as MAX_DRAFT  # the adaptive length's ceiling by default
 
@@ -79,8 +79,8 @@ class DraftLength:
     misses: int = 0
     pause: int = 0  # rounds left without proposing
     _span: int = 4  # the next pause's length
-    proposed: int = field(default=0)  # totals over the reply: usage reports them
-    accepted: int = field(default=0)
+    proposed: int = 0  # totals over the reply: usage reports them
+    accepted: int = 0
 
     def allows(self) -> bool:
         """Whether this round may propose (a paused length counts the round down)."""
