@@ -35,7 +35,34 @@ class ServerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="H2O_", extra="ignore")
 
     model: str = Field(
-        "default", description="'default', 'gemma3-270m', a .gguf, a model folder or a repo id"
+        "default",
+        description="'default', 'gemma3-270m', a .gguf, a model folder or a repo id, loaded at "
+        "start; NAME=PATH serves it as NAME. Given again, each further one is served on demand",
+    )
+    models: list[str] = Field(
+        default_factory=list,
+        description="more models served on demand, each PATH or NAME=PATH (a repeated --model "
+        "adds here)",
+    )
+    models_dir: str | None = Field(
+        None,
+        description="a folder of models served on demand: each MLX model folder (named by "
+        "its folder) and .gguf file (by its stem); the Hugging Face cache's MLX models too",
+    )
+    max_loaded_models: int = Field(
+        3,
+        ge=1,
+        description="models held in memory at once; loading one more unloads the least "
+        "recently used idle one (its sessions spilled to --spill-dir)",
+    )
+    model_ttl: float = Field(
+        0,
+        ge=0,
+        description="seconds an idle model stays loaded (0: until another needs its place); "
+        "a request's keep_alive overrides it for its model",
+    )
+    pin: list[str] = Field(
+        default_factory=list, description="models never unloaded for another or by idle time"
     )
     served_model_name: list[str] = Field(
         default_factory=list,

@@ -276,8 +276,10 @@ def _add_serve_parser(sub) -> None:
         text = field.description and field.description.replace("%", "%%")
         if name == "allowed_origins":
             serve.add_argument(flag, nargs="*", default=None, help=text)
-        elif name == "served_model_name":
+        elif name in ("served_model_name", "models", "pin"):
             serve.add_argument(flag, nargs="+", default=None, help=text)
+        elif name == "model":  # given again: the further models, served on demand
+            serve.add_argument(flag, action="append", default=None, help=text)
         elif field.annotation in (bool, bool | None):  # `--kv-rotate`, `--kv-rotate false`
             serve.add_argument(flag, nargs="?", const="true", default=None, help=text)
         else:
@@ -471,6 +473,11 @@ def serve_settings(args: argparse.Namespace) -> ServerSettings:
     from config.settings import ServerSettings
 
     given = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
+    if "model" in given:
+        first, *more = given["model"]
+        given["model"] = first
+        if more:
+            given["models"] = more + given.get("models", [])
     return ServerSettings(**given)
 
 

@@ -8,6 +8,7 @@ for anything that reads caches). The app factory (server/api/app.py) mounts them
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
@@ -17,13 +18,13 @@ from starlette.concurrency import run_in_threadpool
 from server.api.cache_view import cache_report, read_contents
 from server.api.errors import APIError
 from server.api.messages.replies import model_info, model_list
-from server.api.session_protocol import PageOptions, SessionCache
-from server.api.turns import check_model, check_session_id, owner_of
+from server.api.session_protocol import ModelAction, PageOptions, SessionCache
+from server.api.turns import check_session_id, engine_for, model_entry, owner_of
 from server.api.ui import PAGE_HEADERS, STATIC, page_options
 from server.engine.jobs import SessionBusy
 
 if TYPE_CHECKING:  # both import MLX
-    from server.engine.engine import Engine
+    from server.engine.registry import ModelRegistry
     from server.engine.worker import Worker
 
 router = APIRouter()
@@ -41,59 +42,121 @@ async def health(request: Request):
     if worker.draining:
         return JSONResponse({"status": "shutting_down"}, status_code=503)
     # What the server chose for the user at start-up without being told (also logged).
-    return {"status": "ok", "model": worker.engine.model_id, "notices": worker.engine.notices}
+    engine = worker.engine  # None while no model is loaded
+    if engine is None:
+        return {"status": "ok", "model": worker.models.default, "notices": []}
+    return {"status": "ok", "model": engine.model_id, "notices": engine.notices}
 
 
 @router.get("/v1/models")
 async def models(request: Request):
-    """The served model, under each --served-model-name when given (in Anthropic's shape
-    for its clients, which send `anthropic-version`)."""
-    engine = _worker(request).engine
-    names = engine.settings.served_model_name or [engine.model_id]
+    """Every model served here, loaded or not, with its state (in Anthropic's shape for its
+    clients, which send `anthropic-version`); the default model's every
+    --served-model-name."""
+    registry = _worker(request).models
+    cards = [
+        _model_card(registry, entry.name, name)
+        for entry in registry.entries
+        for name in (
+            registry.settings.served_model_name
+            if entry.name == registry.default and registry.settings.served_model_name
+            else [entry.name]
+        )
+    ]
     if "anthropic-version" in request.headers:
-        return model_list(names)
-    return {"object": "list", "data": [{**_model_card(engine), "id": name} for name in names]}
+        return model_list([card["id"] for card in cards])
+    return {"object": "list", "data": cards}
 
 
 @router.get("/v1/models/{model:path}")
 async def model(model: str, request: Request):
     """One model (`client.models.retrieve`): any name requests may use for it."""
-    engine = _worker(request).engine
-    check_model(engine, model)
+    registry = _worker(request).models
+    entry = model_entry(_worker(request), model)
     if "anthropic-version" in request.headers:
         return model_info(model).model_dump()
-    return {**_model_card(engine), "id": model}
+    return _model_card(registry, entry.name, model)
 
 
-def _model_card(engine: Engine) -> dict:
-    return {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "h2o-server"}
+@router.post("/v1/models/load")
+async def load_model(body: ModelAction, request: Request):
+    """Load a model now (an operator warming it), kept `keep_alive` seconds once idle."""
+    worker = _worker(request)
+    entry = model_entry(worker, body.model)
+    await engine_for(worker, body.model, body.keep_alive)
+    return _model_card(worker.models, entry.name, entry.name)
 
 
-# /metrics and /v1/sessions read what the session store last published: they answer
+@router.post("/v1/models/unload")
+async def unload_model(body: ModelAction, request: Request):
+    """Unload a model now: its sessions spilled to --spill-dir (else dropped); a 409 while
+    it answers requests."""
+    worker = _worker(request)
+    entry = model_entry(worker, body.model)
+
+    def unload() -> bool:
+        if entry.name in worker.busy_models():
+            raise SessionBusy
+        return worker.models.unload(entry.name)
+
+    try:
+        await asyncio.wrap_future(worker.call(unload))
+    except SessionBusy:
+        raise APIError(409, f"model {entry.name!r} is answering requests") from None
+    return _model_card(worker.models, entry.name, entry.name)
+
+
+def _model_card(registry: ModelRegistry, name: str, shown: str) -> dict:
+    """OpenAI's Model, with this server's `state` (loaded | unloaded), `pinned` and, while
+    loaded, its `weight_bytes`."""
+    return {
+        "id": shown,
+        "object": "model",
+        "created": 0,
+        "owned_by": "h2o-server",
+        "state": registry.state(name),
+        "pinned": registry.pinned(name),
+        "weight_bytes": engine.weight_bytes if (engine := registry.engine(name)) else None,
+    }
+
+
+# /metrics and /v1/sessions read what the session stores last published: they answer
 # at once, even while the worker is inside a long forward pass.
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request):
     worker = _worker(request)
-    store = worker.engine.store
-    sessions = [stats for _, stats in store.published]
+    engines = worker.engines()
+    counts = Counter(worker.models.retired_counts)
+    prefixes: Counter = Counter()
+    for engine in engines:
+        counts.update(engine.store.published_counts)
+        prefixes.update(engine.store.published_prefixes)
     return worker.metrics.render(
-        store.published_counts,
-        sessions,
+        counts,
+        [stats for engine in engines for _, stats in engine.store.published],
         worker.queue_depth,
         worker.active,
-        worker.engine.kv_budget,
-        store.published_prefixes,
+        sum(engine.kv_budget for engine in engines),
+        prefixes,
+        len(engines),
+        worker.active_memory(),
     )
 
 
 @router.get("/v1/sessions")
 async def list_sessions(request: Request, user: str | None = None):
-    """The caller's sessions (everyone's unless --session-scope caller)."""
+    """The caller's sessions (everyone's unless --session-scope caller), of every loaded
+    model."""
     worker = _worker(request)
     owner = owner_of(request, user)
-    mine = [stats for who, stats in worker.engine.store.published if who == owner]
+    mine = [
+        {**stats, "model": engine.model_id}
+        for engine in worker.engines()
+        for who, stats in engine.store.published
+        if who == owner
+    ]
     return {"object": "list", "data": mine}
 
 
@@ -102,16 +165,20 @@ async def session_cache(session_id: str, request: Request, user: str | None = No
     """What the session's cache holds, per layer and KV head (server/api/cache_view.py)."""
     check_session_id(session_id)
     worker = _worker(request)
-    store, owner = worker.engine.store, owner_of(request, user)
-    contents = await asyncio.wrap_future(
-        worker.call(lambda: read_contents(store, session_id, owner))
-    )
+    owner = owner_of(request, user)
+
+    def read():
+        for engine in worker.engines():
+            contents = read_contents(engine.store, session_id, owner)
+            if contents is not None:
+                return contents, engine.tokenizer
+        return None, None
+
+    contents, tokenizer = await asyncio.wrap_future(worker.call(read))
     if contents is None:
         raise APIError(404, f"no session {session_id!r}", "session_not_found")
     # Built and serialized in the thread pool: a long conversation's report is large.
-    report = await run_in_threadpool(
-        lambda: cache_report(contents, worker.engine.tokenizer).model_dump_json()
-    )
+    report = await run_in_threadpool(lambda: cache_report(contents, tokenizer).model_dump_json())
     return Response(report, media_type="application/json")
 
 
@@ -120,10 +187,12 @@ async def delete_session(session_id: str, request: Request, user: str | None = N
     check_session_id(session_id)
     worker = _worker(request)
     owner = owner_of(request, user)
+
+    def delete() -> bool:
+        return any(engine.store.delete(session_id, owner) for engine in worker.engines())
+
     try:
-        found = await asyncio.wrap_future(
-            worker.call(lambda: worker.engine.store.delete(session_id, owner))
-        )
+        found = await asyncio.wrap_future(worker.call(delete))
     except SessionBusy:
         raise APIError(409, f"session {session_id} is answering a request") from None
     if not found:
@@ -139,7 +208,8 @@ async def page():
 @page_router.get("/ui/options", response_model=PageOptions)
 async def ui_options(request: Request):
     worker = _worker(request)
-    return page_options(worker.engine, worker.settings)
+    engine = await engine_for(worker, worker.models.default)
+    return page_options(engine, worker.settings, worker.models.names())
 
 
 # ---------------------------------------------------------------------- helpers

@@ -11,6 +11,14 @@ from pydantic import BaseModel
 
 from config.policies import VIEW_KINDS
 from server.api.chat.protocol import Usage
+from server.api.common import KeepAlive
+
+
+class ModelAction(BaseModel):
+    """POST /v1/models/load and /v1/models/unload."""
+
+    model: str
+    keep_alive: KeepAlive = None  # load: seconds it stays once idle (< 0: for ever)
 
 
 class SessionFigures(BaseModel):
@@ -92,7 +100,8 @@ class SessionCache(SessionFigures):
 class PageOptions(BaseModel):
     """`GET /ui/options`: what the chat page offers (served without the key, like the page)."""
 
-    model: str
+    model: str  # the default model
+    models: list[str] = []  # every model served here, loaded or not
     api_key_required: bool
     policies: list[str]
     presets: list[str]

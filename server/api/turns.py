@@ -65,6 +65,7 @@ class Turn:
     session_key: str | None = None
     owner: str = ""
     kv_cache: CacheOptions | None = None
+    keep_alive: float | None = None  # seconds its model stays loaded once idle (< 0: ever)
     n: int = 1
     # Over the context: a 400 (OpenAI's APIs), or the reply ends where the context does
     # (Anthropic's: max_tokens is required, and clients ask for more than a small model has).
@@ -110,14 +111,37 @@ def owner_of(request: Request, user: str | None) -> str:
     return session_owner(scoped, getattr(request.state, "api_key", None), user)
 
 
-def check_model(engine: Engine, name: str) -> None:
-    if name not in engine.model_names():
+def model_entry(worker: Worker, name: str):
+    """The served model a request's `model` names (server/engine/catalog.py), else a 404
+    that lists them."""
+    entry = worker.models.find(name)
+    if entry is None:
+        served = ", ".join(repr(n) for n in worker.models.names())
         raise APIError(
             404,
-            f"model {name!r} is not served here; use {engine.model_id!r} (see /v1/models)",
+            f"model {name!r} is not served here; models: {served} (see /v1/models)",
             "model_not_found",
             "model",
         )
+    return entry
+
+
+async def engine_for(worker: Worker, name: str, keep_alive: float | None = None) -> Engine:
+    """The named model's Engine, loaded first if it is not (on the worker thread, between
+    rounds); a 404 for a name not served here."""
+    entry = model_entry(worker, name)
+    engine = worker.models.engine(entry.name)
+    if engine is None:
+        try:
+            loaded = await asyncio.wrap_future(
+                worker.call(lambda: worker.models.load(entry.name, worker.busy_models()))
+            )
+        except Exception as e:
+            log.exception("model %s could not be loaded", entry.name)
+            raise APIError(500, f"model {entry.name!r} could not be loaded: {e}") from None
+        engine = loaded.engine
+    worker.models.touch(entry.name, keep_alive)
+    return engine
 
 
 def check_session_id(session_id: str) -> None:
@@ -148,7 +172,6 @@ def turn_grammar(turn: Turn, fmt: ToolFormat) -> tuple[str | None, ToolPlan | No
 async def prepare(engine: Engine, turn: Turn) -> Prompt:
     """The turn's prompt tokens, shareable prefix, grammar and tool plan (400s for what the
     template or the grammar engine refuses)."""
-    check_model(engine, turn.model)
     fmt = engine.tool_format
     grammar, tools = turn_grammar(turn, fmt)
     tokenizer = engine.tokenizer
@@ -202,6 +225,7 @@ async def prepare(engine: Engine, turn: Turn) -> Prompt:
 
 def job(
     worker: Worker,
+    engine: Engine,
     turn: Turn,
     prompt: list[int],
     prefix_len: int = 0,
@@ -210,7 +234,6 @@ def job(
 ) -> Job:
     """The turn's Job, submitted to the worker: the server's limits checked first (a 400
     naming the field), then 429 when the queue is full, 503 while shutting down."""
-    engine = worker.engine
     if turn.session_key is not None:
         check_session_id(turn.session_key)
     if turn.n > worker.settings.max_sessions:
@@ -276,6 +299,8 @@ def job(
         n=turn.n,
         reuse=not params.prompt_logprobs,  # the prompt's logprobs: all of it prefilled
         keep=keep,
+        model=engine.name,
+        keep_alive=turn.keep_alive,
     )
     try:
         worker.submit(new)
@@ -286,7 +311,9 @@ def job(
     return new
 
 
-async def submit(worker: Worker, turn: Turn) -> tuple[Job, Prompt]:
-    """The turn prepared and submitted: its job and prompt."""
-    prompt = await prepare(worker.engine, turn)
-    return job(worker, turn, prompt.tokens, prompt.prefix_len, prompt.grammar), prompt
+async def submit(worker: Worker, turn: Turn) -> tuple[Job, Prompt, Engine]:
+    """The turn prepared and submitted: its job, its prompt and its model's engine."""
+    engine = await engine_for(worker, turn.model, turn.keep_alive)
+    prompt = await prepare(engine, turn)
+    submitted = job(worker, engine, turn, prompt.tokens, prompt.prefix_len, prompt.grammar)
+    return submitted, prompt, engine

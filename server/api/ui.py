@@ -40,11 +40,12 @@ def ui_enabled(settings: ServerSettings) -> bool:
         return False
 
 
-def page_options(engine, settings: ServerSettings) -> PageOptions:
-    """What the page offers: the model, whether a key is needed, the cache choices."""
+def page_options(engine, settings: ServerSettings, models: list[str]) -> PageOptions:
+    """What the page offers: the models, whether a key is needed, the cache choices."""
     spec = engine.spec
     return PageOptions(
         model=engine.model_id,
+        models=models,
         api_key_required=bool(settings.api_key),
         policies=list(POLICIES),
         presets=list(PRESETS),

@@ -7,13 +7,15 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from mlx.utils import tree_flatten
+
 from cache import ATTENTION, configure, make_cache
 from cache.budget import Budget, ModelShape, fit_spec, parse_bytes, session_bytes
 from cache.factory import unbound_rule_notices, window_fallback
 from cache.kernel_check import check_kernels
 from config.cache_spec import CacheSpec
 from config.settings import ServerSettings
-from models.loading import DEFAULT_MODEL, load_model, served_model_id
+from models.loading import load_model, served_model_id
 from models.shape import kv_shape, layer_windows, text_args
 from server.api.common import CacheOptions
 from server.api.tool_formats import ToolFormat, format_for
@@ -67,6 +69,12 @@ class Engine:
     grammars: Grammars = field(init=False)  # constrained decoding (server/engine/grammar.py)
     # How the model writes tool calls, read from its template (server/api/tool_formats).
     tool_format: ToolFormat = field(init=False)
+    name: str = ""  # its catalog name (server/engine/catalog.py), set by the registry
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters as loaded."""
+        return sum(a.nbytes for _, a in tree_flatten(self.model.parameters()))
 
     def __post_init__(self):
         self.grammars = Grammars(self.tokenizer, self.vocab_size)
@@ -181,13 +189,6 @@ class Engine:
     def vocab_size(self) -> int:
         """Token ids a request may name (rows of the embedding)."""
         return text_args(self.model).vocab_size
-
-    def model_names(self) -> set[str]:
-        """Names a request may use for this model: --served-model-name's, else its id,
-        --model's and `default`."""
-        if self.settings.served_model_name:
-            return set(self.settings.served_model_name)
-        return {self.model_id, self.settings.model, DEFAULT_MODEL}
 
     def spec_for(self, options: CacheOptions | None) -> CacheSpec:
         """The cache a request asks for (the `kv_cache` extension), kept within the budget."""

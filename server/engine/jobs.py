@@ -128,6 +128,8 @@ class Job:
     n: int = 1  # choices: the prompt is prefilled once, then its caches are forked n ways
     reuse: bool = True  # False: prefill the whole prompt (its logprobs are wanted)
     keep: bool = True  # False: a throwaway session (one of a batch of prompts)
+    model: str = ""  # the model's catalog name (server/engine/catalog.py); "": the default
+    keep_alive: float | None = None  # seconds its model stays loaded once idle (< 0: ever)
     claim_deadline: float | None = None  # waiting for another replica's session until then
     id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex[:12]}")  # for the logs
     events: asyncio.Queue = field(default_factory=asyncio.Queue)

@@ -50,7 +50,7 @@ class Metrics:
 
     def render(
         self, session_counts: dict[str, int], sessions: list[dict], queue_depth: int, active: int,
-        budget: int, prefixes: dict,
+        budget: int, prefixes: dict, models_loaded: int = 1, mlx_active: int = 0,
     ) -> str:  # fmt: skip
         """Prometheus text: every counter, then gauges from the session store's snapshot."""
         with self._lock:
@@ -70,7 +70,12 @@ class Metrics:
             "sessions": (len(resident), "sessions in memory"),
             "sessions_spilled": (len(sessions) - len(resident), "sessions on disk"),
             "cache_bytes": (sum(s["bytes"] for s in resident), "bytes held by KV caches"),
-            "cache_budget_bytes": (budget, "KV memory budget (sessions and prefix store)"),
+            "cache_budget_bytes": (
+                budget,
+                "KV memory budget (sessions and prefix store) of the loaded models",
+            ),
+            "models_loaded": (models_loaded, "models in memory"),
+            "mlx_active_memory_bytes": (mlx_active, "bytes MLX holds: weights, caches, buffers"),
             "prefix_store_bytes": (prefixes["bytes"], "bytes held by stored system prompts"),
             "prefix_store_entries": (
                 prefixes["entries"],

@@ -31,7 +31,6 @@ from typing import Any
 import mlx.core as mx
 
 from config.settings import ServerSettings
-from server.engine.batcher import Batcher
 from server.engine.generation import Generation
 from server.engine.jobs import (
     Failed,
@@ -45,6 +44,7 @@ from server.engine.jobs import (
     Started,
 )
 from server.engine.metrics import Metrics
+from server.engine.registry import Loaded, ModelRegistry
 from server.engine.speculation import MAX_DRAFT
 
 log = logging.getLogger("h2o_server.worker")
@@ -75,9 +75,7 @@ class Worker:
     def __init__(self, settings: ServerSettings, load_engine: Callable[[ServerSettings], Any]):
         self.settings = settings
         self.metrics = Metrics()
-        self.engine = None
-        self.batcher: Batcher | None = None  # built with the engine, on the worker thread
-        self._load_engine = load_engine
+        self.models = ModelRegistry(settings, load_engine)  # each loaded model's engine
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: deque[Job] = deque()
         self._active: list[tuple[Job, Generation]] = []
@@ -120,8 +118,7 @@ class Worker:
         self._stopping = True
         self._inbox.put(None)
         self._thread.join(timeout=30)
-        if self.engine is not None:
-            self.engine.store.close()
+        self.models.close()
 
     @property
     def draining(self) -> bool:
@@ -152,6 +149,30 @@ class Worker:
     def active(self) -> int:
         return len(self._active)
 
+    @property
+    def engine(self):
+        """The default model's Engine, or while it is unloaded the latest used one (None
+        before start-up)."""
+        loaded = self.models.loaded
+        if self.models.default in loaded:
+            return loaded[self.models.default].engine
+        latest = max(loaded.values(), key=lambda m: m.used, default=None)
+        return latest.engine if latest else None
+
+    def active_memory(self) -> int:
+        """Bytes MLX holds now (a counter: safe to read from any thread)."""
+        return mx.get_active_memory()
+
+    def engines(self) -> list:
+        """Every loaded model's Engine (read between rounds: a `call`)."""
+        return [loaded.engine for loaded in self.models.loaded.values()]
+
+    def busy_models(self) -> set[str]:
+        """Models with a request decoding, prefilling or waiting (never unloaded)."""
+        return {self._model_of(job) for job, _ in self._active} | {
+            self._model_of(job) for job in self._waiting
+        }
+
     # ------------------------------------------------------------------ worker thread
 
     def _run(self) -> None:
@@ -166,17 +187,11 @@ class Worker:
 
     def _serve(self) -> None:
         try:
-            self.engine = self._load_engine(self.settings)
+            self.models.load(self.models.default)
         except BaseException as e:  # reported by start()
             self._startup_error = e
             self._ready.set()
             return
-        self.batcher = Batcher(
-            self.engine.model,
-            self.settings.prefill_step,
-            self.settings.prefill_budget,
-            self.engine.store.make_caches,
-        )
         self._ready.set()
         while not self._stopping:
             self._take_inbox(block=not self._active)  # waiting jobs alone wait for a handover
@@ -191,7 +206,9 @@ class Worker:
         if time.monotonic() < self._next_tick or self._drained.is_set():
             return
         self._next_tick = time.monotonic() + TICK
-        self.engine.store.tick(self.settings.spill_idle_seconds)
+        for engine in self.engines():
+            engine.store.tick(self.settings.spill_idle_seconds)
+        self.models.tick(self.busy_models())
 
     def _take_inbox(self, block: bool) -> None:
         try:
@@ -200,7 +217,8 @@ class Worker:
                 if isinstance(item, Job):
                     self._waiting.append(item)
                 elif item is not None:
-                    self.batcher.lend()  # a reader may look into a decoding session
+                    for loaded in self.models.loaded.values():
+                        loaded.batcher.lend()  # a reader may look into a decoding session
                     fn, future = item
                     try:
                         future.set_result(fn())
@@ -229,7 +247,7 @@ class Worker:
                 self._finish(job, gen)
                 self._fail(job, 503, cut, "server_shutting_down")
         if not self._active and not self._drained.is_set():
-            spilled = self.engine.store.spill_all()
+            spilled = sum(engine.store.spill_all() for engine in self.engines())
             log.info("drained; %d session(s) spilled", spilled)
             self._drained.set()
 
@@ -251,13 +269,14 @@ class Worker:
                 continue
             session = None
             try:
-                session, reused = self.engine.store.acquire(
+                engine = self._loaded(job).engine
+                session, reused = engine.store.acquire(
                     job.session_key,
                     job.prompt,
                     job.spec,
                     job.owner,
                     self._may_borrow(job),
-                    max_new=self.engine.new_token_limit() if job.spec.info.reindexes else None,
+                    max_new=engine.new_token_limit() if job.spec.info.reindexes else None,
                     reuse=job.reuse,
                     keep=job.keep,
                 )
@@ -274,7 +293,7 @@ class Worker:
             except Exception as e:
                 log.exception("could not start a request")
                 if session is not None:
-                    self.engine.store.release(session, broken=True)
+                    engine.store.release(session, broken=True)
                 self._started(job)
                 self._fail(job, 500, f"could not prepare the session: {e}")
                 continue
@@ -284,10 +303,18 @@ class Worker:
             self._choices[job] = Choices(job.n, gen)
         self._waiting = still_waiting
 
+    def _model_of(self, job: Job) -> str:
+        return job.model or self.models.default
+
+    def _loaded(self, job: Job) -> Loaded:
+        """The job's model, loaded again if it was unloaded since its handler saw it."""
+        return self.models.load(self._model_of(job), self.busy_models())
+
     def _generation(self, job: Job, session, reused: int, choice: int = 0) -> Generation:
-        store, grammars = self.engine.store, self.engine.grammars
+        engine = self._loaded(job).engine
+        store, grammars = engine.store, engine.grammars
         return Generation(
-            self.engine.tokenizer,
+            engine.tokenizer,
             session,
             job.prompt,
             reused,
@@ -297,7 +324,7 @@ class Worker:
             grammars.constraint(job.grammar) if job.grammar else None,
             choice,
             self._draft_max(job),
-            self._predicted(job),
+            self._predicted(job, engine.tokenizer),
         )
 
     def _draft_max(self, job: Job) -> int:
@@ -308,10 +335,10 @@ class Worker:
             return self.settings.draft_max
         return (self.settings.draft_max or MAX_DRAFT) if asked is not False else 0
 
-    def _predicted(self, job: Job) -> list[int]:
+    def _predicted(self, job: Job, tokenizer) -> list[int]:
         """The tokens of the reply's predicted text (chat's `prediction`), a draft source."""
         text = job.params.prediction
-        return self.engine.tokenizer.encode(text, add_special_tokens=False) if text else []
+        return tokenizer.encode(text, add_special_tokens=False) if text else []
 
     def _fork_choices(self) -> None:
         """A job with n > 1 whose prompt is in (all but the token that starts decoding):
@@ -322,7 +349,7 @@ class Worker:
                 continue
             choices.unforked = None
             try:
-                copies = self.engine.store.fork(first.session, job.n - 1)
+                copies = self._loaded(job).engine.store.fork(first.session, job.n - 1)
                 gens = [
                     self._generation(job, s, len(s.tokens), i + 1) for i, s in enumerate(copies)
                 ]
@@ -335,11 +362,12 @@ class Worker:
 
     def _too_long(self, job: Job, e: PromptTooLong) -> str:
         """The 400's message when the part of the prompt its session lacks is over the limit."""
-        limit, new = self.engine.new_token_limit(), e.new_tokens
+        engine = self._loaded(job).engine
+        limit, new = engine.new_token_limit(), e.new_tokens
         return (
             f"the prompt has {len(job.prompt)} tokens, {new} of them not in this "
             f"conversation's cache: more than the {limit} this server prefills in one request "
-            f"(the context is {self.engine.shape.context}; --max-prompt-tokens raises the limit)"
+            f"(the context is {engine.shape.context}; --max-prompt-tokens raises the limit)"
         )
 
     def _may_borrow(self, job: Job) -> bool:
@@ -364,15 +392,19 @@ class Worker:
         if not self._active:
             return
         self._fork_choices()
-        jobs = {gen: job for job, gen in self._active}
-        decoded = self.batcher.decode(list(jobs))
-        self.metrics.add("decode_seconds_total", decoded.decode_seconds)
-        self.metrics.add("decode_passes_total", decoded.decode_passes)
-        self._deliver(jobs, decoded.outcomes)
-        still = [gen for _, gen in self._active]
-        filled = self.batcher.prefill(still, decoding=bool(decoded.decoding))
-        self.metrics.add("prefill_tokens_total", filled.prefill_tokens)
-        self._deliver(jobs, filled.outcomes)
+        # Each loaded model's requests in a round of their own batcher, one model after
+        # another: a model's streams wait one round of each other model, never longer.
+        for model in {self._model_of(job): None for job, _ in self._active}:
+            batcher = self.models.loaded[model].batcher
+            jobs = {gen: job for job, gen in self._active if self._model_of(job) == model}
+            decoded = batcher.decode(list(jobs))
+            self.metrics.add("decode_seconds_total", decoded.decode_seconds)
+            self.metrics.add("decode_passes_total", decoded.decode_passes)
+            self._deliver(jobs, decoded.outcomes)
+            still = [gen for job, gen in self._active if self._model_of(job) == model]
+            filled = batcher.prefill(still, decoding=bool(decoded.decoding))
+            self.metrics.add("prefill_tokens_total", filled.prefill_tokens)
+            self._deliver(jobs, filled.outcomes)
 
     def _deliver(self, jobs: dict[Generation, Job], outcomes: list) -> None:
         """Each outcome to its request: a Delta (and Finished after the last), or a 500."""
@@ -398,12 +430,14 @@ class Worker:
 
     def _finish(self, job: Job, gen: Generation, broken: bool = False) -> None:
         self._active.remove((job, gen))
-        self.batcher.leave(gen, broken)  # its session's caches are whole again
+        loaded = self._loaded(job)
+        loaded.batcher.leave(gen, broken)  # its session's caches are whole again
         turn = None if broken else gen.finished()  # a stopped turn counts too: its tokens stay
         if gen.drafter is not None:
             self.metrics.add("draft_tokens_total", gen.drafter.proposed)
             self.metrics.add("accepted_draft_tokens_total", gen.drafter.accepted)
-        self.engine.store.release(gen.session, broken=broken, turn=turn)
+        loaded.engine.store.release(gen.session, broken=broken, turn=turn)
+        self.models.touch(self._model_of(job), job.keep_alive)
         choices = self._choices[job]
         choices.done(gen)
         if choices.left == 0 or (choices.unforked is not None and gen.choice == 0):

@@ -23,6 +23,7 @@ from server.api.common import (
     SEED_RANGE,
     SESSION_ID_PATTERN,
     CacheOptions,
+    KeepAlive,
     Request,
     TextRequest,
     json_text,
@@ -62,6 +63,7 @@ class SamplingRequest(TextRequest):
     # This server's extension: drafts verified in one pass (docs/speculation.md); None: the
     # server's --draft-max.
     speculation: bool | None = None
+    keep_alive: KeepAlive = None  # this server's extension: seconds its model stays loaded
 
     @field_validator("stop")
     @classmethod

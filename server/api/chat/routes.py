@@ -16,7 +16,7 @@ from server.api.chat.replies import ReplyBuilder
 from server.api.chat.turn import chat_turn, completion_turn
 from server.api.errors import APIError
 from server.api.streaming import respond
-from server.api.turns import check_model, owner_of, worker_of
+from server.api.turns import owner_of, worker_of
 from server.engine.detokenize import decoder
 
 router = APIRouter()
@@ -29,8 +29,7 @@ async def chat_completions(
     worker = worker_of(request)
     key = body.prompt_cache_key or x_session_id
     turn = chat_turn(body, key, owner_of(request, body.user), worker.settings.default_temperature)
-    job, prompt = await turns.submit(worker, turn)
-    engine = worker.engine
+    job, prompt, engine = await turns.submit(worker, turn)
     builder = ReplyBuilder(
         "chat",
         engine.model_id,
@@ -49,8 +48,7 @@ async def completions(
     body: CompletionRequest, request: Request, x_session_id: str | None = Header(None)
 ):
     worker = worker_of(request)
-    engine = worker.engine
-    check_model(engine, body.model)
+    engine = await turns.engine_for(worker, body.model, body.keep_alive)
     prompts = await _prompts(engine, body)
     key = body.prompt_cache_key or x_session_id
     if key is not None and len(prompts) > 1:
@@ -65,7 +63,7 @@ async def completions(
     jobs = []
     try:
         for tokens, _ in prompts:  # a batch's prompts: each its own throwaway session
-            jobs.append(turns.job(worker, turn, tokens, keep=len(prompts) == 1))
+            jobs.append(turns.job(worker, engine, turn, tokens, keep=len(prompts) == 1))
     except APIError:
         for job in jobs:
             job.cancel("another prompt of its request was refused")

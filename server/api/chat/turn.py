@@ -73,6 +73,7 @@ def _common(
         "session_key": key,
         "owner": owner,
         "kv_cache": body.kv_cache,
+        "keep_alive": body.keep_alive,
         "n": body.n,
     }
 

@@ -25,6 +25,7 @@ from pydantic import (
 
 from server.api.common import (
     CacheOptions,
+    KeepAlive,
     Request,
     TextRequest,
     object_schema,
@@ -349,6 +350,7 @@ class MessagesRequest(PromptRequest):
     metadata: Metadata | None = None
     kv_cache: CacheOptions | None = None  # this server's extension, as in chat completions
     speculation: bool | None = None  # the same
+    keep_alive: KeepAlive = None  # the same
     thread: ThreadParam | None = None
     # Accepted and ignored:
     service_tier: Any = None

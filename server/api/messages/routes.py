@@ -51,11 +51,11 @@ async def messages(
 
 
 async def _serve(body, request, worker, owner, session, thread_turn, previous) -> Response:
-    engine = worker.engine
+    engine = await turns.engine_for(worker, body.model, body.keep_alive)
     made = messages_turn(body, engine.model_id, session, owner, worker.settings.default_temperature)
     turn, prompt = await prepared(engine, made.turn)
     try:
-        job = turns.job(worker, turn, prompt.tokens, prompt.prefix_len, prompt.grammar)
+        job = turns.job(worker, engine, turn, prompt.tokens, prompt.prefix_len, prompt.grammar)
     except APIError as e:
         if e.code != TOO_LONG:
             raise
@@ -123,7 +123,7 @@ def _threaded(
 async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
     """The prompt's tokens as /v1/messages would render it: that request's input_tokens
     when nothing of it is cached yet."""
-    engine = worker_of(request).engine
+    engine = await turns.engine_for(worker_of(request), body.model)
     made = messages_turn(body, engine.model_id)
     _, prompt = await prepared(engine, made.turn)
     return _said(JSONResponse(TokenCount(input_tokens=len(prompt.tokens)).model_dump()), made)

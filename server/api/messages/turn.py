@@ -88,6 +88,7 @@ def messages_turn(
         session_key=key,
         owner=owner,
         kv_cache=request.kv_cache if request else None,
+        keep_alive=request.keep_alive if request else None,
         clamp_max_tokens=True,
         params=MESSAGES_PARAMS,
     )

@@ -28,6 +28,7 @@ from pydantic import (
 from server.api.common import (
     SESSION_ID_PATTERN,
     CacheOptions,
+    KeepAlive,
     Request,
     TextRequest,
     json_text,
@@ -410,6 +411,7 @@ class ResponseCreate(TextRequest):
     safety_identifier: str | None = None
     kv_cache: CacheOptions | None = None  # this server's extension, as in chat completions
     speculation: bool | None = None  # the same
+    keep_alive: KeepAlive = None  # the same
     # Accepted and not read (docs/api.md says why each is harmless):
     # stream_options, service_tier, truncation, top_logprobs, max_tool_calls,
     # prompt_cache_retention, prompt_cache_options, context_management, client_metadata.

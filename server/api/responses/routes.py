@@ -19,7 +19,7 @@ API key that made it (GET and DELETE carry no body, so `user` takes no part).
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
@@ -46,6 +46,9 @@ from server.api.responses.store import (
 from server.api.responses.turn import ResponsesTurn, dumped, responses_turn
 from server.api.streaming import respond
 from server.api.turns import Prompt, owner_of, worker_of
+
+if TYPE_CHECKING:  # imports MLX
+    from server.engine.engine import Engine
 
 router = APIRouter()
 
@@ -106,11 +109,12 @@ def previous_of(request: Request, body: ResponseCreate) -> tuple[StoredResponse 
 
 async def prepared(
     request: Request, body: ResponseCreate, history: list, key: str | None
-) -> tuple[ResponsesTurn, Prompt]:
+) -> tuple[ResponsesTurn, Prompt, Engine]:
     worker = worker_of(request)
+    engine = await turns.engine_for(worker, body.model, body.keep_alive)
     built = responses_turn(body, history, key, caller(request), worker.settings.default_temperature)
     try:
-        return built, await turns.prepare(worker.engine, built.turn)
+        return built, await turns.prepare(engine, built.turn), engine
     except APIError as e:
         raise built.located(e) from None
 
@@ -120,17 +124,19 @@ async def create_response(body: ResponseCreate, request: Request) -> Response:
     worker, store, owner = worker_of(request), store_of(request), caller(request)
     previous, history = previous_of(request, body)
     key = body.prompt_cache_key or store.session_key(previous)
-    built, prompt = await prepared(request, body, history, key)
+    built, prompt, engine = await prepared(request, body, history, key)
     # Neither stored nor keyed: nothing outlives the reply, its cache included.
     kept = body.store or key is not None
-    job = turns.job(worker, built.turn, prompt.tokens, prompt.prefix_len, prompt.grammar, keep=kept)
+    job = turns.job(
+        worker, engine, built.turn, prompt.tokens, prompt.prefix_len, prompt.grammar, keep=kept
+    )
     shell = ResponseObject(
         id=new_response_id(),
         created_at=now(),
         status="in_progress",
         instructions=body.instructions,
         max_output_tokens=body.max_output_tokens,
-        model=worker.engine.model_id,
+        model=engine.model_id,
         parallel_tool_calls=body.parallel_tool_calls,
         previous_response_id=body.previous_response_id,
         prompt_cache_key=body.prompt_cache_key,
@@ -179,9 +185,9 @@ async def create_response(body: ResponseCreate, request: Request) -> Response:
 @router.post("/v1/responses/input_tokens")
 async def count_input_tokens(body: InputTokensCount, request: Request) -> dict:
     """The tokens a create of this body would bring: its prompt as the template renders it."""
-    body.model = body.model or worker_of(request).engine.model_id
+    body.model = body.model or worker_of(request).models.default
     _, history = previous_of(request, body)
-    _, prompt = await prepared(request, body, history, None)
+    _, prompt, _ = await prepared(request, body, history, None)
     return InputTokens(input_tokens=len(prompt.tokens)).model_dump()
 
 

@@ -303,6 +303,7 @@ def responses_turn(
         session_key=session_key,
         owner=owner,
         kv_cache=body.kv_cache,
+        keep_alive=body.keep_alive,
         prompt_field="input",
         params={
             "parameters": "functions[{i}].parameters",

@@ -186,6 +186,7 @@ function renderHeader() {
   const id = state.current;
   const conv = conversation(id);
   $("conv-title").textContent = conv ? conv.title : id || "New chat";
+  if (conv && conv.model) $("model-name").value = conv.model;  // where its cache lives
   const s = state.server[id];
   const name = conv ? `${id} · ` : "";
   $("conv-meta").textContent = s ? `${name}${describe(id)}` : (id ? `${id} · no cache yet` : "");
@@ -350,7 +351,8 @@ function setStreaming(on) {
 function requestBody(conv) {
   const s = conv.settings;
   const body = {
-    model: state.options ? state.options.model : "default",
+    // A conversation stays with the model it started on (its cache lives there).
+    model: conv.model || (conv.model = $("model-name").value || "default"),
     messages: conv.messages.map(({ role, content }) => ({ role, content })),
     stream: true,
     stream_options: { include_usage: true },
@@ -692,7 +694,9 @@ async function loadOptions() {
     return;
   }
   const o = state.options;
-  $("model-name").textContent = o.model;
+  $("model-name").replaceChildren(
+    ...(o.models.length ? o.models : [o.model]).map((m) => el("option", { value: m, text: m })));
+  $("model-name").value = o.model;
   const select = $("set-policy");
   select.replaceChildren(
     el("option", { value: "", text: `server default (${o.default.policy}, max_kv ${o.default.max_kv})` }),

@@ -1,0 +1,197 @@
+"""The loaded models: each an Engine and its Batcher, loaded on demand, unloaded when idle.
+
+Lives on the worker thread (loading and unloading touch MLX); handlers only read which
+models are loaded and mark one used. The default model (the first --model) is loaded
+at start. Loading one more than --max-loaded-models unloads the least recently used
+idle, unpinned one first; --model-ttl (or a request's keep_alive) unloads a model idle
+past it. An unloaded model's sessions are spilled to its folder under --spill-dir (and
+restored when a conversation comes back to it), else dropped.
+
+--kv-budget covers every loaded model: each model's sessions get an equal share
+(`--kv-budget / min(--max-loaded-models, models)`), so the total holds whichever load.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import logging
+import re
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from cache.budget import parse_bytes
+from config.settings import ServerSettings
+from server.engine.batcher import Batcher
+from server.engine.catalog import ModelEntry, catalog
+from server.engine.engine import auto_kv_budget
+
+log = logging.getLogger("h2o_server.models")
+
+
+@dataclass
+class Loaded:
+    engine: object  # server/engine/engine.Engine
+    batcher: Batcher
+    used: float  # time.monotonic() of its last request
+    keep_until: float | None = None  # a request's keep_alive: unload when idle after this
+
+
+class ModelRegistry:
+    def __init__(self, settings: ServerSettings, load_engine: Callable[[ServerSettings], object]):
+        self.settings = settings
+        self.entries = catalog(settings)
+        self.default = self.entries[0].name
+        self.loaded: dict[str, Loaded] = {}
+        # Session counters of unloaded models' stores: /metrics' counters never go back.
+        self.retired_counts: Counter[str] = Counter()
+        self._load_engine = load_engine
+        self._pins = {self.find(name).name for name in settings.pin if self.find(name)}
+        unknown = [name for name in settings.pin if self.find(name) is None]
+        if unknown:
+            raise ValueError(f"--pin names models not served here: {', '.join(unknown)}")
+
+    # ----------------------------------------------------------------- any thread
+
+    def find(self, name: str) -> ModelEntry | None:
+        """The model a request's name means (its id or any alias)."""
+        for entry in self.entries:
+            if name in entry.aliases:
+                return entry
+        return None
+
+    def names(self) -> list[str]:
+        return [entry.name for entry in self.entries]
+
+    def engine(self, name: str):
+        """The model's Engine while it is loaded, else None."""
+        loaded = self.loaded.get(name)
+        return loaded.engine if loaded else None
+
+    def touch(self, name: str, keep_alive: float | None = None) -> None:
+        """A request used the model now; keep_alive (seconds, < 0: forever) sets how long
+        it stays once idle, in place of --model-ttl."""
+        loaded = self.loaded.get(name)
+        if loaded is None:
+            return
+        loaded.used = time.monotonic()
+        if keep_alive is not None:
+            loaded.keep_until = float("inf") if keep_alive < 0 else loaded.used + keep_alive
+
+    def state(self, name: str) -> str:
+        return "loaded" if name in self.loaded else "unloaded"
+
+    def pinned(self, name: str) -> bool:
+        return name in self._pins
+
+    # ----------------------------------------------------------------- worker thread
+
+    def load(self, name: str, busy: Iterable[str] = ()) -> Loaded:
+        """The model loaded (if it is not), making room under --max-loaded-models first."""
+        if name in self.loaded:
+            return self.loaded[name]
+        entry = next(e for e in self.entries if e.name == name)
+        while len(self.loaded) >= self.settings.max_loaded_models:
+            victim = self._least_recent(busy)
+            if victim is None:  # all busy or pinned: over the limit until one idles
+                log.warning(
+                    "loading %s past --max-loaded-models %d: every loaded model is busy or pinned",
+                    name,
+                    self.settings.max_loaded_models,
+                )
+                break
+            self.unload(victim)
+        started = time.monotonic()
+        engine = self._load_engine(self.model_settings(entry))
+        engine.name = entry.name
+        batcher = Batcher(
+            engine.model,
+            self.settings.prefill_step,
+            self.settings.prefill_budget,
+            engine.store.make_caches,
+        )
+        loaded = self.loaded[name] = Loaded(engine, batcher, time.monotonic())
+        log.info("model %s loaded in %.1f s", name, time.monotonic() - started)
+        return loaded
+
+    def unload(self, name: str) -> bool:
+        """Unload a model (its sessions spilled or dropped); False if it was not loaded."""
+        loaded = self.loaded.pop(name, None)
+        if loaded is None:
+            return False
+        spilled = loaded.engine.store.spill_all()
+        loaded.engine.store.close()
+        self.retired_counts.update(loaded.engine.store.counts)
+        del loaded
+        gc.collect()  # the model's arrays go with their last reference
+        mx.clear_cache()
+        _trim_heap()
+        log.info("model %s unloaded; %d session(s) spilled", name, spilled)
+        return True
+
+    def tick(self, busy: Iterable[str]) -> None:
+        """Unload every idle model past its keep_alive or --model-ttl."""
+        now, busy = time.monotonic(), set(busy)
+        for name, loaded in list(self.loaded.items()):
+            if name in busy or name in self._pins:
+                continue
+            if loaded.keep_until is not None:
+                due = loaded.keep_until
+            elif self.settings.model_ttl:
+                due = loaded.used + self.settings.model_ttl
+            else:
+                continue
+            if now >= due:
+                self.unload(name)
+        over = len(self.loaded) - self.settings.max_loaded_models
+        for _ in range(max(0, over)):  # loaded past the limit while all were busy
+            victim = self._least_recent(busy)
+            if victim is None:
+                break
+            self.unload(victim)
+
+    def close(self) -> None:
+        for loaded in self.loaded.values():
+            loaded.engine.store.close()
+
+    def _least_recent(self, busy: Iterable[str]) -> str | None:
+        busy = set(busy)
+        idle = [
+            (loaded.used, name)
+            for name, loaded in self.loaded.items()
+            if name not in busy and name not in self._pins
+        ]
+        return min(idle)[1] if idle else None
+
+    def model_settings(self, entry: ModelEntry) -> ServerSettings:
+        """The settings one model's Engine loads with: its source and id, its share of
+        --kv-budget, its own spill folder (the default model's is --spill-dir itself)."""
+        slots = min(self.settings.max_loaded_models, len(self.entries))
+        update: dict = {"model": entry.source}
+        if entry.name != self.default or not self.settings.served_model_name:
+            update["served_model_name"] = [entry.name]
+        if slots > 1:
+            total = self.settings.kv_budget
+            total = auto_kv_budget() if total == "auto" else parse_bytes(total)
+            update["kv_budget"] = str(total // slots)
+        if self.settings.spill_dir and entry.name != self.default:
+            folder = re.sub(r"[^A-Za-z0-9._-]+", "_", entry.name)
+            update["spill_dir"] = str(Path(self.settings.spill_dir) / "models" / folder)
+        return self.settings.model_copy(update=update)
+
+
+def _trim_heap() -> None:
+    """Give freed memory back to the system (glibc): after a model has been loaded once,
+    malloc serves its smaller weights from heaps it keeps, so RSS would stay put."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    libc = ctypes.CDLL(name)
+    if hasattr(libc, "malloc_trim"):  # glibc only (macOS returns memory itself)
+        libc.malloc_trim(0)

