@@ -31,6 +31,12 @@ $(STAMP): pyproject.toml uv.lock
 	    { apt-get update -qq && apt-get install -y -qq chromium; } \
 	    || echo "chromium not installed: the browser test will be skipped"; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# The agent CLIs the client tests run (tests/test_agent_clients.py), pinned, into the
+	# venv. Not fatal: without npm (or the registry) those tests are skipped.
+	@if command -v npm >/dev/null; then \
+	    npm install -s --no-audit --no-fund --prefix $(VENV)/agents \
+	        @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0 \
+	    || echo "agent CLIs not installed: their tests will be skipped"; fi
 	$(PY) -m pip install -q uv==$(UV_VERSION)
 	# Exactly the lock (hash-checked), the package itself editable; --inexact keeps what
 	# is not in the lock (uv, pip, the embedded-model packages below).

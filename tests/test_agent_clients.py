@@ -7,19 +7,26 @@ them parsed (as `tool_calls`, a `function_call` item, a `tool_use` block), they 
 tool, send the result back, and take the answer:
 - the OpenAI Agents SDK (chat completions and its default, the Responses API),
 - the anthropic SDK's tool runner,
-- Codex CLI, one `codex exec` turn calling its `exec_command` tool (when installed:
-  `npm install --prefix DIR @openai/codex` and CODEX_BIN=DIR/node_modules/.bin/codex).
+- Codex CLI, one `codex exec` turn calling its `exec_command` tool,
+- Claude Code, one `claude -p` turn whose Agent tool runs a haiku subagent on a second
+  model of the same server.
+The two CLIs are npm packages that make setup installs into .venv/agents (CODEX_BIN and
+CLAUDE_BIN name others); skipped where they are not installed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
+import subprocess
+from pathlib import Path
 
 import anthropic
 import openai
 import pytest
+from families import TEMPLATE
 from scripted_model import chain, write_chain_model
 from server_harness import running_server
 from tool_templates import template
@@ -31,32 +38,37 @@ WORDS = ["system", "user", "assistant", "tool", "developer"]
 ANSWER = "The tool said so: done."
 
 
-def call_text(name: str, key: str, value: str) -> str:
+def call_text(name: str, **params: str) -> str:
     """One call as Qwen3-Coder writes it (and its template renders it back)."""
-    return (
-        f"<tool_call>\n<function={name}>\n<parameter={key}>\n{value}\n</parameter>\n"
-        "</function>\n</tool_call>"
-    )
+    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
 
 
-def scripted(folder, name: str, key: str, value: str):
-    """A model that calls `name`({key: value}) and, given the result, answers ANSWER."""
+def scripted(folder, name: str, **params: str):
+    """A model that calls `name`(**params) and, given the result, answers ANSWER."""
     cued = template("qwen3_coder").replace(
         "<|im_start|>assistant\n{% endif %}",
         "<|im_start|>assistant\n{% if messages[-1].role == 'tool' %}<|answer|>{% endif %}"
         "{% endif %}",
     )
     assert cued != template("qwen3_coder")
-    call = call_text(name, key, value)
+    call = call_text(name, **params)
     after = {**chain("assistant", call, "<|im_end|>"), **chain("<|answer|>", ANSWER, "<|im_end|>")}
     write_chain_model(folder, SPECIAL, WORDS, after, "<|im_end|>", cued, [call, ANSWER])
+    return folder
+
+
+def replying(folder, reply: str):
+    """A model whose every reply is `reply` (ChatML, no tools)."""
+    after = chain("assistant", reply, "<|im_end|>")
+    write_chain_model(folder, SPECIAL, WORDS, after, "<|im_end|>", TEMPLATE, [reply])
     return folder
 
 
 @pytest.fixture(scope="module")
 def weather(tmp_path_factory):
     root = tmp_path_factory.mktemp("weather")
-    folder = scripted(root / "model", "get_weather", "city", "Paris")
+    folder = scripted(root / "model", "get_weather", city="Paris")
     with running_server(root, "--model", str(folder), "--served-model-name", "local-model") as s:
         yield s
 
@@ -108,15 +120,28 @@ def test_anthropic_tool_runner_runs_the_tool_and_answers(weather):
     assert messages[-1].content[0].text == ANSWER and messages[-1].stop_reason == "end_turn"
 
 
+AGENTS = Path(__file__).parents[1] / ".venv" / "agents" / "node_modules" / ".bin"  # make setup
+
+
+def _cli(name: str, variable: str) -> str | None:
+    """An agent CLI: $variable, else make setup's copy, else one on the PATH."""
+    installed = AGENTS / name
+    return (
+        os.environ.get(variable)
+        or (str(installed) if installed.exists() else None)
+        or (shutil.which(name))
+    )
+
+
 def _codex() -> str | None:
-    return os.environ.get("CODEX_BIN") or shutil.which("codex")
+    return _cli("codex", "CODEX_BIN")
 
 
 @pytest.mark.skipif(_codex() is None, reason="Codex CLI not installed (set CODEX_BIN)")
 def test_codex_exec_runs_a_shell_command(tmp_path):
     from bench.codex_cli import run_codex_turn
 
-    folder = scripted(tmp_path / "model", "exec_command", "cmd", "echo tool-ran")
+    folder = scripted(tmp_path / "model", "exec_command", cmd="echo tool-ran")
     flags = ["--model", str(folder), "--served-model-name", "local-model"]
     with running_server(tmp_path, *flags) as server:
         turn = run_codex_turn(f"http://127.0.0.1:{server.port}/v1", "Run echo.", timeout=300,
@@ -125,6 +150,44 @@ def test_codex_exec_runs_a_shell_command(tmp_path):
     assert ANSWER in turn.stdout
     assert "tool-ran" in turn.stdout + turn.stderr  # Codex ran the command and showed it
     assert len(turn.requests) == 2 and turn.all_2xx  # the call, then the result's answer
+
+
+def _claude() -> str | None:
+    return _cli("claude", "CLAUDE_BIN")
+
+
+@pytest.mark.skipif(_claude() is None, reason="Claude Code not installed (set CLAUDE_BIN)")
+def test_claude_code_runs_a_subagent_on_the_small_fast_model(tmp_path):
+    """Claude Code with its two models on two of this server's, loaded on demand: the work
+    model hands a task to a haiku subagent (its Agent tool), which runs on the other."""
+    work = scripted(tmp_path / "work", "Agent", description="greet", prompt="Say hi", model="haiku")
+    fast = replying(tmp_path / "fast", "Hi from the fast model.")
+    flags = ["--model", f"work={work}", "--model", f"fast={fast}", "--max-sessions", "4"]
+    with running_server(tmp_path, *flags) as server:
+        assert server.get("/v1/models/fast").json()["state"] == "unloaded"
+        env = {
+            **os.environ,
+            "ANTHROPIC_BASE_URL": server.base_url,
+            "ANTHROPIC_API_KEY": "unused",
+            "ANTHROPIC_MODEL": "work",
+            # Claude Code 2.1 reads the haiku alias from the second; the first is its old name.
+            "ANTHROPIC_SMALL_FAST_MODEL": "fast",
+            "ANTHROPIC_DEFAULT_HAIKU_MODEL": "fast",
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "DISABLE_AUTOUPDATER": "1",
+            "HOME": str(tmp_path),
+        }
+        argv = [_claude(), "-p", "Greet me through a subagent", "--allowedTools", "Agent"]
+        done = subprocess.run(
+            [*argv, "--output-format", "json"], cwd=tmp_path, env=env, capture_output=True,
+            text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
+        result = json.loads(done.stdout)
+        assert result["result"] == ANSWER and not result["is_error"]
+        assert set(result["modelUsage"]) == {"work", "fast"}  # the subagent ran on `fast`
+        states = {m["id"]: m["state"] for m in server.get("/v1/models").json()["data"]}
+        assert states == {"work": "loaded", "fast": "loaded"}
 
 
 def test_message_thread_errors_are_anthropics(weather):

@@ -171,14 +171,19 @@ async def session_cache(session_id: str, request: Request, user: str | None = No
         for engine in worker.engines():
             contents = read_contents(engine.store, session_id, owner)
             if contents is not None:
-                return contents, engine.tokenizer
+                return contents, engine
         return None, None
 
-    contents, tokenizer = await asyncio.wrap_future(worker.call(read))
+    contents, engine = await asyncio.wrap_future(worker.call(read))
     if contents is None:
         raise APIError(404, f"no session {session_id!r}", "session_not_found")
-    # Built and serialized in the thread pool: a long conversation's report is large.
-    report = await run_in_threadpool(lambda: cache_report(contents, tokenizer).model_dump_json())
+
+    def build() -> str:  # in the thread pool: a long conversation's report is large
+        report = cache_report(contents, engine.tokenizer)
+        report.model = engine.model_id
+        return report.model_dump_json()
+
+    report = await run_in_threadpool(build)
     return Response(report, media_type="application/json")
 
 

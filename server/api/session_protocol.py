@@ -43,6 +43,7 @@ class SessionFigures(BaseModel):
     last_used: int
     # tokens its cache started from, a stored system prompt's (server/sessions/prefixes.py)
     prefix_tokens: int = 0
+    model: str | None = None  # the model whose cache it is (several: docs/models.md)
 
 
 class CacheSegments(BaseModel):
