@@ -30,7 +30,10 @@ from bench.server_load import Server
 
 DEFAULT, GEMMA = "default", "gemma3-270m"
 IDS = {DEFAULT: "SmolLM2-135M-Instruct", GEMMA: "gemma-3-270m"}
-FLAGS = ["--kv-budget", "1GiB", "--max-sessions", "8", "--max-loaded-models", "2"]
+# One cache for every conversation in both servers (policy full, 4096 tokens: what each
+# model's half of the budget holds in B), so A and B differ only in the models served.
+FLAGS = ["--kv-budget", "4GiB", "--max-sessions", "8", "--max-loaded-models", "2"]
+FLAGS += ["--policy", "full", "--context", "4096"]
 STREAM_TOKENS = 64
 _nonce = itertools.count()
 
@@ -174,12 +177,15 @@ def table(rows: dict) -> str:
 
 
 INTRO = """Medians over the rounds. A serves the default model alone, B serves it and
-gemma3-270m (both float32 on this CPU); each round starts each server afresh, A first in
-even rounds and B first in odd ones. Load: `POST /v1/models/load` of an unloaded model.
-First token: a streamed chat's time to its first token, with its model unloaded (the
-load included) and then loaded (a new conversation). Four streams of 64 greedy tokens at
-once: on the default model in A and in B (the registry's cost: B / A), on gemma in B,
-and two on each model in B (the single worker runs each model's batch in turn)."""
+gemma3-270m (both float32 on this CPU), both with `--policy full --context 4096
+--kv-budget 4GiB`: each model's half of the budget in B still holds every conversation
+whole, so both servers decode with the same cache (under `auto`, A's larger share would
+pick another). Each round starts each server afresh, A first in even rounds and B first
+in odd ones. Load: `POST /v1/models/load` of an unloaded model. First token: a streamed
+chat's time to its first token, with its model unloaded (the load included) and then
+loaded (a new conversation). Four streams of 64 greedy tokens at once: on the default
+model in A and in B (the registry's cost: B / A), on gemma in B, and two on each model in
+B (the single worker runs each model's batch in turn)."""
 
 
 def main(argv: list[str] | None = None) -> None:

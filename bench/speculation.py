@@ -11,7 +11,7 @@ Each of ours runs under the server's `auto` policy and under an evicting h2o cac
 time from the first streamed token to the last; passes per token come from /metrics;
 CPU seconds are the server process's over the request.
 
-    python -m bench.speculation [--rounds 4] [--out docs/speculation.md]
+    python -m bench.speculation [--rounds 4] [--cases abcd] [--out docs/speculation.md]
 """
 
 from __future__ import annotations
@@ -168,10 +168,11 @@ def metrics(server: Server) -> dict[str, float]:
     return {k: float(v) for k, v in (ln.split() for ln in text.splitlines() if ln[:1] != "#")}
 
 
-def measure(rounds: int) -> dict:
-    """{(variant, policy, case): [row per round]}, variants interleaved within each round."""
+def measure(rounds: int, letters: str = "abcd") -> dict:
+    """{(variant, policy, case): [row per round]}, variants interleaved within each round;
+    `letters`: the cases run, by their letter."""
     folder = export_default()
-    work = cases()
+    work = {name: body for name, body in cases().items() if name[1] in letters}
     results: dict = {}
     variants = [
         (SPEC, lambda: start_ours(folder, ["--draft-max", "12"])),
@@ -184,7 +185,7 @@ def measure(rounds: int) -> dict:
         for name, start in order:
             server = start()
             try:
-                run_case(server, work["(c) free chat"], {})  # warm-up
+                run_case(server, cases()["(c) free chat"], {})  # warm-up
                 policies = [("auto", {}), ("h2o 256", H2O)] if name != MLX_LM else [("-", {})]
                 for policy, extra in policies:
                     for case, body in work.items():
@@ -231,7 +232,10 @@ forward pass, and keeps the drafted tokens the model would have produced itself
 earlier copy of the conversation's last 2-4 tokens (its whole history: every turn's prompt
 and reply, then a chat request's `prediction`, OpenAI's Predicted Outputs), and the
 tokens a grammar forces (a JSON schema's keys, a forced tool call's name). The draft
-length doubles while drafts are taken whole and pauses where nothing is taken. Greedy
+length doubles while drafts are taken whole and pauses where nothing is taken; a lookup
+draft goes out only where its source (a predicted reply, a 4-, 3- or 2-token suffix
+match) has been right often enough that the tokens it should add beat the wider pass's
+cost (`Acceptance` in server/engine/speculation.py). Greedy
 replies are token for token the ones without drafts; sampled ones keep the model's
 distribution (the accept/resample rule; tests/test_speculation.py).
 
@@ -258,8 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("docs/speculation.md"))
+    parser.add_argument("--cases", default="abcd", help="the cases run, by letter (e.g. ac)")
     args = parser.parse_args(argv)
-    results = measure(args.rounds)
+    results = measure(args.rounds, args.cases)
     body = [machine(), "", table(results)]
     line = command("bench.speculation", argv)
     publish("Speculative decoding", INTRO, line, body, args.out)

@@ -21,7 +21,7 @@ from server.engine.batcher import Batcher
 from server.engine.generation import Generation, RequestSampler
 from server.engine.grammar import Grammars
 from server.engine.jobs import SamplingParams
-from server.engine.speculation import Drafter, DraftLength, NgramIndex
+from server.engine.speculation import Acceptance, Drafter, DraftLength, NgramIndex
 from server.sessions.store import Session
 
 pytestmark = pytest.mark.slow(seconds=120)
@@ -35,17 +35,17 @@ FULL = CacheSpec("full", 4096)
 def test_lookup_proposes_what_followed_the_latest_earlier_copy():
     index = NgramIndex()
     index.extend([1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2, 3])
-    assert index.propose(3) == [7, 8, 1]  # the latest copy of (1, 2, 3) went on with 7, 8
+    assert index.propose(3) == ([7, 8, 1], 3)  # the latest copy of (1, 2, 3) went on with 7, 8
     index.extend([7])
-    assert index.propose(8) == [8, 1, 2, 3, 7]  # as far as the history goes
+    assert index.propose(8)[0] == [8, 1, 2, 3, 7]  # as far as the history goes
 
 
 def test_lookup_never_finds_its_own_suffix():
     index = NgramIndex()
     index.extend([5, 6, 7, 8])
-    assert index.propose(4) == []
+    assert index.propose(4) == ([], 0)
     index.sync([5, 6, 7, 8, 5, 6])
-    assert index.propose(4) == [7, 8, 5, 6]
+    assert index.propose(4)[0] == [7, 8, 5, 6]
     index.sync([5, 6, 7, 8, 5, 6])  # nothing new: no change
     assert index.tokens == [5, 6, 7, 8, 5, 6]
 
@@ -54,7 +54,7 @@ def test_lookup_prefers_the_longest_suffix():
     index = NgramIndex(sizes=(3, 2))
     # (2, 3) last went on with 0, but (1, 2, 3) with 4
     index.extend([1, 2, 3, 4, 9, 2, 3, 0, 1, 2, 3])
-    assert index.propose(1) == [4]
+    assert index.propose(1) == ([4], 3)  # found by its 3-token suffix
 
 
 def test_draft_length_grows_shrinks_and_pauses():
@@ -77,6 +77,33 @@ def test_draft_length_grows_shrinks_and_pauses():
     length.took(2, 0)
     assert sum(not length.allows() for _ in range(9)) == 4
     assert (length.proposed, length.accepted) == (40, 16)
+
+
+def test_a_source_drafts_while_what_it_adds_beats_the_wider_pass():
+    right, wrong = Acceptance(), Acceptance()
+    assert right.pays(4) and wrong.pays(4)  # the prior: one in two taken
+    for _ in range(3):
+        right.update(4, 4)
+        wrong.update(2, 0)
+    assert right.pays(12) and right.rate > 0.9
+    assert not wrong.pays(2)  # refused drafts: a plain round costs less
+    # Not drafted, it drifts back to the prior and is tried again after a while.
+    rounds = next(i for i in range(1, 500) if wrong.pays(2))
+    assert 10 < rounds < 100
+
+
+def test_a_drafter_keeps_each_suffix_lengths_own_record():
+    drafter = Drafter(8)
+    history = [1, 2, 3, 4, 5, 6, 9, 9, 5, 6]  # (5, 6) recurs: a 2-token match
+    assert drafter.expects(history)
+    for _ in range(4):
+        drafts, _ = drafter.draft(history, None, 4)
+        assert drafts and drafter._source == 2
+        drafter.took(len(drafts), 0)
+        drafter.length.pause = 0  # the length's own pauses aside
+    assert not drafter.expects(history)  # 2-token matches were wrong here
+    longer = [*history, 7, 1, 2, 3, 4]  # a 4-token match: its own record, the prior
+    assert drafter.expects(longer) and drafter.sources[4].rate == 0.5
 
 
 def test_a_predicted_reply_drafts_its_start_then_what_follows_the_history():

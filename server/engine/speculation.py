@@ -21,6 +21,12 @@ from dataclasses import dataclass
 from config.settings import DRAFT_MAX as MAX_DRAFT  # the adaptive length's ceiling by default
 
 NGRAM_SIZES = (4, 3, 2)  # suffix lengths looked up, longest first (a longer match guesses better)
+# What a speculative round costs beyond a plain one, in one-token passes: a fixed part (it
+# reads its draw before its pass, so no pass overlaps the round's own work) and a part per
+# drafted token (the wider pass). On the 2-core CPU a pass of 5 tokens costs 1.3-1.7x one
+# of 1, a pass of 13 1.6-2.1x (docs/speculation.md); a GPU's wider pass costs less.
+ROUND_COST = 0.1
+TOKEN_COST = 0.1
 
 
 class NgramIndex:
@@ -51,17 +57,50 @@ class NgramIndex:
         if len(history) > len(self.tokens):
             self.extend(history[len(self.tokens) :])
 
-    def propose(self, k: int, tail: Sequence[int] | None = None) -> list[int]:
-        """Up to k tokens that followed the latest earlier copy of the longest suffix of
-        `tail` (default: this history's own); [] when none recurs."""
+    def propose(self, k: int, tail: Sequence[int] | None = None) -> tuple[list[int], int]:
+        """(up to k tokens that followed the latest earlier copy of the longest suffix of
+        `tail` (default: this history's own), that suffix's length); ([], 0) when none
+        recurs."""
         history = self.tokens
         tail = history if tail is None else tail
         for n in self.sizes:
             if len(tail) > n or (tail is not history and len(tail) == n):
                 at = self._after.get(tuple(tail[-n:]))
                 if at is not None:
-                    return history[at : at + k]
-        return []
+                    return history[at : at + k], n
+        return [], 0
+
+
+@dataclass
+class Acceptance:
+    """How likely one draft source's next drafted token is taken, given the ones before it
+    were: taken / tried (a refused token ends a draft), recent drafts weighing more, from
+    a prior of one in two. A source pays where the tokens a draft of k is expected to add,
+    r + r^2 + ... + r^k, beat what its wider pass costs; one that does not forgets slowly
+    while it is not drafted, so it is tried again later."""
+
+    DECAY = 0.8  # per draft
+    FORGET = 0.97  # per round it was not worth drafting: back toward the prior
+
+    taken: float = 1.0
+    tried: float = 2.0
+
+    @property
+    def rate(self) -> float:
+        return self.taken / self.tried
+
+    def update(self, proposed: int, accepted: int) -> None:
+        self.taken = self.DECAY * self.taken + accepted
+        self.tried = self.DECAY * self.tried + accepted + (accepted < proposed)
+
+    def pays(self, k: int) -> bool:
+        r = self.rate
+        expected = r * (1 - r**k) / (1 - r) if r < 1 else float(k)
+        if expected > ROUND_COST + TOKEN_COST * k:
+            return True
+        self.taken = self.FORGET * self.taken + (1 - self.FORGET) * 1.0
+        self.tried = self.FORGET * self.tried + (1 - self.FORGET) * 2.0
+        return False
 
 
 @dataclass
@@ -115,6 +154,9 @@ class Drafter:
         self.predicted.extend(predicted)
         self.length = DraftLength(ceiling, k=min(4, ceiling))
         self.forced = 0  # grammar-forced tokens fed as drafts (all taken)
+        # Per source (a predicted reply; a suffix of 4, 3 or 2 tokens): how often it is right.
+        self.sources: dict[str | int, Acceptance] = {}
+        self._source: str | int | None = None  # the last lookup draft's
 
     @property
     def proposed(self) -> int:
@@ -129,7 +171,8 @@ class Drafter:
         `opening`: the reply has no token yet (a predicted reply is drafted from its start)."""
         if not self.length.allows():
             return False
-        return bool(self._lookup(history, 1, opening))
+        found, source = self._lookup(history, 1, opening)
+        return bool(found) and self.sources.setdefault(source, Acceptance()).pays(self.length.k)
 
     def draft(
         self, history: Sequence[int], constraint, room: int, opening: bool = False
@@ -143,15 +186,23 @@ class Drafter:
             forced = constraint.forced()[: min(room, self.length.ceiling)]
             if forced:
                 return forced, len(forced)
-        return self._lookup(history, min(room, self.length.k), opening), 0
+        drafts, self._source = self._lookup(history, min(room, self.length.k), opening)
+        return drafts, 0
 
-    def _lookup(self, history: Sequence[int], k: int, opening: bool) -> list[int]:
-        """The predicted reply's start for a reply's first token; else the history's own
-        continuation, else the predicted reply's after the same suffix."""
+    def _lookup(
+        self, history: Sequence[int], k: int, opening: bool
+    ) -> tuple[list[int], str | int | None]:
+        """(drafts, their source): the predicted reply's start for a reply's first token;
+        else the history's own continuation after its longest recurring suffix, else the
+        predicted reply's after the same suffix."""
         if opening and self.predicted.tokens:
-            return self.predicted.tokens[:k]
+            return self.predicted.tokens[:k], "predicted"
         self.index.sync(history)
-        return self.index.propose(k) or self.predicted.propose(k, history)
+        found, n = self.index.propose(k)
+        if found:
+            return found, n
+        found, n = self.predicted.propose(k, history)
+        return found, "predicted" if found else None
 
     def took(self, proposed: int, kept: int, forced: int = 0) -> None:
         """A verify pass kept `kept` of `proposed` drafts (the first `forced` the grammar's)."""
@@ -160,3 +211,4 @@ class Drafter:
             return
         if proposed:
             self.length.took(proposed, kept)
+            self.sources.setdefault(self._source, Acceptance()).update(proposed, kept)
