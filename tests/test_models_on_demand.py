@@ -106,7 +106,11 @@ def test_a_request_swaps_its_model_in_and_a_conversation_returns_to_its_own(swap
     tiny = chat(swapping, "tiny-qwen", SEA)
     assert tiny.status_code == 200 and tiny.json()["model"] == "tiny-qwen"
     assert states(swapping) == {MODEL: "unloaded", "tiny-llama": "unloaded", "tiny-qwen": "loaded"}
-    assert swapping.metrics()["h2o_sessions_spilled_total"] >= 1  # the default's session
+    m = swapping.metrics()
+    assert m["h2o_sessions_spilled_total"] >= 1  # the default's session
+    assert m[f'h2o_model_loaded{{model="{MODEL}"}}'] == 0 and m["h2o_models_loaded"] == 1
+    assert m['h2o_model_loaded{model="tiny-qwen"}'] == 1
+    assert m['h2o_model_weight_bytes{model="tiny-qwen"}'] > 0
     # Every API reaches a model by its name: Messages swaps the llama in.
     r = swapping.post(
         "/v1/messages", {"model": "tiny-llama", "max_tokens": 4, "messages": SEA}
@@ -204,7 +208,10 @@ def test_unloading_returns_the_memory(tmp_path):
         assert loaded_mlx - before_mlx >= weights
         r = server.post("/v1/models/unload", {"model": "gemma"})
         assert r.status_code == 200 and r.json()["state"] == "unloaded"
-        after_mlx = server.metrics()["h2o_mlx_active_memory_bytes"]
+        after = server.metrics()
+        after_mlx = after["h2o_mlx_active_memory_bytes"]
+        assert after['h2o_model_weight_bytes{model="gemma"}'] == 0
+        assert after[f'h2o_model_weight_bytes{{model="{MODEL}"}}'] > 100 * 2**20
         assert after_mlx <= before_mlx + 16 * 2**20, (before_mlx, after_mlx)
         freed = (loaded_rss - rss()) * 1024
         assert freed >= 0.7 * weights, (before_rss, loaded_rss, rss(), weights)

@@ -133,6 +133,16 @@ async def metrics(request: Request):
     for engine in engines:
         counts.update(engine.store.published_counts)
         prefixes.update(engine.store.published_prefixes)
+    per_model = {}
+    for entry in worker.models.entries:
+        engine = worker.models.engine(entry.name)
+        resident = [s for _, s in engine.store.published if not s["spilled"]] if engine else []
+        per_model[entry.name] = {
+            "loaded": engine is not None,
+            "weight_bytes": engine.weight_bytes if engine else 0,
+            "cache_bytes": sum(s["bytes"] for s in resident),
+            "sessions": len(resident),
+        }
     return worker.metrics.render(
         counts,
         [stats for engine in engines for _, stats in engine.store.published],
@@ -140,8 +150,8 @@ async def metrics(request: Request):
         worker.active,
         sum(engine.kv_budget for engine in engines),
         prefixes,
-        len(engines),
         worker.active_memory(),
+        per_model,
     )
 
 

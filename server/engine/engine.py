@@ -70,15 +70,12 @@ class Engine:
     # How the model writes tool calls, read from its template (server/api/tool_formats).
     tool_format: ToolFormat = field(init=False)
     name: str = ""  # its catalog name (server/engine/catalog.py), set by the registry
-
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes of the model's parameters as loaded."""
-        return sum(a.nbytes for _, a in tree_flatten(self.model.parameters()))
+    weight_bytes: int = field(init=False)  # its parameters' bytes as loaded
 
     def __post_init__(self):
         self.grammars = Grammars(self.tokenizer, self.vocab_size)
         self.tool_format = format_for(self.tokenizer)
+        self.weight_bytes = sum(a.nbytes for _, a in tree_flatten(self.model.parameters()))
 
     @classmethod
     def load(cls, settings: ServerSettings) -> Engine:

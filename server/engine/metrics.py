@@ -20,6 +20,13 @@ COUNTERS = {
     "draft_tokens_total": "tokens proposed by speculative drafts",
     "accepted_draft_tokens_total": "drafted tokens the model took",
 }
+# Per model served (labelled `model`), loaded or not.
+MODEL_GAUGES = {
+    "loaded": "1 while the model is in memory, else 0",
+    "weight_bytes": "bytes of its parameters while loaded",
+    "cache_bytes": "bytes held by its conversations' KV caches",
+    "sessions": "its conversations in memory",
+}
 # Counted by the session store (server/sessions/store.py, SessionStore.counts).
 SESSION_COUNTERS = {
     "spilled": "sessions written to disk (memory, idle time, handover, shutdown)",
@@ -50,9 +57,10 @@ class Metrics:
 
     def render(
         self, session_counts: dict[str, int], sessions: list[dict], queue_depth: int, active: int,
-        budget: int, prefixes: dict, models_loaded: int = 1, mlx_active: int = 0,
+        budget: int, prefixes: dict, mlx_active: int = 0, models: dict[str, dict] | None = None,
     ) -> str:  # fmt: skip
-        """Prometheus text: every counter, then gauges from the session store's snapshot."""
+        """Prometheus text: every counter, then gauges from the session stores' snapshots,
+        then per model (`models`: {name: MODEL_GAUGES' values}) gauges labelled by model."""
         with self._lock:
             counts = dict(self._counts)
         lines: list[str] = []
@@ -74,7 +82,10 @@ class Metrics:
                 budget,
                 "KV memory budget (sessions and prefix store) of the loaded models",
             ),
-            "models_loaded": (models_loaded, "models in memory"),
+            "models_loaded": (
+                sum(m["loaded"] for m in (models or {}).values()),
+                "models in memory",
+            ),
             "mlx_active_memory_bytes": (mlx_active, "bytes MLX holds: weights, caches, buffers"),
             "prefix_store_bytes": (prefixes["bytes"], "bytes held by stored system prompts"),
             "prefix_store_entries": (
@@ -92,6 +103,11 @@ class Metrics:
         }
         for name, (value, help_text) in gauges.items():
             lines += _metric(name, "gauge", help_text, value)
+        for name, help_text in MODEL_GAUGES.items():
+            lines += [f"# HELP h2o_model_{name} {help_text}", f"# TYPE h2o_model_{name} gauge"]
+            for model, values in (models or {}).items():
+                label = model.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+                lines.append(f'h2o_model_{name}{{model="{label}"}} {values[name]:g}')
         return "\n".join(lines) + "\n"
 
 

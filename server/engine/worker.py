@@ -78,6 +78,7 @@ class Worker:
         self.models = ModelRegistry(settings, load_engine)  # each loaded model's engine
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: deque[Job] = deque()
+        self._deferred: deque[Job] = deque()  # jobs `_admit` put back to wait, while it runs
         self._active: list[tuple[Job, Generation]] = []
         self._choices: dict[Job, Choices] = {}  # jobs with generations still running
         self._pending = 0  # submitted, not yet started
@@ -169,8 +170,9 @@ class Worker:
 
     def busy_models(self) -> set[str]:
         """Models with a request decoding, prefilling or waiting (never unloaded)."""
+        waiting = [*self._waiting, *self._deferred]
         return {self._model_of(job) for job, _ in self._active} | {
-            self._model_of(job) for job in self._waiting
+            self._model_of(job) for job in waiting
         }
 
     # ------------------------------------------------------------------ worker thread
@@ -257,7 +259,7 @@ class Worker:
         log.info("request %s cancelled (%s)%s", job.id, job.cancel_reason, done)
 
     def _admit(self) -> None:
-        still_waiting: deque[Job] = deque()
+        still_waiting = self._deferred  # their models stay loaded while others load
         while self._waiting:
             job = self._waiting.popleft()
             if job.cancelled.is_set():
@@ -301,7 +303,7 @@ class Worker:
             job.emit(Started(session.id, reused))
             self._active.append((job, gen))
             self._choices[job] = Choices(job.n, gen)
-        self._waiting = still_waiting
+        self._waiting, self._deferred = still_waiting, deque()
 
     def _model_of(self, job: Job) -> str:
         return job.model or self.models.default
