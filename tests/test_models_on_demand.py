@@ -212,7 +212,7 @@ def test_unloading_returns_the_memory(tmp_path):
         after_mlx = after["h2o_mlx_active_memory_bytes"]
         assert after['h2o_model_weight_bytes{model="gemma"}'] == 0
         assert after[f'h2o_model_weight_bytes{{model="{MODEL}"}}'] > 100 * 2**20
-        assert after_mlx <= before_mlx + 16 * 2**20, (before_mlx, after_mlx)
+        assert loaded_mlx - after_mlx >= 0.95 * weights, (before_mlx, loaded_mlx, after_mlx)
         freed = (loaded_rss - rss()) * 1024
         assert freed >= 0.7 * weights, (before_rss, loaded_rss, rss(), weights)
         assert json.loads(server.get("/health").text)["model"] == MODEL
