@@ -19,6 +19,7 @@ import gc
 import logging
 import re
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ class ModelRegistry:
         self.loaded: dict[str, Loaded] = {}
         # Session counters of unloaded models' stores: /metrics' counters never go back.
         self.retired_counts: Counter[str] = Counter()
+        self._leaving: list[weakref.ref] = []  # unloaded models not yet freed
         self._load_engine = load_engine
         self._pins = {self.find(name).name for name in settings.pin if self.find(name)}
         unknown = [name for name in settings.pin if self.find(name) is None]
@@ -128,15 +130,26 @@ class ModelRegistry:
         spilled = loaded.engine.store.spill_all()
         loaded.engine.store.close()
         self.retired_counts.update(loaded.engine.store.counts)
+        # A request's handler may still hold the Engine for a moment: its memory is given
+        # back when the model's last reference goes (now, or at a later tick).
+        self._leaving.append(weakref.ref(loaded.engine.model))
         del loaded
         gc.collect()  # the model's arrays go with their last reference
-        mx.clear_cache()
-        _trim_heap()
+        self._give_back()
         log.info("model %s unloaded; %d session(s) spilled", name, spilled)
         return True
 
+    def _give_back(self) -> None:
+        """Once an unloaded model is gone, return its memory to the system."""
+        gone = [ref for ref in self._leaving if ref() is None]
+        if gone:
+            self._leaving = [ref for ref in self._leaving if ref() is not None]
+            mx.clear_cache()
+            _trim_heap()
+
     def tick(self, busy: Iterable[str]) -> None:
         """Unload every idle model past its keep_alive or --model-ttl."""
+        self._give_back()
         now, busy = time.monotonic(), set(busy)
         for name, loaded in list(self.loaded.items()):
             if name in busy or name in self._pins:
