@@ -71,11 +71,11 @@ async def models(request: Request):
 @router.get("/v1/models/{model:path}")
 async def model(model: str, request: Request):
     """One model (`client.models.retrieve`): any name requests may use for it."""
-    registry = _worker(request).models
-    entry = model_entry(_worker(request), model)
+    worker = _worker(request)
+    entry = model_entry(worker, model)
     if "anthropic-version" in request.headers:
         return model_info(model).model_dump()
-    return _model_card(registry, entry.name, model)
+    return _model_card(worker.models, entry.name, model)
 
 
 @router.post("/v1/models/load")

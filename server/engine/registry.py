@@ -54,7 +54,7 @@ class ModelRegistry:
         self.retired_counts: Counter[str] = Counter()
         self._leaving: list[weakref.ref] = []  # unloaded models not yet freed
         self._load_engine = load_engine
-        self._pins = {self.find(name).name for name in settings.pin if self.find(name)}
+        self._pins = {entry.name for name in settings.pin if (entry := self.find(name))}
         unknown = [name for name in settings.pin if self.find(name) is None]
         if unknown:
             raise ValueError(f"--pin names models not served here: {', '.join(unknown)}")
@@ -70,6 +70,11 @@ class ModelRegistry:
 
     def names(self) -> list[str]:
         return [entry.name for entry in self.entries]
+
+    def snapshot(self) -> list[Loaded]:
+        """The loaded models now: handlers read it while the worker thread loads and
+        unloads (list() copies the dict's values without running Python code between)."""
+        return list(self.loaded.values())
 
     def engine(self, name: str):
         """The model's Engine while it is loaded, else None."""

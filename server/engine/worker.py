@@ -154,10 +154,9 @@ class Worker:
     def engine(self):
         """The default model's Engine, or while it is unloaded the latest used one (None
         before start-up)."""
-        loaded = self.models.loaded
-        if self.models.default in loaded:
-            return loaded[self.models.default].engine
-        latest = max(loaded.values(), key=lambda m: m.used, default=None)
+        if (engine := self.models.engine(self.models.default)) is not None:
+            return engine
+        latest = max(self.models.snapshot(), key=lambda m: m.used, default=None)
         return latest.engine if latest else None
 
     def active_memory(self) -> int:
@@ -165,8 +164,8 @@ class Worker:
         return mx.get_active_memory()
 
     def engines(self) -> list:
-        """Every loaded model's Engine (read between rounds: a `call`)."""
-        return [loaded.engine for loaded in self.models.loaded.values()]
+        """Every loaded model's Engine (from any thread: a snapshot)."""
+        return [loaded.engine for loaded in self.models.snapshot()]
 
     def busy_models(self) -> set[str]:
         """Models with a request decoding, prefilling or waiting (never unloaded)."""
@@ -219,7 +218,7 @@ class Worker:
                 if isinstance(item, Job):
                     self._waiting.append(item)
                 elif item is not None:
-                    for loaded in self.models.loaded.values():
+                    for loaded in self.models.snapshot():
                         loaded.batcher.lend()  # a reader may look into a decoding session
                     fn, future = item
                     try:
