@@ -61,6 +61,11 @@ class ServerSettings(BaseSettings):
         description="seconds an idle model stays loaded (0: until another needs its place); "
         "a request's keep_alive overrides it for its model",
     )
+    memory_budget: str = Field(
+        "auto",
+        description="memory for every loaded model's weights and KV share together: loading "
+        "one past it unloads idle ones first; 16GiB, 0 (none), or auto (3/4 of memory)",
+    )
     pin: list[str] = Field(
         default_factory=list, description="models never unloaded for another or by idle time"
     )

@@ -92,6 +92,21 @@ def served_model_id(name: str) -> str:
     return EMBEDDED[name].model_id if name in EMBEDDED else name
 
 
+def weight_file_bytes(name: str) -> int:
+    """What a model's weight files hold on disk (0 where they cannot be found here): what
+    it is sized by before it has been loaded. Loaded on the CPU backend, half-precision and
+    quantized weights become float32, so it takes more than that in memory."""
+    try:
+        if name in EMBEDDED:
+            return embedded_gguf_path(name).stat().st_size
+        path = Path(name)
+        if path.is_file():
+            return path.stat().st_size
+        return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    except (OSError, ModelNotFoundError):
+        return 0
+
+
 def load_model(name: str = DEFAULT_MODEL) -> tuple[nn.Module, TokenizerWrapper]:
     """Load a model and its tokenizer by name (see module docstring)."""
     if on_cpu() and (warning := slow_blas_warning()):

@@ -225,3 +225,35 @@ def test_unloading_returns_the_memory(tmp_path):
         freed = (loaded_rss - rss()) * 1024
         assert freed >= 0.7 * weights, (before_rss, loaded_rss, rss(), weights)
         assert json.loads(server.get("/health").text)["model"] == MODEL
+
+
+def test_the_memory_budget_decides_what_stays(tmp_path, models_dir):
+    """--memory-budget counts each loaded model's weights and KV share: a tiny model's
+    share (360 MiB / 3 models) fits once under 230 MiB, not twice, so loading the second
+    unloads the first although --max-loaded-models allows three. SmolLM2 is sized by its
+    94 MiB file until loaded, then by its 540 MB of float32 weights: refused."""
+    flags = ["--model", f"tiny={models_dir / 'tiny-qwen'}", "--model", "llama="
+             f"{models_dir / 'tiny-llama'}", "--model", "default", "--kv-budget", "360MiB",
+             "--memory-budget", "230MiB", "--max-loaded-models", "3"]  # fmt: skip
+    with running_server(tmp_path, *flags) as server:
+        m = server.metrics()
+        assert m["h2o_memory_budget_bytes"] == 230 * 2**20
+        assert 120 * 2**20 < m["h2o_memory_in_use_bytes"] <= 230 * 2**20
+        assert chat(server, "llama", SEA).status_code == 200
+        assert states(server) == {"tiny": "unloaded", "llama": "loaded", MODEL: "unloaded"}
+
+        def refused() -> None:
+            r = chat(server, MODEL, SEA)  # "default" names the first --model
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["code"] == "model_too_large" and error["param"] == "model"
+            assert "--memory-budget" in error["message"]
+            card = server.get(f"/v1/models/{MODEL}").json()
+            assert card["state"] == "unloaded" and card["weight_bytes"] > 400 * 2**20
+
+        refused()  # loaded (its file fit), then refused
+        assert chat(server, "llama", SEA).status_code == 200
+        refused()  # by its known size now: nothing is unloaded for it
+        assert states(server) == {"tiny": "unloaded", "llama": "loaded", MODEL: "unloaded"}
+        assert chat(server, "tiny", SEA).status_code == 200
+        assert states(server) == {"tiny": "loaded", "llama": "unloaded", MODEL: "unloaded"}

@@ -107,8 +107,8 @@ async def unload_model(body: ModelAction, request: Request):
 
 
 def _model_card(registry: ModelRegistry, name: str, shown: str) -> dict:
-    """OpenAI's Model, with this server's `state` (loaded | unloaded), `pinned` and, while
-    loaded, its `weight_bytes`."""
+    """OpenAI's Model, with this server's `state` (loaded | unloaded), `pinned` and, once it
+    has been loaded, its `weight_bytes`."""
     return {
         "id": shown,
         "object": "model",
@@ -116,7 +116,7 @@ def _model_card(registry: ModelRegistry, name: str, shown: str) -> dict:
         "owned_by": "h2o-server",
         "state": registry.state(name),
         "pinned": registry.pinned(name),
-        "weight_bytes": engine.weight_bytes if (engine := registry.engine(name)) else None,
+        "weight_bytes": registry.weight_bytes(name),
     }
 
 
@@ -152,6 +152,7 @@ async def metrics(request: Request):
         prefixes,
         worker.active_memory(),
         per_model,
+        (worker.models.memory_budget, worker.models.memory_in_use()),
     )
 
 

@@ -36,6 +36,7 @@ from server.api.structured import (
 from server.api.tool_formats import ToolFormat
 from server.api.tool_formats.harmony import Harmony, HarmonySplit
 from server.engine.jobs import Job, QueueFull, SamplingParams, ShuttingDown
+from server.engine.registry import ModelTooLarge
 
 if TYPE_CHECKING:  # both import MLX
     from server.engine.engine import Engine
@@ -136,6 +137,8 @@ async def engine_for(worker: Worker, name: str, keep_alive: float | None = None)
             loaded = await asyncio.wrap_future(
                 worker.call(lambda: worker.models.load(entry.name, worker.busy_models()))
             )
+        except ModelTooLarge as e:
+            raise APIError(400, str(e), "model_too_large", "model") from None
         except Exception as e:
             log.exception("model %s could not be loaded", entry.name)
             raise APIError(500, f"model {entry.name!r} could not be loaded: {e}") from None

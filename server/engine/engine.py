@@ -31,13 +31,25 @@ AUTO_BUDGET_FRACTION = 0.25  # of physical memory, for --kv-budget auto
 AUTO_BUDGET_CAP = 8 * 2**30
 
 
+AUTO_MEMORY_FRACTION = 0.75  # of physical memory, for --memory-budget auto (what Metal
+# lets the GPU wire by default on most Macs)
+
+
+def physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 8 * 2**30
+
+
 def auto_kv_budget() -> int:
     """A quarter of physical memory, at most 8 GiB."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        total = 8 * 2**30
-    return min(int(total * AUTO_BUDGET_FRACTION), AUTO_BUDGET_CAP)
+    return min(int(physical_memory() * AUTO_BUDGET_FRACTION), AUTO_BUDGET_CAP)
+
+
+def auto_memory_budget() -> int:
+    """Three quarters of physical memory: every loaded model's weights and KV share."""
+    return int(physical_memory() * AUTO_MEMORY_FRACTION)
 
 
 def startup_notices(shape: ModelShape, spec: CacheSpec, windows: list[int | None]) -> list[str]:

@@ -58,9 +58,11 @@ class Metrics:
     def render(
         self, session_counts: dict[str, int], sessions: list[dict], queue_depth: int, active: int,
         budget: int, prefixes: dict, mlx_active: int = 0, models: dict[str, dict] | None = None,
+        memory: tuple[int, int] = (0, 0),
     ) -> str:  # fmt: skip
         """Prometheus text: every counter, then gauges from the session stores' snapshots,
-        then per model (`models`: {name: MODEL_GAUGES' values}) gauges labelled by model."""
+        then per model (`models`: {name: MODEL_GAUGES' values}) gauges labelled by model.
+        `memory`: (--memory-budget, what the loaded models hold under it)."""
         with self._lock:
             counts = dict(self._counts)
         lines: list[str] = []
@@ -86,6 +88,11 @@ class Metrics:
                 sum(m["loaded"] for m in (models or {}).values()),
                 "models in memory",
             ),
+            "memory_budget_bytes": (memory[0], "--memory-budget (0: none)"),
+            "memory_in_use_bytes": (
+                memory[1],
+                "the loaded models' weights and KV shares, counted against --memory-budget",
+            ),
             "mlx_active_memory_bytes": (mlx_active, "bytes MLX holds: weights, caches, buffers"),
             "prefix_store_bytes": (prefixes["bytes"], "bytes held by stored system prompts"),
             "prefix_store_entries": (
@@ -107,9 +114,18 @@ class Metrics:
             lines += [f"# HELP h2o_model_{name} {help_text}", f"# TYPE h2o_model_{name} gauge"]
             for model, values in (models or {}).items():
                 label = model.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-                lines.append(f'h2o_model_{name}{{model="{label}"}} {values[name]:g}')
+                lines.append(f'h2o_model_{name}{{model="{label}"}} {_number(values[name])}')
         return "\n".join(lines) + "\n"
 
 
 def _metric(name: str, kind: str, help_text: str, value: float) -> list[str]:
-    return [f"# HELP h2o_{name} {help_text}", f"# TYPE h2o_{name} {kind}", f"h2o_{name} {value:g}"]
+    return [
+        f"# HELP h2o_{name} {help_text}",
+        f"# TYPE h2o_{name} {kind}",
+        f"h2o_{name} {_number(value)}",
+    ]
+
+
+def _number(value: float) -> str:
+    """Counts and bytes exact (`:g` keeps 6 digits: 41943040 read back as 41943000)."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))

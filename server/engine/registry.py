@@ -9,6 +9,10 @@ restored when a conversation comes back to it), else dropped.
 
 --kv-budget covers every loaded model: each model's sessions get an equal share
 (`--kv-budget / min(--max-loaded-models, models)`), so the total holds whichever load.
+--memory-budget covers what the loaded models hold together, each its weights and its
+KV share: a model that would pass it unloads the least recently used idle ones first
+(sized by its files until it has been loaded once, then by its weights as loaded, and
+checked again once loaded); one that cannot fit even alone is refused.
 """
 
 from __future__ import annotations
@@ -29,11 +33,16 @@ import mlx.core as mx
 
 from cache.budget import parse_bytes
 from config.settings import ServerSettings
+from models.loading import weight_file_bytes
 from server.engine.batcher import Batcher
 from server.engine.catalog import ModelEntry, catalog
-from server.engine.engine import auto_kv_budget
+from server.engine.engine import auto_kv_budget, auto_memory_budget
 
 log = logging.getLogger("h2o_server.models")
+
+
+class ModelTooLarge(ValueError):
+    """A model whose weights and KV share alone pass --memory-budget."""
 
 
 @dataclass
@@ -54,6 +63,11 @@ class ModelRegistry:
         self.retired_counts: Counter[str] = Counter()
         self._leaving: list[weakref.ref] = []  # unloaded models not yet freed
         self._load_engine = load_engine
+        budget = settings.memory_budget
+        self.memory_budget = (
+            auto_memory_budget() if budget == "auto" else parse_bytes(budget) if budget else 0
+        )  # 0: none
+        self._weights: dict[str, int] = {}  # each model's weights as loaded, once it has been
         self._pins = {entry.name for name in settings.pin if (entry := self.find(name))}
         unknown = [name for name in settings.pin if self.find(name) is None]
         if unknown:
@@ -97,26 +111,57 @@ class ModelRegistry:
     def pinned(self, name: str) -> bool:
         return name in self._pins
 
+    def weight_bytes(self, name: str) -> int | None:
+        """Its weights' bytes as loaded (None before it has been loaded once)."""
+        return self._weights.get(name)
+
+    def memory_in_use(self) -> int:
+        """What the loaded models hold under --memory-budget: weights and KV shares."""
+        return sum(m.engine.weight_bytes + m.engine.kv_budget for m in self.snapshot())
+
+    def footprint(self, name: str) -> int:
+        """What loading the model adds: its weights (as last loaded, else its files) and
+        its KV share."""
+        entry = next(e for e in self.entries if e.name == name)
+        weights = self._weights.get(name) or weight_file_bytes(entry.source)
+        return weights + self.kv_share()
+
+    def kv_share(self) -> int:
+        """Each loaded model's share of --kv-budget."""
+        total = self.settings.kv_budget
+        total = auto_kv_budget() if total == "auto" else parse_bytes(total)
+        return total // min(self.settings.max_loaded_models, len(self.entries))
+
+    def over_budget(self, adding: int = 0) -> bool:
+        return bool(self.memory_budget) and self.memory_in_use() + adding > self.memory_budget
+
     # ----------------------------------------------------------------- worker thread
 
     def load(self, name: str, busy: Iterable[str] = ()) -> Loaded:
-        """The model loaded (if it is not), making room under --max-loaded-models first."""
+        """The model loaded (if it is not), making room under --max-loaded-models and
+        --memory-budget first; ModelTooLarge where it cannot fit even alone (the default
+        model loads anyway, with a warning: the server has nothing else to serve)."""
         if name in self.loaded:
             return self.loaded[name]
         entry = next(e for e in self.entries if e.name == name)
-        while len(self.loaded) >= self.settings.max_loaded_models:
-            victim = self._least_recent(busy)
-            if victim is None:  # all busy or pinned: over the limit until one idles
-                log.warning(
-                    "loading %s past --max-loaded-models %d: every loaded model is busy or pinned",
-                    name,
-                    self.settings.max_loaded_models,
-                )
-                break
-            self.unload(victim)
+        adding = self.footprint(name)
+        if self.memory_budget and adding > self.memory_budget and name != self.default:
+            raise ModelTooLarge(self._too_large(name, adding))
+        self._make_room(name, busy, adding)
         started = time.monotonic()
         engine = self._load_engine(self.model_settings(entry))
         engine.name = entry.name
+        self._weights[name] = engine.weight_bytes
+        alone = engine.weight_bytes + engine.kv_budget
+        if self.memory_budget and alone > self.memory_budget:
+            if name != self.default:  # its files understated it: known now, refused
+                engine.store.close()
+                del engine
+                gc.collect()
+                mx.clear_cache()
+                _trim_heap()
+                raise ModelTooLarge(self._too_large(name, alone))
+            log.warning("%s", self._too_large(name, alone) + "; the default model loads anyway")
         batcher = Batcher(
             engine.model,
             self.settings.prefill_step,
@@ -125,7 +170,32 @@ class ModelRegistry:
         )
         loaded = self.loaded[name] = Loaded(engine, batcher, time.monotonic())
         log.info("model %s loaded in %.1f s", name, time.monotonic() - started)
+        self._make_room(name, busy)  # its weights as loaded may be more than its files
         return loaded
+
+    def _make_room(self, name: str, busy: Iterable[str], adding: int = 0) -> None:
+        """Unload the least recently used idle models (never `name`) while the loaded ones
+        pass --max-loaded-models or --memory-budget (with `adding` bytes about to load)."""
+        slots = self.settings.max_loaded_models - (name not in self.loaded)
+        while len(self.loaded) > slots or self.over_budget(adding):
+            victim = self._least_recent(busy, but=name)
+            if victim is None:  # all busy or pinned: over until one idles (tick)
+                log.warning(
+                    "%s loaded past --max-loaded-models %d / --memory-budget %s: every "
+                    "other loaded model is busy or pinned",
+                    name,
+                    self.settings.max_loaded_models,
+                    self.settings.memory_budget,
+                )
+                return
+            self.unload(victim)
+
+    def _too_large(self, name: str, needs: int) -> str:
+        mib = 2**20
+        return (
+            f"model {name!r} needs {needs / mib:.0f} MiB (weights and its KV share), over "
+            f"--memory-budget {self.memory_budget / mib:.0f} MiB"
+        )
 
     def unload(self, name: str) -> bool:
         """Unload a model (its sessions spilled or dropped); False if it was not loaded."""
@@ -167,8 +237,8 @@ class ModelRegistry:
                 continue
             if now >= due:
                 self.unload(name)
-        over = len(self.loaded) - self.settings.max_loaded_models
-        for _ in range(max(0, over)):  # loaded past the limit while all were busy
+        # Loaded past a limit while the others were busy: the least recent idle ones go.
+        while len(self.loaded) > self.settings.max_loaded_models or self.over_budget():
             victim = self._least_recent(busy)
             if victim is None:
                 break
@@ -178,8 +248,8 @@ class ModelRegistry:
         for loaded in self.loaded.values():
             loaded.engine.store.close()
 
-    def _least_recent(self, busy: Iterable[str]) -> str | None:
-        busy = set(busy)
+    def _least_recent(self, busy: Iterable[str], but: str | None = None) -> str | None:
+        busy = {*busy, but}
         idle = [
             (loaded.used, name)
             for name, loaded in self.loaded.items()
@@ -190,14 +260,11 @@ class ModelRegistry:
     def model_settings(self, entry: ModelEntry) -> ServerSettings:
         """The settings one model's Engine loads with: its source and id, its share of
         --kv-budget, its own spill folder (the default model's is --spill-dir itself)."""
-        slots = min(self.settings.max_loaded_models, len(self.entries))
         update: dict = {"model": entry.source}
         if entry.name != self.default or not self.settings.served_model_name:
             update["served_model_name"] = [entry.name]
-        if slots > 1:
-            total = self.settings.kv_budget
-            total = auto_kv_budget() if total == "auto" else parse_bytes(total)
-            update["kv_budget"] = str(total // slots)
+        if min(self.settings.max_loaded_models, len(self.entries)) > 1:
+            update["kv_budget"] = str(self.kv_share())
         if self.settings.spill_dir and entry.name != self.default:
             folder = re.sub(r"[^A-Za-z0-9._-]+", "_", entry.name)
             update["spill_dir"] = str(Path(self.settings.spill_dir) / "models" / folder)
