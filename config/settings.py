@@ -44,6 +44,11 @@ class ServerSettings(BaseSettings):
         description="more models served on demand, each PATH or NAME=PATH (a repeated --model "
         "adds here)",
     )
+    models_file: str | None = Field(
+        None,
+        description="a TOML file of models served on demand: a [name] table each, with "
+        "source, and optional aliases, ttl and pin (docs/models.md)",
+    )
     models_dir: str | None = Field(
         None,
         description="a folder of models served on demand: each MLX model folder (named by "

@@ -8,6 +8,7 @@ Commands beyond these (`eval`, from bench/) are found through the entry-point gr
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from importlib.metadata import entry_points
@@ -160,6 +161,14 @@ def _stream(model, tokenizer, prompt: list[int], caches: list, args: argparse.Na
     )
 
 
+def _add_models_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--models-dir",
+        default=os.environ.get("H2O_MODELS_DIR"),
+        help="the folder whose models --model may name, as serve's (default: $H2O_MODELS_DIR)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="h2o-server", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -168,8 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--model",
         default="default",
-        help="'default', 'gemma3-270m', a .gguf file, a local model folder or a HF repo id",
+        help="'default', 'gemma3-270m', a .gguf file, a local model folder or a HF repo id; "
+        "or a name `serve --models-dir` gives (a folder's model, the HF cache's org/name)",
     )
+    _add_models_dir(gen)
     gen.add_argument("--prompt", required=True, help="the user message ('-' reads stdin)")
     gen.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
     gen.add_argument("--max-tokens", type=int, default=256)
@@ -183,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser(
         "chat", help="multi-turn chat in the terminal; one cache kept across turns"
     )
-    chat.add_argument("--model", default="default")
+    chat.add_argument("--model", default="default", help="as generate's --model")
+    _add_models_dir(chat)
     chat.add_argument("--system", default=None, help="system message")
     chat.add_argument("--max-tokens", type=int, default=512)
     chat.add_argument("--temp", type=float, default=0.7)
@@ -295,8 +307,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from cache import make_cache
     from models.loading import load_model
+    from server.engine.catalog import source_of
 
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(source_of(args.model, args.models_dir))
     spec = _cache_spec(args, model)
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.raw or not tokenizer.has_chat_template:
@@ -338,8 +351,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     """Read user turns from stdin; only the tokens past the cached history are prefilled."""
     from cache import make_cache
     from models.loading import load_model
+    from server.engine.catalog import source_of
 
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(source_of(args.model, args.models_dir))
     spec = _cache_spec(args, model)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     caches, history = make_cache(model, spec), []  # history: the tokens the caches hold

@@ -275,3 +275,31 @@ def test_every_command_prints_its_help(command, capsys):
         build_parser().parse_args([command, "--help"])
     assert done.value.code == 0
     assert "--" in capsys.readouterr().out
+
+
+def test_generate_and_chat_take_the_servers_model_names(tmp_path, monkeypatch):
+    """A --models-dir folder's model by its folder name, and the Hugging Face cache's by
+    org/name (its snapshot, no network), as `serve` names them."""
+    from families import write_folder
+
+    from server.engine.catalog import source_of
+
+    folder = write_folder("qwen3", tmp_path / "models" / "tiny-qwen")
+    snapshot = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / "abc123"
+    write_folder("llama", snapshot)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert source_of("tiny-qwen", str(tmp_path / "models")) == str(folder)
+    assert source_of("acme/tiny") == str(snapshot)
+    assert source_of("gemma3-270m", str(tmp_path / "models")) == "gemma3-270m"  # as given
+    r = subprocess.run(
+        [*CMD, "generate", "--models-dir", str(tmp_path / "models"), "--model", "tiny-qwen"]
+        + ["--prompt", "hi", "--max-tokens", "4", "--policy", "full"],
+        cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(
+        [*CMD, "chat", "--model", "acme/tiny", "--max-tokens", "4", "--policy", "full"],
+        cwd=REPO, input="hi\n", capture_output=True, text=True, timeout=TIMEOUT,
+        env={**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr

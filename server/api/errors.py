@@ -67,12 +67,17 @@ def error_response(
     if anthropic:
         body = anthropic_body(status, message, details)
         return JSONResponse(body, status_code=status, headers=headers)
-    kind = {
+    body = error_body(message, openai_type(status), code, param)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def openai_type(status: int) -> str:
+    """OpenAI's error `type` for a status."""
+    return {
         401: "authentication_error",
         404: "not_found_error",
         429: "rate_limit_error",
     }.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return JSONResponse(error_body(message, kind, code, param), status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:

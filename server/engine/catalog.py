@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+import tomllib
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from config.settings import ServerSettings
+from config.durations import keep_alive_seconds
 from models.loading import DEFAULT_MODEL, served_model_id
+
+if TYPE_CHECKING:  # pydantic-settings: the CLI's commands resolve names without it
+    from config.settings import ServerSettings
 
 
 @dataclass(frozen=True)
@@ -21,6 +26,8 @@ class ModelEntry:
     name: str  # the id /v1/models and replies give
     source: str  # what models.loading.load_model takes
     aliases: frozenset[str]  # every name a request may use for it (the id included)
+    ttl: float | None = None  # its own --model-ttl (a models file's `ttl`)
+    pin: bool = False  # never unloaded for another or for idling (--pin, a file's `pin`)
 
 
 def split_alias(text: str) -> tuple[str | None, str]:
@@ -45,15 +52,67 @@ def catalog(settings: ServerSettings) -> list[ModelEntry]:
         alias, source = split_alias(given)
         name = alias or served_model_id(source)
         entries.append(ModelEntry(name, source, frozenset({name, source})))
+    if settings.models_file:
+        entries += file_models(Path(settings.models_file))
     if settings.models_dir:
         entries += folder_models(Path(settings.models_dir)) + hf_cache_models()
     kept, taken = [], set()
     for entry in entries:
         if entry.name in taken:
             continue
-        kept.append(ModelEntry(entry.name, entry.source, entry.aliases - taken))
+        kept.append(replace(entry, aliases=entry.aliases - taken))
         taken |= entry.aliases
     return kept
+
+
+def source_of(name: str, models_dir: str | None = None) -> str:
+    """What `load_model` takes for a name a server with this --models-dir serves (a
+    folder's model by its name, the Hugging Face cache's by org/name); else `name` as
+    given (an embedded model, a path, a repo id). The CLI's `generate` and `chat` use it."""
+    found = folder_models(Path(models_dir)) if models_dir else []
+    for entry in [*found, *hf_cache_models()]:
+        if name in entry.aliases:
+            return entry.source
+    return name
+
+
+MODEL_KEYS = {"source", "aliases", "ttl", "pin"}
+
+
+def file_models(path: Path) -> list[ModelEntry]:
+    """A models file (TOML): a table per model, named as requests name it:
+
+    [coder]
+    source = "/models/Qwen3-Coder-30B-A3B-4bit"  # what --model takes (required)
+    aliases = ["claude-sonnet-4-5"]              # more names requests may use
+    ttl = "1h"                                   # idle time before it unloads
+    pin = true                                   # never unloaded
+    """
+    try:
+        tables = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"--models-file {path}: {e}") from None
+    found = []
+    for name, table in tables.items():
+        where = f"--models-file {path}: [{name}]"
+        if not isinstance(table, dict) or not isinstance(table.get("source"), str):
+            raise ValueError(f'{where} needs source = "a path, repo id or embedded name"')
+        if unknown := set(table) - MODEL_KEYS:
+            raise ValueError(
+                f"{where}: unknown keys {sorted(unknown)} (known: {sorted(MODEL_KEYS)})"
+            )
+        aliases = table.get("aliases", [])
+        if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
+            raise ValueError(f"{where}: aliases is a list of names")
+        try:
+            ttl = keep_alive_seconds(table.get("ttl"))
+        except ValueError:
+            raise ValueError(f"{where}: ttl is seconds or a duration such as '1h'") from None
+        if not isinstance(pin := table.get("pin", False), bool):
+            raise ValueError(f"{where}: pin is true or false")
+        names = frozenset({name, table["source"], *aliases})
+        found.append(ModelEntry(name, table["source"], names, ttl, pin))
+    return found
 
 
 def folder_models(folder: Path) -> list[ModelEntry]:

@@ -69,6 +69,7 @@ class ModelRegistry:
         )  # 0: none
         self._weights: dict[str, int] = {}  # each model's weights as loaded, once it has been
         self._pins = {entry.name for name in settings.pin if (entry := self.find(name))}
+        self._pins |= {entry.name for entry in self.entries if entry.pin}
         unknown = [name for name in settings.pin if self.find(name) is None]
         if unknown:
             raise ValueError(f"--pin names models not served here: {', '.join(unknown)}")
@@ -111,6 +112,9 @@ class ModelRegistry:
     def pinned(self, name: str) -> bool:
         return name in self._pins
 
+    def _entry(self, name: str) -> ModelEntry:
+        return next(e for e in self.entries if e.name == name)
+
     def weight_bytes(self, name: str) -> int | None:
         """Its weights' bytes as loaded (None before it has been loaded once)."""
         return self._weights.get(name)
@@ -122,8 +126,7 @@ class ModelRegistry:
     def footprint(self, name: str) -> int:
         """What loading the model adds: its weights (as last loaded, else its files) and
         its KV share."""
-        entry = next(e for e in self.entries if e.name == name)
-        weights = self._weights.get(name) or weight_file_bytes(entry.source)
+        weights = self._weights.get(name) or weight_file_bytes(self._entry(name).source)
         return weights + self.kv_share()
 
     def kv_share(self) -> int:
@@ -143,7 +146,7 @@ class ModelRegistry:
         model loads anyway, with a warning: the server has nothing else to serve)."""
         if name in self.loaded:
             return self.loaded[name]
-        entry = next(e for e in self.entries if e.name == name)
+        entry = self._entry(name)
         adding = self.footprint(name)
         if self.memory_budget and adding > self.memory_budget and name != self.default:
             raise ModelTooLarge(self._too_large(name, adding))
@@ -223,17 +226,20 @@ class ModelRegistry:
             _trim_heap()
 
     def tick(self, busy: Iterable[str]) -> None:
-        """Unload every idle model past its keep_alive or --model-ttl."""
+        """Unload every idle model past its keep_alive, else its own ttl (a models file's),
+        else --model-ttl."""
         self._give_back()
         now, busy = time.monotonic(), set(busy)
         for name, loaded in list(self.loaded.items()):
             if name in busy or name in self._pins:
                 continue
+            ttl = self._entry(name).ttl
+            ttl = self.settings.model_ttl if ttl is None else ttl
             if loaded.keep_until is not None:
                 due = loaded.keep_until
-            elif self.settings.model_ttl:
-                due = loaded.used + self.settings.model_ttl
-            else:
+            elif ttl > 0:
+                due = loaded.used + ttl
+            else:  # 0: until another needs its place
                 continue
             if now >= due:
                 self.unload(name)

@@ -7,7 +7,10 @@ Thin handlers: the request becomes a Turn (server/api/chat/turn.py), the Turn a 
 
 from __future__ import annotations
 
+from functools import partial
+
 from fastapi import APIRouter, Header, Request
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from server.api import turns
@@ -15,6 +18,7 @@ from server.api.chat.protocol import ChatCompletionRequest, CompletionRequest
 from server.api.chat.replies import ReplyBuilder
 from server.api.chat.turn import chat_turn, completion_turn
 from server.api.errors import APIError
+from server.api.loading import openai_stream_error, served
 from server.api.streaming import respond
 from server.api.turns import owner_of, worker_of
 from server.engine.detokenize import decoder
@@ -26,6 +30,15 @@ router = APIRouter()
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, x_session_id: str | None = Header(None)
 ):
+    serve = partial(_chat_completions, body, request, x_session_id)
+    return await served(
+        request, body.model, body.keep_alive, body.stream, serve, openai_stream_error
+    )
+
+
+async def _chat_completions(
+    body: ChatCompletionRequest, request: Request, x_session_id: str | None
+) -> Response:
     worker = worker_of(request)
     key = body.prompt_cache_key or x_session_id
     turn = chat_turn(body, key, owner_of(request, body.user), worker.settings.default_temperature)
@@ -47,6 +60,15 @@ async def chat_completions(
 async def completions(
     body: CompletionRequest, request: Request, x_session_id: str | None = Header(None)
 ):
+    serve = partial(_completions, body, request, x_session_id)
+    return await served(
+        request, body.model, body.keep_alive, body.stream, serve, openai_stream_error
+    )
+
+
+async def _completions(
+    body: CompletionRequest, request: Request, x_session_id: str | None
+) -> Response:
     worker = worker_of(request)
     engine = await turns.engine_for(worker, body.model, body.keep_alive)
     prompts = await _prompts(engine, body)

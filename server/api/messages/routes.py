@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from server.api import turns
 from server.api.common import TOOLS_NOT_OFFERED
 from server.api.errors import APIError
+from server.api.loading import anthropic_stream_error, served
 from server.api.messages.protocol import (
     CountTokensRequest,
     InputMessage,
@@ -43,8 +44,18 @@ async def messages(
     owner = owner_of(request, user)
     body, thread_turn, session = _threaded(body, request, owner, x_session_id)
     previous = body.thread.previous_message_id if body.thread else None
+
+    async def serve() -> Response:
+        try:
+            return await _serve(body, request, worker, owner, session, thread_turn, previous)
+        except BaseException:  # the thread's reply may be continued again
+            threads_of(request).release(previous)
+            raise
+
     try:
-        return await _serve(body, request, worker, owner, session, thread_turn, previous)
+        return await served(
+            request, body.model, body.keep_alive, body.stream, serve, anthropic_stream_error
+        )
     except BaseException:
         threads_of(request).release(previous)
         raise

@@ -19,6 +19,7 @@ API key that made it (GET and DELETE carry no body, so `user` takes no part).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Annotated
 
 from fastapi import APIRouter, Query, Request
@@ -27,6 +28,7 @@ from fastapi.responses import Response
 from server.api import turns
 from server.api.common import TOOLS_NOT_OFFERED, now
 from server.api.errors import APIError
+from server.api.loading import responses_stream_error, served
 from server.api.responses.protocol import (
     DeletedResponse,
     InputItemsQuery,
@@ -121,6 +123,13 @@ async def prepared(
 
 @router.post("/v1/responses")
 async def create_response(body: ResponseCreate, request: Request) -> Response:
+    serve = partial(_create_response, body, request)
+    return await served(
+        request, body.model, body.keep_alive, body.stream, serve, responses_stream_error
+    )
+
+
+async def _create_response(body: ResponseCreate, request: Request) -> Response:
     worker, store, owner = worker_of(request), store_of(request), caller(request)
     previous, history = previous_of(request, body)
     key = body.prompt_cache_key or store.session_key(previous)
