@@ -259,6 +259,8 @@ class ScoredAttention:
         None: the reference's blocks of logits."""
         if not cache.sums_probabilities or cache.scores is None:
             return None
+        if getattr(cache, "held", None) is not None:  # a draft's scores wait for its verdict
+            return None
         name = select_prompt_backend(self.backend, queries, keys, mask, cache.scores)
         return None if name == "reference" else get_backend(name).prompt_weights
 

@@ -10,7 +10,9 @@ cache, each with a default:
 - tokens seen and stored, how many of the newest it can drop (`trimmable_tokens`);
 - what it holds, for the cache view (`contents`);
 - what a file cannot hold, taken from a freshly built twin after loading (`adopt`);
-- whether it can join an H2O slab, and with whom (`slab_key`).
+- whether it can join an H2O slab, and with whom (`slab_key`);
+- how many draft tokens a verify pass may feed it, and giving the refused ones back
+  exactly (`draft_room`, `hold_draft`, `settle_draft`: speculative decoding).
 
 A `ScoredCache` is one whose attention goes through the router (cache/router.py): it
 hands its K/V to attention as parts (`kv_segments`) and takes each call's scores
@@ -110,6 +112,22 @@ class LayerCache(mlx_lm_cache._BaseCache):
         """What the members of one H2O slab share, or None when this cache cannot join
         one now (cache/batching/h2o_slab.py)."""
         return None
+
+    # ------------------------------------------------------------ speculative decoding
+
+    def draft_room(self) -> int:
+        """Draft tokens a verify pass may feed beside the decoding token, every one of which
+        `settle_draft` can give back exactly as if never fed (server/engine/speculation.py);
+        0: this cache decodes a token a pass."""
+        return 0
+
+    def hold_draft(self) -> None:
+        """The next forward pass feeds a draft: what it would change beyond storing the
+        tokens (scores, eviction) waits for `settle_draft`."""
+
+    def settle_draft(self, fed: int, kept: int) -> None:
+        """Of the `fed` tokens the held pass stored, the first `kept` stay; the rest go."""
+        raise NotImplementedError(f"{type(self).__name__} does not verify drafts")
 
     def compact(self) -> None:
         """Give up spare room before the cache is written to a file (buffers that grow in
@@ -249,6 +267,33 @@ def trimmable_tokens(cache: Any) -> int:
     if isinstance(cache, LayerCache):
         return cache.trimmable_tokens()
     return cache.offset if cache.is_trimmable() else 0
+
+
+def draft_room(caches: list) -> int:
+    """Draft tokens a verify pass over these layers may feed (LayerCache.draft_room;
+    mlx-lm's KVCache trims exactly whatever it took: a large number)."""
+    rooms = [
+        c.draft_room() if isinstance(c, LayerCache)
+        else 1 << 30 if type(c) is mlx_lm_cache.KVCache
+        else 0  # recurrent state, sliding windows: a refused token cannot be taken back
+        for c in caches
+    ]  # fmt: skip
+    return min(rooms, default=0)
+
+
+def hold_draft(caches: list) -> None:
+    for c in caches:
+        if isinstance(c, LayerCache):
+            c.hold_draft()
+
+
+def settle_draft(caches: list, fed: int, kept: int) -> None:
+    """After a verify pass (`hold_draft` before it): the first `kept` of `fed` stay."""
+    for c in caches:
+        if isinstance(c, LayerCache):
+            c.settle_draft(fed, kept)
+        elif fed > kept:
+            c.trim(fed - kept)
 
 
 def compact(cache: Any) -> None:

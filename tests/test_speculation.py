@@ -253,6 +253,32 @@ def test_dense_first_session_speculates_then_packs(default_model, plain_reply):
     assert not any(type(c).__name__ == "KVCache" for c in g.session.caches)  # packed
 
 
+def test_an_evicting_h2o_cache_speculates_and_ends_as_without_drafts(default_model, plain_reply):
+    """Dense H2O under eviction: drafts stop short of the next eviction, refused tokens
+    leave no K/V, score or eviction behind; the reply, and the tokens each head holds with
+    their scores, are the ones decoding without drafts gives."""
+    model, tokenizer = default_model
+    prompt, _ = plain_reply
+    spec = CacheSpec("h2o", 128)  # the prompt alone passes it: every reply token evicts
+    plain = decode(model, tokenizer, prompt, spec, max_tokens=64)
+    drafted = decode(model, tokenizer, prompt, spec, draft_max=12, max_tokens=64)
+    assert drafted[0] == plain[0]
+    assert drafted[1] == pytest.approx(plain[1], abs=1e-3)
+    g = drafted[3]
+    assert g.drafter.accepted > 10 and drafted[2] < 0.8 * plain[2], (g.drafter.accepted, drafted[2])
+    for mine, theirs in zip(g.session.caches, plain[3].session.caches, strict=True):
+        assert mine.seen == theirs.seen == len(g.session.tokens)
+        assert mine.evicted == theirs.evicted > len(prompt) - 128
+        held = [mx.sort(c.positions[..., : c.used], axis=-1) for c in (mine, theirs)]
+        assert mx.array_equal(*held).item()
+        order = [mx.argsort(c.positions[..., : c.used], axis=-1) for c in (mine, theirs)]
+        scores = [
+            mx.take_along_axis(c.scores[..., : c.used], o, axis=-1)
+            for c, o in zip((mine, theirs), order, strict=True)
+        ]
+        assert mx.allclose(*scores, rtol=1e-3, atol=1e-4).item()
+
+
 def test_json_reply_takes_the_grammars_forced_tokens(default_model):
     model, tokenizer = default_model
     grammars = Grammars(tokenizer, model.args.vocab_size)

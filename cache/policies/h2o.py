@@ -183,6 +183,14 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         cls.slab_rows = cls.__dict__.get("slab_rows", False)
         cls.compiles_eviction = cls.__dict__.get("compiles_eviction", cls.slab_rows)
         cls.fixed_decode = cls.__dict__.get("fixed_decode", cls.slab_rows)
+        cls.verifies_drafts = cls.__dict__.get("verifies_drafts", False)
+
+    # Whether a verify pass's draft can be held and settled (`hold_draft`): a layout whose
+    # newest tokens sit in its newest slots as fed, nothing else moving (dense H2O).
+    verifies_drafts: bool = True
+    # A draft's pass under verification: its scores wait here, and nothing is evicted,
+    # until `settle_draft` says how many of its tokens stay (server/engine/speculation.py).
+    held: list | None = None
 
     def eviction_buffers(self) -> tuple[str, ...]:
         """What a compiled eviction takes and gives back: the slot buffers."""
@@ -214,6 +222,37 @@ class H2OKVCache(HeavyHitters, ScoredCache):
     @offset.setter
     def offset(self, value: int) -> None:
         self.seen = value + self.shift
+
+    # ------------------------------------------------------------ speculative decoding
+
+    def draft_room(self) -> int:
+        """As many draft tokens as fit before the next eviction, so that none is evicted
+        on the strength of a draft token refused after; none near the context wall (a
+        re-index mid-draft) or once re-indexed."""
+        if not self.verifies_drafts or self.positions is None or self.lags is not None:
+            return 0
+        room = (self.slot_budget - self.used) // self._slots_per_token
+        if self.rope is not None:
+            room = min(room, self.wall - self.wall // 4 - self.offset - 1)
+        return max(0, room)
+
+    def hold_draft(self) -> None:
+        self.held = []
+
+    def settle_draft(self, fed: int, kept: int) -> None:
+        """Drop the refused tokens (the newest slots: nothing was evicted since they were
+        stored), then take the kept tokens' query rows of the held scores, over the keys
+        they saw, and evict as `kept` decode steps would have."""
+        held, self.held = self.held, None
+        if fed > kept:
+            self.used -= (fed - kept) * self._slots_per_token
+            self.offset -= fed - kept
+            self.reset_free_slots()
+        n = self.used
+        for logits, probs in held or []:
+            rows = (slice(None), slice(None), slice(0, kept), slice(0, n))
+            self.add_scores(logits[rows], None if probs is None else probs[rows])
+        self.evict_if_full()
 
     # ------------------------------------------------------------------ protocol
 
@@ -308,7 +347,11 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         """Its slots one per token and KV head (`fixed_decode` layouts), the logits in slot
         order unless a decode that read every slot moves pools' logits (`_front`, `_tail`)."""
         every_slot = self.fused_decode and (self._front() or self._tail())
-        if not (self.fixed_decode and self.sums_probabilities) or every_slot:
+        if (
+            not (self.fixed_decode and self.sums_probabilities)
+            or every_slot
+            or self.held is not None
+        ):
             return False
         self.fused_decode = False  # the step ends here
         self.scores = weights(self.scores)
@@ -321,6 +364,9 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         They may cover the first n slots only: the keys a block of a prompt chunk
         can see (slots of one chunk are stored in order).
         """
+        if self.held is not None:  # a draft's: kept apart until settled
+            self.held.append((scores, probs))
+            return
         n = scores.shape[-1]
         if n > self.used:
             raise ValueError(f"scores cover {n} keys but the cache holds {self.used}")
@@ -338,6 +384,8 @@ class H2OKVCache(HeavyHitters, ScoredCache):
 
     def evict_if_full(self) -> None:
         """Evict down to max_kv; then re-index if RoPE positions near the wall."""
+        if self.held is not None:  # a draft's pass: settle_draft evicts
+            return
         if self.used > self.slot_budget:
             self._evict()
         # A quarter of the context is left for the next chunk (the server's is 512 tokens);

@@ -49,9 +49,8 @@ from cache import install_router, make_cache
 from cache.batching.batch import KVSlab, batch_caches, open_h2o_slab
 from cache.batching.h2o_slab import H2OSlab, near_wall, slab_key
 from cache.batching.kvarn_slab import KVarNSlab
-from cache.contract import step_scores
+from cache.contract import draft_room, step_scores
 from cache.factory import dense_layers, outgrows_dense, pack_dense
-from cache.policies.full import plain
 from config.cache_spec import CacheSpec
 from server.engine.generation import Generation
 from server.engine.jobs import Delta
@@ -136,10 +135,11 @@ class Batcher:
 
     def _speculates(self, g: Generation) -> bool:
         """Whether a lone decoding row takes a speculative round (server/engine/speculation.py):
-        its caches give a refused draft back exactly (mlx-lm's plain KVCache trims), it
-        stays clear of its dense share (packing runs a token a round), and it has a draft."""
+        its caches give a refused draft back exactly (cache/contract.py `draft_room`: a
+        plain KVCache trims; a dense H2O cache until its next eviction), it stays clear of
+        its dense share (packing runs a token a round), and it has a draft."""
         s = g.session
-        if g.drafter is None or not all(plain(c) for c in s.caches):
+        if g.drafter is None or draft_room(s.caches) == 0:
             return False
         rounds = math.ceil(dense_layers(s.caches) / PACK_LAYERS) + 1
         if outgrows_dense(s.spec, s.caches, len(s.tokens) + g.drafter.length.ceiling + rounds):

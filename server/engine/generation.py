@@ -26,6 +26,7 @@ from mlx_lm.sample_utils import (
 )
 
 from cache.batching.batch import kv_slab_layer
+from cache.contract import draft_room, hold_draft, settle_draft
 from server.engine.detokenize import IncrementalText, decoder
 from server.engine.grammar import Constraint
 from server.engine.jobs import Delta, Finished, SamplingParams, TokenLogprob
@@ -331,21 +332,25 @@ class Generation:
         drafts, forced = [], 0
         if not self.done:
             opening = not self.generated
+            limit = min(self.room - 1, draft_room(self.session.caches))
             drafts, forced = self.drafter.draft(
-                self.session.tokens, self.constraint, self.room - 1, opening
+                self.session.tokens, self.constraint, limit, opening
             )
         more = self.verify(model, self.next_input, drafts, forced)
         return more if delta is None else delta.join(more) if more else delta
 
     def verify(self, model, token: int, drafts: list[int], forced: int = 0) -> Delta | None:
         """Feed `token` and `drafts` in one pass and keep the drafted tokens the model takes
-        (RequestSampler.verify); the caches give back the rest (mlx-lm's trim: only plain
-        caches speculate), and the grammar forgets them. The token drawn after the kept
-        ones is this generation's next input, as a plain round's draw. The first `forced`
-        drafts are the grammar's (always taken: not counted against the draft length)."""
+        (RequestSampler.verify); the caches give back the rest (cache/contract.py
+        `settle_draft`: as if never fed), and the grammar forgets them. The token drawn
+        after the kept ones is this generation's next input, as a plain round's draw. The
+        first `forced` drafts are the grammar's (always taken: not counted against the
+        draft length)."""
         caches = self.session.caches
+        hold_draft(caches)
         logits = model(mx.array([token, *drafts])[None], cache=caches)[0]
         if self.done:  # `token` ended the reply: fed so the caches hold what the tokens say
+            settle_draft(caches, len(drafts) + 1, 1)
             mx.eval([c.state for c in caches])
             return None
         rows, consumed = self._draft_rows(logits, drafts)
@@ -356,9 +361,7 @@ class Generation:
             piece = self.accept(drafts[kept], logprobs[kept])
             delta = piece if delta is None else delta.join(piece)
             kept += 1
-        if len(drafts) > kept:
-            for c in caches:
-                c.trim(len(drafts) - kept)
+        settle_draft(caches, len(drafts) + 1, kept + 1)
         self.session.tokens.extend(drafts[:kept])
         if self.constraint is not None and consumed > kept:
             self.constraint.rollback(consumed - kept)
