@@ -241,9 +241,11 @@ distribution (the accept/resample rule; tests/test_speculation.py).
 
 Where it runs today: a conversation decoding alone whose caches are mlx-lm's plain
 KVCache (policy `full`, and `auto`'s kvarn until its dense share), where a refused
-draft is trimmed back exactly. Several streams decoding together, evicting H2O caches,
-packed caches, sliding windows and recurrent layers decode one token a pass as before:
-the `h2o 256` rows below show that cost nothing. `--draft-max 0` turns it off, and a
+draft is trimmed back exactly, or dense H2O caches (`h2o 256` below), also while they
+evict: a draft fits before the layer's next eviction, and the pass's scores wait for the
+verdict (docs/speculation.md). Several streams decoding together, packed caches, kvarn
+once packed, sliding windows and recurrent layers decode one token a pass as before.
+`--draft-max 0` turns it off, and a
 request's `speculation: false` for that request; usage reports
 `completion_tokens_details.accepted_prediction_tokens` / `rejected_prediction_tokens`
 and /metrics `h2o_draft_tokens_total`, `h2o_accepted_draft_tokens_total`,
