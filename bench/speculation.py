@@ -243,8 +243,9 @@ Where it runs today: a conversation decoding alone whose caches are mlx-lm's pla
 KVCache (policy `full`, and `auto`'s kvarn until its dense share), where a refused
 draft is trimmed back exactly, or dense H2O caches (`h2o 256` below), also while they
 evict: a draft fits before the layer's next eviction, and the pass's scores wait for the
-verdict (docs/speculation.md). Several streams decoding together, packed caches, kvarn
-once packed, sliding windows and recurrent layers decode one token a pass as before.
+verdict (docs/speculation.md), and kvarn once packed (drafts stay in its dense tail).
+Several streams decoding together, packed H2O caches, sliding windows and recurrent layers
+decode one token a pass as before.
 `--draft-max 0` turns it off, and a
 request's `speculation: false` for that request; usage reports
 `completion_tokens_details.accepted_prediction_tokens` / `rejected_prediction_tokens`

@@ -279,6 +279,29 @@ def test_an_evicting_h2o_cache_speculates_and_ends_as_without_drafts(default_mod
         assert mx.allclose(*scores, rtol=1e-3, atol=1e-4).item()
 
 
+def test_a_packed_kvarn_cache_speculates_between_its_tiles(default_model, plain_reply):
+    """kvarn from the first token (auto's cache past its dense share): drafts stay in the
+    dense tail and are trimmed from it; the token that fills a tile packs it in a pass of
+    its own, so the tiles, the tail and the reply are the ones without drafts."""
+    model, tokenizer = default_model
+    prompt, _ = plain_reply
+    spec = CacheSpec("kvarn", 4096)
+    plain = decode(model, tokenizer, prompt, spec, max_tokens=96)
+    drafted = decode(model, tokenizer, prompt, spec, draft_max=12, max_tokens=96)
+    assert drafted[0] == plain[0]
+    # A verify pass computes its tokens' K/V in one matmul, not one by one: ulp-level
+    # differences, which packing a tile at 4/2 bits can round apart (~1e-2 here).
+    assert drafted[1] == pytest.approx(plain[1], abs=3e-2)
+    g = drafted[3]
+    assert g.drafter.accepted > 10 and drafted[2] < 0.8 * plain[2], (g.drafter.accepted, drafted[2])
+    for mine, theirs in zip(g.session.caches, plain[3].session.caches, strict=True):
+        assert type(mine).__name__ == "KVarNCache"
+        assert (mine.n_tiles(), mine.n_tail) == (theirs.n_tiles(), theirs.n_tail)
+        assert mine.offset == len(g.session.tokens)
+    # The reply crossed a tile: one was packed while it decoded.
+    assert plain[3].session.caches[0].n_tiles() * 128 + 128 > len(prompt)
+
+
 def test_json_reply_takes_the_grammars_forced_tokens(default_model):
     model, tokenizer = default_model
     grammars = Grammars(tokenizer, model.args.vocab_size)
