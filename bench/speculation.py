@@ -29,6 +29,9 @@ from bench.text import essay_text
 
 SPEC, PLAIN = "h2o-server, drafts", "h2o-server, no drafts"
 H2O = {"kv_cache": {"policy": "h2o", "max_kv": 256}}
+# The cache policies a case runs under, by the name the table gives: auto (the server's),
+# dense H2O evicting past 256 tokens, kvarn from the first token (auto past its share).
+POLICIES = {"auto": {}, "h2o 256": H2O, "kvarn": {"kv_cache": {"policy": "kvarn"}}}
 WEATHER = {
     "type": "function",
     "function": {
@@ -168,9 +171,9 @@ def metrics(server: Server) -> dict[str, float]:
     return {k: float(v) for k, v in (ln.split() for ln in text.splitlines() if ln[:1] != "#")}
 
 
-def measure(rounds: int, letters: str = "abcd") -> dict:
+def measure(rounds: int, letters: str = "abcd", policies: tuple = ("auto", "h2o 256")) -> dict:
     """{(variant, policy, case): [row per round]}, variants interleaved within each round;
-    `letters`: the cases run, by their letter."""
+    `letters`: the cases run, by their letter; `policies`: POLICIES' names."""
     folder = export_default()
     work = {name: body for name, body in cases().items() if name[1] in letters}
     results: dict = {}
@@ -186,8 +189,8 @@ def measure(rounds: int, letters: str = "abcd") -> dict:
             server = start()
             try:
                 run_case(server, cases()["(c) free chat"], {})  # warm-up
-                policies = [("auto", {}), ("h2o 256", H2O)] if name != MLX_LM else [("-", {})]
-                for policy, extra in policies:
+                runs = [(p, POLICIES[p]) for p in policies] if name != MLX_LM else [("-", {})]
+                for policy, extra in runs:
                     for case, body in work.items():
                         if name == MLX_LM and (case.startswith("(d)") or "prediction" in body):
                             continue  # no grammar, no prediction there: not comparable
@@ -207,7 +210,7 @@ def table(results: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for case in cases():
-        for policy in ("auto", "h2o 256"):
+        for policy in POLICIES:
             spec, plain = results.get((SPEC, policy, case)), results.get((PLAIN, policy, case))
             if not spec or not plain:
                 continue
@@ -266,8 +269,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("docs/speculation.md"))
     parser.add_argument("--cases", default="abcd", help="the cases run, by letter (e.g. ac)")
+    parser.add_argument(
+        "--policies", nargs="+", default=["auto", "h2o 256"], choices=list(POLICIES)
+    )
     args = parser.parse_args(argv)
-    results = measure(args.rounds, args.cases)
+    results = measure(args.rounds, args.cases, tuple(args.policies))
     body = [machine(), "", table(results)]
     line = command("bench.speculation", argv)
     publish("Speculative decoding", INTRO, line, body, args.out)
