@@ -87,3 +87,13 @@ def test_a_models_files_ttl_and_pin_decide_when_an_idle_model_unloads(tmp_path):
     # small is pinned.
     assert set(registry.loaded) == {"SmolLM2-135M-Instruct", "small"}
     assert registry.pinned("small") and not registry.pinned("coder")
+
+
+def test_a_default_model_over_the_memory_budget_alone_is_not_unloaded_for_it(tmp_path):
+    """It loaded anyway (the server has nothing else to serve): idling does not unload it."""
+    settings = ServerSettings(model="default", memory_budget="1MiB", kv_budget="1MiB")
+    registry = ModelRegistry(settings, load_engine=None)
+    registry.loaded["SmolLM2-135M-Instruct"] = Loaded(FakeEngine(), None, time.monotonic() - 10)
+    assert registry.over_budget()
+    registry.tick(busy=())
+    assert set(registry.loaded) == {"SmolLM2-135M-Instruct"}

@@ -146,6 +146,7 @@ class ModelRegistry:
         model loads anyway, with a warning: the server has nothing else to serve)."""
         if name in self.loaded:
             return self.loaded[name]
+        busy = set(busy)  # read twice: before the load and after
         entry = self._entry(name)
         adding = self.footprint(name)
         if self.memory_budget and adding > self.memory_budget and name != self.default:
@@ -243,8 +244,11 @@ class ModelRegistry:
                 continue
             if now >= due:
                 self.unload(name)
-        # Loaded past a limit while the others were busy: the least recent idle ones go.
-        while len(self.loaded) > self.settings.max_loaded_models or self.over_budget():
+        # Loaded past a limit while the others were busy: the least recent idle ones go
+        # (never the last one: a default model over the budget alone stays, as it loaded).
+        while len(self.loaded) > self.settings.max_loaded_models or (
+            self.over_budget() and len(self.loaded) > 1
+        ):
             victim = self._least_recent(busy)
             if victim is None:
                 break
