@@ -126,8 +126,10 @@ class LayerCache(mlx_lm_cache._BaseCache):
         tokens (scores, eviction) waits for `settle_draft`."""
 
     def settle_draft(self, fed: int, kept: int) -> None:
-        """Of the `fed` tokens the held pass stored, the first `kept` stay; the rest go."""
-        raise NotImplementedError(f"{type(self).__name__} does not verify drafts")
+        """Of the `fed` tokens the held pass stored, the first `kept` stay; the rest go
+        (trimmed, where that is all the pass changed)."""
+        if fed > kept:
+            self.trim(fed - kept)
 
     def compact(self) -> None:
         """Give up spare room before the cache is written to a file (buffers that grow in
@@ -269,12 +271,15 @@ def trimmable_tokens(cache: Any) -> int:
     return cache.offset if cache.is_trimmable() else 0
 
 
+UNBOUNDED = 1 << 30  # draft tokens a cache that trims exactly whatever it took may feed
+
+
 def draft_room(caches: list) -> int:
     """Draft tokens a verify pass over these layers may feed (LayerCache.draft_room;
-    mlx-lm's KVCache trims exactly whatever it took: a large number)."""
+    mlx-lm's KVCache trims exactly whatever it took: UNBOUNDED)."""
     rooms = [
         c.draft_room() if isinstance(c, LayerCache)
-        else 1 << 30 if type(c) is mlx_lm_cache.KVCache
+        else UNBOUNDED if type(c) is mlx_lm_cache.KVCache
         else 0  # recurrent state, sliding windows: a refused token cannot be taken back
         for c in caches
     ]  # fmt: skip
@@ -292,7 +297,7 @@ def settle_draft(caches: list, fed: int, kept: int) -> None:
     for c in caches:
         if isinstance(c, LayerCache):
             c.settle_draft(fed, kept)
-        elif fed > kept:
+        elif fed > kept:  # mlx-lm's KVCache: the only other kind that speculates
             c.trim(fed - kept)
 
 

@@ -253,6 +253,19 @@ def test_dense_first_session_speculates_then_packs(default_model, plain_reply):
     assert not any(type(c).__name__ == "KVCache" for c in g.session.caches)  # packed
 
 
+def same_reply_in_fewer_passes(model, tokenizer, prompt, spec, max_tokens, logprobs_abs):
+    """(without drafts, with drafts): the Generations of one greedy reply decoded both
+    ways under `spec`, checked to be the same reply (logprobs within `logprobs_abs`), the
+    drafted one in fewer passes with more than 10 drafts taken."""
+    plain = decode(model, tokenizer, prompt, spec, max_tokens=max_tokens)
+    drafted = decode(model, tokenizer, prompt, spec, draft_max=12, max_tokens=max_tokens)
+    assert drafted[0] == plain[0]
+    assert drafted[1] == pytest.approx(plain[1], abs=logprobs_abs)
+    accepted = drafted[3].drafter.accepted
+    assert accepted > 10 and drafted[2] < 0.8 * plain[2], (accepted, drafted[2])
+    return plain[3], drafted[3]
+
+
 def test_an_evicting_h2o_cache_speculates_and_ends_as_without_drafts(default_model, plain_reply):
     """Dense H2O under eviction: drafts stop short of the next eviction, refused tokens
     leave no K/V, score or eviction behind; the reply, and the tokens each head holds with
@@ -260,13 +273,8 @@ def test_an_evicting_h2o_cache_speculates_and_ends_as_without_drafts(default_mod
     model, tokenizer = default_model
     prompt, _ = plain_reply
     spec = CacheSpec("h2o", 128)  # the prompt alone passes it: every reply token evicts
-    plain = decode(model, tokenizer, prompt, spec, max_tokens=64)
-    drafted = decode(model, tokenizer, prompt, spec, draft_max=12, max_tokens=64)
-    assert drafted[0] == plain[0]
-    assert drafted[1] == pytest.approx(plain[1], abs=1e-3)
-    g = drafted[3]
-    assert g.drafter.accepted > 10 and drafted[2] < 0.8 * plain[2], (g.drafter.accepted, drafted[2])
-    for mine, theirs in zip(g.session.caches, plain[3].session.caches, strict=True):
+    plain, g = same_reply_in_fewer_passes(model, tokenizer, prompt, spec, 64, 1e-3)
+    for mine, theirs in zip(g.session.caches, plain.session.caches, strict=True):
         assert mine.seen == theirs.seen == len(g.session.tokens)
         assert mine.evicted == theirs.evicted > len(prompt) - 128
         held = [mx.sort(c.positions[..., : c.used], axis=-1) for c in (mine, theirs)]
@@ -286,20 +294,15 @@ def test_a_packed_kvarn_cache_speculates_between_its_tiles(default_model, plain_
     model, tokenizer = default_model
     prompt, _ = plain_reply
     spec = CacheSpec("kvarn", 4096)
-    plain = decode(model, tokenizer, prompt, spec, max_tokens=96)
-    drafted = decode(model, tokenizer, prompt, spec, draft_max=12, max_tokens=96)
-    assert drafted[0] == plain[0]
     # A verify pass computes its tokens' K/V in one matmul, not one by one: ulp-level
     # differences, which packing a tile at 4/2 bits can round apart (~1e-2 here).
-    assert drafted[1] == pytest.approx(plain[1], abs=3e-2)
-    g = drafted[3]
-    assert g.drafter.accepted > 10 and drafted[2] < 0.8 * plain[2], (g.drafter.accepted, drafted[2])
-    for mine, theirs in zip(g.session.caches, plain[3].session.caches, strict=True):
+    plain, g = same_reply_in_fewer_passes(model, tokenizer, prompt, spec, 96, 3e-2)
+    for mine, theirs in zip(g.session.caches, plain.session.caches, strict=True):
         assert type(mine).__name__ == "KVarNCache"
         assert (mine.n_tiles(), mine.n_tail) == (theirs.n_tiles(), theirs.n_tail)
         assert mine.offset == len(g.session.tokens)
     # The reply crossed a tile: one was packed while it decoded.
-    assert plain[3].session.caches[0].n_tiles() * 128 + 128 > len(prompt)
+    assert plain.session.caches[0].n_tiles() * 128 + 128 > len(prompt)
 
 
 def test_json_reply_takes_the_grammars_forced_tokens(default_model):

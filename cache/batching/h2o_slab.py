@@ -73,7 +73,7 @@ def near_wall(caches: list[H2OKVCache], margin: int = 2, lag: int = 0) -> bool:
     """Whether a cache may re-index within `margin` tokens (H2OKVCache.evict_if_full);
     `lag`: tokens it took that its counters do not count yet (a slab's member)."""
     c = caches[0]  # every layer has seen as many tokens
-    return c.rope is not None and c.offset + lag + margin >= c.wall - c.wall // 4
+    return c.rope is not None and c.offset + lag + margin >= c.reindex_from
 
 
 class H2OSlabLayer(ScoredCache):

@@ -5,10 +5,9 @@ from __future__ import annotations
 from mlx_lm.models.cache import KVCache
 
 from cache.contents import LayerContents, every_token
-from cache.contract import LayerCache, trim_spare
+from cache.contract import UNBOUNDED, LayerCache, trim_spare
 
 STEP = KVCache.step  # mlx-lm grows its buffers 256 tokens at a time
-UNBOUNDED = 1 << 30  # draft tokens: any
 
 
 class FullKVCache(KVCache, LayerCache):
@@ -29,11 +28,7 @@ class FullKVCache(KVCache, LayerCache):
         trim_spare(self)
 
     def draft_room(self) -> int:
-        return UNBOUNDED  # a refused draft is trimmed back exactly
-
-    def settle_draft(self, fed: int, kept: int) -> None:
-        if fed > kept:
-            self.trim(fed - kept)
+        return UNBOUNDED  # a refused draft is trimmed back exactly (settle_draft)
 
     def contents(self) -> LayerContents:
         heads = 0 if self.keys is None else self.keys.shape[1]

@@ -233,7 +233,7 @@ class H2OKVCache(HeavyHitters, ScoredCache):
             return 0
         room = (self.slot_budget - self.used) // self._slots_per_token
         if self.rope is not None:
-            room = min(room, self.wall - self.wall // 4 - self.offset - 1)
+            room = min(room, self.reindex_from - self.offset - 1)
         return max(0, room)
 
     def hold_draft(self) -> None:
@@ -388,11 +388,16 @@ class H2OKVCache(HeavyHitters, ScoredCache):
             return
         if self.used > self.slot_budget:
             self._evict()
-        # A quarter of the context is left for the next chunk (the server's is 512 tokens);
-        # re-indexing must win back at least an eighth of it to be worth its work.
-        near = self.rope is not None and self.offset >= self.wall - self.wall // 4
+        # Re-indexing must win back at least an eighth of the context to be worth its work.
+        near = self.rope is not None and self.offset >= self.reindex_from
         if near and self.offset - self.size() >= self.wall // 8:
             self.reindex()
+
+    @property
+    def reindex_from(self) -> int:
+        """The RoPE offset from which it re-indexes: a quarter of the context is left for
+        the next chunk (the server's is 512 tokens)."""
+        return self.wall - self.wall // 4
 
     def reindex(self) -> None:
         """Re-rotate the held keys to RoPE positions 0..n-1 in token order (every head holds

@@ -136,16 +136,13 @@ class KVarNCache(ScoredCache):
     # ------------------------------------------------------------ speculative decoding
 
     def draft_room(self) -> int:
-        """As many draft tokens as stay in the dense pools (trimmed back exactly): the
+        """As many draft tokens as stay in the dense pools (settle_draft trims them back
+        exactly): the
         token that fills the tail's tile packs it, so that one comes in a pass of its own,
         as it would decoding without drafts. Its evicting subclasses decode a token a pass."""
         if type(self) is not KVarNCache or self.front is None:
             return 0
         return max(0, (self.sink - self.n_front) + (self.tile - self.n_tail) - 2)
-
-    def settle_draft(self, fed: int, kept: int) -> None:
-        if fed > kept:
-            self.trim(fed - kept)
 
     # ------------------------------------------------------------------ protocol
 

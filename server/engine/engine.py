@@ -52,6 +52,16 @@ def auto_memory_budget() -> int:
     return int(physical_memory() * AUTO_MEMORY_FRACTION)
 
 
+def kv_budget_bytes(text: str) -> int:
+    """--kv-budget in bytes: `auto` (auto_kv_budget), or a size such as 1GiB."""
+    return auto_kv_budget() if text == "auto" else parse_bytes(text)
+
+
+def memory_budget_bytes(text: str) -> int:
+    """--memory-budget in bytes: `auto` (auto_memory_budget), a size, or 0 / "" for none."""
+    return auto_memory_budget() if text == "auto" else parse_bytes(text) if text else 0
+
+
 def startup_notices(shape: ModelShape, spec: CacheSpec, windows: list[int | None]) -> list[str]:
     """What start-up chose for the user without being told: logged, and in /health."""
     notices = []
@@ -91,9 +101,7 @@ class Engine:
 
     @classmethod
     def load(cls, settings: ServerSettings) -> Engine:
-        total = (
-            auto_kv_budget() if settings.kv_budget == "auto" else parse_bytes(settings.kv_budget)
-        )
+        total = kv_budget_bytes(settings.kv_budget)
         prefix_bytes = int(total * settings.prefix_share)
         budget = Budget(total - prefix_bytes, settings.max_sessions)
         configure(backend=settings.kernel)  # raises on a backend this machine lacks

@@ -31,12 +31,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from cache.budget import parse_bytes
 from config.settings import ServerSettings
 from models.loading import weight_file_bytes
 from server.engine.batcher import Batcher
 from server.engine.catalog import ModelEntry, catalog
-from server.engine.engine import auto_kv_budget, auto_memory_budget
+from server.engine.engine import kv_budget_bytes, memory_budget_bytes
 
 log = logging.getLogger("h2o_server.models")
 
@@ -63,10 +62,7 @@ class ModelRegistry:
         self.retired_counts: Counter[str] = Counter()
         self._leaving: list[weakref.ref] = []  # unloaded models not yet freed
         self._load_engine = load_engine
-        budget = settings.memory_budget
-        self.memory_budget = (
-            auto_memory_budget() if budget == "auto" else parse_bytes(budget) if budget else 0
-        )  # 0: none
+        self.memory_budget = memory_budget_bytes(settings.memory_budget)  # 0: none
         self._weights: dict[str, int] = {}  # each model's weights as loaded, once it has been
         self._pins = {entry.name for name in settings.pin if (entry := self.find(name))}
         self._pins |= {entry.name for entry in self.entries if entry.pin}
@@ -131,8 +127,7 @@ class ModelRegistry:
 
     def kv_share(self) -> int:
         """Each loaded model's share of --kv-budget."""
-        total = self.settings.kv_budget
-        total = auto_kv_budget() if total == "auto" else parse_bytes(total)
+        total = kv_budget_bytes(self.settings.kv_budget)
         return total // min(self.settings.max_loaded_models, len(self.entries))
 
     def over_budget(self, adding: int = 0) -> bool:
