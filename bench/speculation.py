@@ -5,13 +5,14 @@ Cases (greedy, streamed through the openai SDK):
   (a) rewrite a 150-line file shown in the prompt with one change;
   (b) a summary that first quotes the pasted document;
   (c) free chat;
-  (d) a JSON-schema reply and a forced tool call.
+  (d) a JSON-schema reply and a forced tool call;
+  (e) four streams at once: (a), (b) and two free chats (their tokens over the span).
 Each of ours runs under the server's `auto` policy and under an evicting h2o cache
 (`kv_cache: {policy: h2o, max_kv: 256}`). Decode tok/s is (completion tokens - 1) over the
 time from the first streamed token to the last; passes per token come from /metrics;
 CPU seconds are the server process's over the request.
 
-    python -m bench.speculation [--rounds 4] [--cases abcd] [--out docs/speculation.md]
+    python -m bench.speculation [--rounds 4] [--cases abcde] [--out docs/speculation.md]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import importlib.util
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.mlx_folder import export_default
@@ -121,6 +123,12 @@ def cases() -> dict[str, dict]:
             ],
             "max_tokens": 100,
         },
+        "(c) another chat": {
+            "messages": [
+                {"role": "user", "content": "Explain how a bicycle stays upright, simply."}
+            ],
+            "max_tokens": 100,
+        },
         "(d) JSON schema": {
             "messages": [{"role": "user", "content": "The weather in Lisbon today, as JSON."}],
             "response_format": REPORT,
@@ -132,14 +140,48 @@ def cases() -> dict[str, dict]:
             "tool_choice": {"type": "function", "function": {"name": "get_current_weather"}},
             "max_tokens": 60,
         },
+        # Four streams at once (a rewrite, a quote, two chats): their decode passes batch.
+        "(e) 4 streams": {
+            "streams": [
+                "(a) rewrite a file",
+                "(b) quote a document",
+                "(c) free chat",
+                "(c) another chat",
+            ]
+        },
     }
 
 
 def run_case(server: Server, body: dict, extra: dict) -> dict:
-    """One streamed request: decode tok/s, tokens, passes per token, server CPU seconds."""
+    """One streamed request (several at once for `streams`): decode tok/s (over every
+    stream's tokens, from the first streamed token to the last), tokens, passes per token,
+    server CPU seconds."""
     ours = server.name == OURS
     before = metrics(server) if ours else {}
     cpu0 = server.cpu_seconds()
+    if "streams" in body:
+        every = cases()
+        with ThreadPoolExecutor(len(body["streams"])) as pool:
+            runs = list(pool.map(lambda c: stream(server, every[c], extra), body["streams"]))
+        stamps = sorted(t for s, _ in runs for t in s)
+        tokens = sum(n for _, n in runs)
+        seconds = stamps[-1] - stamps[0]
+        rate = (tokens - len(runs)) / seconds
+    else:
+        stamps, tokens = stream(server, body, extra)
+        seconds = stamps[-1] - stamps[0] if len(stamps) > 1 else float("nan")
+        rate = (tokens - 1) / seconds
+    row = {"tokens": tokens, "tok_s": rate, "cpu": server.cpu_seconds() - cpu0}
+    if ours:
+        after = metrics(server)
+        passes = after["h2o_decode_passes_total"] - before["h2o_decode_passes_total"]
+        row["passes_per_token"] = passes / tokens
+    return row
+
+
+def stream(server: Server, body: dict, extra: dict) -> tuple[list[float], int]:
+    """(the times its content arrived, its completion tokens) of one streamed request."""
+    ours = server.name == OURS
     stamps, usage = [], None
     stream = server.client.chat.completions.create(
         model="default" if ours else "default_model",
@@ -154,14 +196,7 @@ def run_case(server: Server, body: dict, extra: dict) -> dict:
             stamps.append(time.perf_counter())
         if chunk.usage:
             usage = chunk.usage
-    tokens = usage.completion_tokens
-    seconds = stamps[-1] - stamps[0] if len(stamps) > 1 else float("nan")
-    row = {"tokens": tokens, "tok_s": (tokens - 1) / seconds, "cpu": server.cpu_seconds() - cpu0}
-    if ours:
-        after = metrics(server)
-        passes = after["h2o_decode_passes_total"] - before["h2o_decode_passes_total"]
-        row["passes_per_token"] = passes / tokens
-    return row
+    return stamps, usage.completion_tokens
 
 
 def metrics(server: Server) -> dict[str, float]:
@@ -171,11 +206,15 @@ def metrics(server: Server) -> dict[str, float]:
     return {k: float(v) for k, v in (ln.split() for ln in text.splitlines() if ln[:1] != "#")}
 
 
-def measure(rounds: int, letters: str = "abcd", policies: tuple = ("auto", "h2o 256")) -> dict:
+def measure(rounds: int, letters: str = "abcde", policies: tuple = ("auto", "h2o 256")) -> dict:
     """{(variant, policy, case): [row per round]}, variants interleaved within each round;
     `letters`: the cases run, by their letter; `policies`: POLICIES' names."""
     folder = export_default()
-    work = {name: body for name, body in cases().items() if name[1] in letters}
+    work = {
+        name: body
+        for name, body in cases().items()
+        if name[1] in letters and name != "(c) another chat"  # a stream of (e)
+    }
     results: dict = {}
     variants = [
         (SPEC, lambda: start_ours(folder, ["--draft-max", "12"])),
@@ -268,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("docs/speculation.md"))
-    parser.add_argument("--cases", default="abcd", help="the cases run, by letter (e.g. ac)")
+    parser.add_argument("--cases", default="abcde", help="the cases run, by letter (e.g. ac)")
     parser.add_argument(
         "--policies", nargs="+", default=["auto", "h2o 256"], choices=list(POLICIES)
     )

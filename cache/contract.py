@@ -115,6 +115,10 @@ class LayerCache(mlx_lm_cache._BaseCache):
 
     # ------------------------------------------------------------ speculative decoding
 
+    # Whether this kind of cache ever takes a draft (its `draft_room` says how many now,
+    # from its state, which a slab member lends to its slab).
+    verifies_drafts: ClassVar[bool] = False
+
     def draft_room(self) -> int:
         """Draft tokens a verify pass may feed beside the decoding token, every one of which
         `settle_draft` can give back exactly as if never fed (server/engine/speculation.py);

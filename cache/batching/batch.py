@@ -69,8 +69,8 @@ class PartMasks:
 class BatchedCache:
     def __init__(self, parts: list, masks: dict | None = None, lengths: list | None = None):
         self.parts = parts
-        # Each row's real tokens in a right-padded prefill pass (one session per part);
-        # None: every row's input is real.
+        # Each row's real tokens in a right-padded pass (a prefill's chunks; a verify
+        # pass's drafts, a slab's rows feeding 1 each); None: every row's input is real.
         self.lengths = lengths
         # Padding masks by (rows, new tokens, keys): every layer of a forward pass has the
         # same, so batch_caches shares one dict and each is built once, not once per layer.
@@ -126,9 +126,12 @@ class BatchedCache:
         out = []
         for i, ((part, a, b), k, v) in enumerate(zip(self.spans, keys, values, strict=True)):
             part_mask = mask.parts[i] if isinstance(mask, PartMasks) else mask
+            n = self._real(a) or queries.shape[2]
             if isinstance(part, BatchKVCache):  # its rows' left padding is never attended
-                part_mask = self._padding_mask(part, a, b, queries.shape[2], k.shape[2])
-            q = (queries if self.whole else queries[a:b])[:, :, : self._real(a)]
+                part_mask = self._padding_mask(part, a, b, n, k.shape[2])
+            elif n == 1 and isinstance(part_mask, str):  # one token sees every key it holds
+                part_mask = None
+            q = (queries if self.whole else queries[a:b])[:, :, :n]
             o = attend_part(q, k, v, part, part_mask)
             if o.shape[2] < queries.shape[2]:  # a padded position's output stays 0
                 o = mx.pad(o, [(0, 0), (0, 0), (0, queries.shape[2] - o.shape[2]), (0, 0)])
@@ -151,8 +154,8 @@ class BatchedCache:
 
 def batch_caches(sessions: list[list], *slabs, lengths: list | None = None) -> list[BatchedCache]:
     """Per-layer BatchedCaches: the slabs' rows first, in order (KVSlab, H2OSlab; empty
-    ones skipped), then each session's caches. `lengths`: a right-padded prefill pass's
-    real tokens per session (no slabs then)."""
+    ones skipped), then each session's caches. `lengths`: a right-padded pass's real
+    tokens per row, in that order (a slab's rows feed one token each)."""
     slabs = [s for s in slabs if s.members]
     for s in slabs:
         s.begin_step()

@@ -27,6 +27,8 @@ class FullKVCache(KVCache, LayerCache):
     def compact(self) -> None:
         trim_spare(self)
 
+    verifies_drafts = True
+
     def draft_room(self) -> int:
         return UNBOUNDED  # a refused draft is trimmed back exactly (settle_draft)
 

@@ -185,9 +185,9 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         cls.fixed_decode = cls.__dict__.get("fixed_decode", cls.slab_rows)
         cls.verifies_drafts = cls.__dict__.get("verifies_drafts", False)
 
-    # Whether a verify pass's draft can be held and settled (`hold_draft`): a layout whose
-    # newest tokens sit in its newest slots as fed, nothing else moving (dense H2O).
-    verifies_drafts: bool = True
+    # A verify pass's draft can be held and settled (`hold_draft`): a layout whose newest
+    # tokens sit in its newest slots as fed, nothing else moving (dense H2O).
+    verifies_drafts = True
     # A draft's pass under verification: its scores wait here, and nothing is evicted,
     # until `settle_draft` says how many of its tokens stay (server/engine/speculation.py).
     held: list | None = None

@@ -135,12 +135,18 @@ class KVarNCache(ScoredCache):
 
     # ------------------------------------------------------------ speculative decoding
 
+    # Its evicting subclasses decode a token a pass.
+    verifies_drafts = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.verifies_drafts = cls.__dict__.get("verifies_drafts", False)
+
     def draft_room(self) -> int:
         """As many draft tokens as stay in the dense pools (settle_draft trims them back
-        exactly): the
-        token that fills the tail's tile packs it, so that one comes in a pass of its own,
-        as it would decoding without drafts. Its evicting subclasses decode a token a pass."""
-        if type(self) is not KVarNCache or self.front is None:
+        exactly): the token that fills the tail's tile packs it, so that one comes in a
+        pass of its own, as it would decoding without drafts."""
+        if not self.verifies_drafts or self.front is None:
             return 0
         return max(0, (self.sink - self.n_front) + (self.tile - self.n_tail) - 2)
 

@@ -49,7 +49,7 @@ from cache import install_router, make_cache
 from cache.batching.batch import KVSlab, batch_caches, open_h2o_slab
 from cache.batching.h2o_slab import H2OSlab, near_wall, slab_key
 from cache.batching.kvarn_slab import KVarNSlab
-from cache.contract import draft_room, step_scores
+from cache.contract import draft_room, hold_draft, step_scores
 from cache.factory import dense_layers, outgrows_dense, pack_dense
 from config.cache_spec import CacheSpec
 from server.engine.generation import Generation
@@ -115,8 +115,20 @@ class Batcher:
             self._speculate(rows[0], done)
             done.decode_seconds = time.perf_counter() - t0
             return done
+        drafting = self._drafting(rows) if self.batched and len(rows) > 1 else []
+        if drafting:
+            self._verify_drafts(rows, drafting, done)
+            done.decode_seconds = time.perf_counter() - t0
+            return done
         rows, draws = self._decode(rows, done) if rows else ([], [])
         done.decode_passes = int(bool(rows))
+        self._read_draws(rows, draws, done)
+        done.decode_seconds = time.perf_counter() - t0
+        return done
+
+    def _read_draws(self, rows: list[Generation], draws: list, done: Round) -> None:
+        """Read last round's draws of `rows` (this round fed them) into Deltas, while this
+        round's `draws` compute; they become the rows' next inputs."""
         for g, draw in zip(rows, draws, strict=True):
             if g.sampled is not None:
                 try:
@@ -130,21 +142,20 @@ class Batcher:
             else:
                 g.sampled, g.next_input = draw, draw[0]
                 done.decoding.append(g)
-        done.decode_seconds = time.perf_counter() - t0
-        return done
 
-    def _speculates(self, g: Generation) -> bool:
-        """Whether a lone decoding row takes a speculative round (server/engine/speculation.py):
+    def _speculates(self, g: Generation, asked: bool = False) -> bool:
+        """Whether a decoding row takes a speculative round (server/engine/speculation.py):
         its caches give a refused draft back exactly (cache/contract.py `draft_room`: a
         plain KVCache trims; a dense H2O cache until its next eviction), it stays clear of
-        its dense share (packing runs a token a round), and it has a draft."""
+        its dense share (packing runs a token a round), and it has a draft (`asked`:
+        already known)."""
         s = g.session
         if g.drafter is None or draft_room(s.caches) == 0:
             return False
         rounds = math.ceil(dense_layers(s.caches) / PACK_LAYERS) + 1
         if outgrows_dense(s.spec, s.caches, len(s.tokens) + g.drafter.length.ceiling + rounds):
             return False
-        return g.expects_drafts()
+        return asked or g.expects_drafts()
 
     def _speculate(self, g: Generation, done: Round) -> None:
         """One speculative round for `g` alone: its draw read, a draft verified with it."""
@@ -160,6 +171,88 @@ class Batcher:
             done.outcomes.append((g, delta))
         if not g.done:
             done.decoding.append(g)
+
+    def _drafting(self, rows: list[Generation]) -> list[Generation]:
+        """The rows among several that verify a draft this round: a draft that pays in a
+        pass as wide as theirs (`Generation.expects_drafts`), from caches that give a
+        refused one back. They decode outside any slab, each in its own cache."""
+        wanting = [g for g in rows if self._may_draft(g) and g.expects_drafts(len(rows))]
+        for g in wanting:
+            self.leave(g)
+        return [g for g in wanting if self._speculates(g, asked=True)]
+
+    def _may_draft(self, g: Generation) -> bool:
+        """Whether g's caches may take a draft, read without taking it out of a slab (a
+        member's caches lend their arrays and counters to it: their kind tells)."""
+        if g.drafter is None:
+            return False
+        slab = next((s for s in self.h2o_slabs.values() if g in s), None)
+        if slab is None:
+            return draft_room(g.session.caches) > 0
+        return not slab.near_wall(g) and all(c.verifies_drafts for c in g.session.caches)
+
+    def _verify_drafts(self, rows: list[Generation], drafting: list[Generation], done: Round):
+        """One pass for every decoding row, of which `drafting` feed their input and a
+        draft (each verified as alone: Generation.verify) and the rest their input alone,
+        in their slabs: rows right-padded to the widest, each cache taking its own."""
+        fed: dict[int, tuple[list[int], int]] = {}  # id(g) -> (its tokens, forced drafts)
+        verifying = []
+        for g in drafting:
+            try:
+                delta, tokens, forced = g.propose()
+            except Exception as e:  # its tokenizer or grammar: it alone fails
+                done.outcomes.append((g, e))
+                continue
+            if delta is not None:
+                done.outcomes.append((g, delta))
+            fed[id(g)] = tokens, forced
+            verifying.append(g)
+        try:
+            alone = self._regroup([g for g in rows if g not in drafting])
+            for slab in self.slabs:
+                slab.reclaim()
+            ordered = [*(g for slab in self.slabs for g in slab.members), *alone, *verifying]
+            width = max(len(tokens) for tokens, _ in fed.values())
+            inputs, lengths = [], []
+            for g in ordered:
+                row = mx.array(fed[id(g)][0]) if id(g) in fed else g.input_array()
+                padding = mx.zeros(width - row.size, mx.int32)
+                inputs.append(mx.concatenate([row.astype(mx.int32), padding]))
+                lengths.append(row.size)
+                if id(g) not in fed:
+                    g.fed()
+            for g in verifying:
+                hold_draft(g.session.caches)
+            own = [g.session.caches for g in [*alone, *verifying]]
+            caches = batch_caches(own, *self.slabs, lengths=lengths)
+            logits = self.model(mx.stack(inputs), cache=caches)
+        except Exception as e:  # the pass itself: every row it carried
+            done.outcomes += [(g, e) for g in rows if g in verifying or g not in drafting]
+            self.slab, self.h2o_slabs = KVSlab(), {}
+            return
+        done.decode_passes = 1
+        plain, draws = [], []
+        for i, g in enumerate(ordered):
+            try:
+                if id(g) in fed:
+                    tokens, forced = fed[id(g)]
+                    delta = g.verify(logits[i, : len(tokens)], tokens[1:], forced)
+                    if delta is not None:
+                        done.outcomes.append((g, delta))
+                    if g.done:
+                        self.leave(g)
+                    else:
+                        done.decoding.append(g)
+                else:
+                    draws.append(g.sample(logits[i : i + 1, 0]))
+                    plain.append(g)
+            except Exception as e:  # this request's grammar, processors or sampler
+                done.outcomes.append((g, e))
+                self.leave(g, broken=id(g) in fed)
+        scored = [c for g in alone for c in g.session.caches]
+        scored += [layer for slab in self.h2o_slabs.values() for layer in slab.layers]
+        mx.async_eval([x for d in draws for x in d], step_scores(scored))
+        self._read_draws(plain, draws, done)
 
     def prefill(self, gens: list[Generation], decoding: bool) -> Round:
         """Prefill the waiting generations among `gens`: within `prefill_budget` tokens

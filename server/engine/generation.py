@@ -307,19 +307,30 @@ class Generation:
         """Tokens the reply may still take."""
         return self.params.max_tokens - len(self.generated)
 
-    def expects_drafts(self) -> bool:
+    def expects_drafts(self, rows: int = 1) -> bool:
         """Whether this round should feed a draft (asked once a round, for a row that may
-        speculate): a grammar may force tokens; else the history's suffix recurs."""
+        speculate beside `rows` - 1 others): a grammar may force tokens; else the
+        history's suffix recurs."""
         if self.drafter is None or self.room < 2:
             return False
         if self.constraint is not None:
             return True
-        return self.drafter.expects(self.session.tokens, opening=not self.generated)
+        return self.drafter.expects(self.session.tokens, not self.generated, rows)
 
     def speculate(self, model) -> Delta | None:
-        """One speculative round: read last round's draw (it is this round's input), draft
-        what may follow it, and verify both in one forward pass. Returns the reply's new
-        tokens as one Delta (None when it has none yet: the prompt's first round)."""
+        """One speculative round alone: `propose`, both fed in one forward pass, `verify`.
+        Returns the reply's new tokens as one Delta (None when it has none yet: the
+        prompt's first round)."""
+        delta, tokens, forced = self.propose()
+        hold_draft(self.session.caches)
+        logits = model(mx.array(tokens)[None], cache=self.session.caches)[0]
+        more = self.verify(logits, tokens[1:], forced)
+        return more if delta is None else delta.join(more) if more else delta
+
+    def propose(self) -> tuple[Delta | None, list[int], int]:
+        """Read last round's draw (it is this round's input) and draft what may follow it:
+        (the Delta read, or None on the prompt's first round; the tokens to feed: the
+        input, then the drafts; how many drafts the grammar forces)."""
         delta = None
         if self.sampled is not None:
             delta = self.read()
@@ -331,25 +342,22 @@ class Generation:
             self.fed()  # the prompt's last token
         drafts, forced = [], 0
         if not self.done:
-            opening = not self.generated
-            limit = min(self.room - 1, draft_room(self.session.caches))
+            room = min(self.room - 1, draft_room(self.session.caches))
             drafts, forced = self.drafter.draft(
-                self.session.tokens, self.constraint, limit, opening
+                self.session.tokens, self.constraint, room, opening=not self.generated
             )
-        more = self.verify(model, self.next_input, drafts, forced)
-        return more if delta is None else delta.join(more) if more else delta
+        return delta, [self.next_input, *drafts], forced
 
-    def verify(self, model, token: int, drafts: list[int], forced: int = 0) -> Delta | None:
-        """Feed `token` and `drafts` in one pass and keep the drafted tokens the model takes
+    def verify(self, logits: mx.array, drafts: list[int], forced: int = 0) -> Delta | None:
+        """The pass that fed this round's input and `drafts` (its caches held:
+        `hold_draft`) gave `logits` [k + 1, vocab]: keep the drafted tokens the model takes
         (RequestSampler.verify); the caches give back the rest (cache/contract.py
         `settle_draft`: as if never fed), and the grammar forgets them. The token drawn
         after the kept ones is this generation's next input, as a plain round's draw. The
         first `forced` drafts are the grammar's (always taken: not counted against the
         draft length)."""
         caches = self.session.caches
-        hold_draft(caches)
-        logits = model(mx.array([token, *drafts])[None], cache=caches)[0]
-        if self.done:  # `token` ended the reply: fed so the caches hold what the tokens say
+        if self.done:  # the input ended the reply: fed so the caches hold what the tokens say
             settle_draft(caches, len(drafts) + 1, 1)
             mx.eval([c.state for c in caches])
             return None

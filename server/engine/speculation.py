@@ -76,8 +76,8 @@ class Acceptance:
     """How likely one draft source's next drafted token is taken, given the ones before it
     were: taken / tried (a refused token ends a draft), recent drafts weighing more, from
     a prior of one in two. A source pays where the tokens a draft of k is expected to add,
-    r + r^2 + ... + r^k, beat what its wider pass costs; one that does not forgets slowly
-    while it is not drafted, so it is tried again later."""
+    r + r^2 + ... + r^k, beat what its wider pass costs (for every row of the pass); one
+    that does not forgets slowly while it is not drafted, so it is tried again later."""
 
     DECAY = 0.8  # per draft
     FORGET = 0.97  # per round it was not worth drafting: back toward the prior
@@ -93,10 +93,12 @@ class Acceptance:
         self.taken = self.DECAY * self.taken + accepted
         self.tried = self.DECAY * self.tried + accepted + (accepted < proposed)
 
-    def pays(self, k: int) -> bool:
+    def pays(self, k: int, rows: int = 1) -> bool:
+        """Whether a draft of k pays in a pass of `rows` rows: every row's input widens to
+        k + 1 tokens, so the cost is paid per row, the tokens gained by this one alone."""
         r = self.rate
         expected = r * (1 - r**k) / (1 - r) if r < 1 else float(k)
-        if expected > ROUND_COST + TOKEN_COST * k:
+        if expected > rows * (ROUND_COST + TOKEN_COST * k):
             return True
         self.taken = self.FORGET * self.taken + (1 - self.FORGET) * 1.0
         self.tried = self.FORGET * self.tried + (1 - self.FORGET) * 2.0
@@ -157,6 +159,10 @@ class Drafter:
         # Per source (a predicted reply; a suffix of 4, 3 or 2 tokens): how often it is right.
         self.sources: dict[str | int, Acceptance] = {}
         self._source: str | int | None = None  # the last lookup draft's
+        # A draft found but not fed (it did not pay): (where it starts in the history, its
+        # tokens, its source), checked against the tokens the reply then takes, so a
+        # source's record learns without a pass (a batch's rows draft only where it is high).
+        self._shadow: tuple[int, list[int], str | int] | None = None
 
     @property
     def proposed(self) -> int:
@@ -166,13 +172,32 @@ class Drafter:
     def accepted(self) -> int:
         return self.length.accepted + self.forced
 
-    def expects(self, history: Sequence[int], opening: bool = False) -> bool:
-        """Whether the lookup has a draft for `history` (a paused length counts down).
-        `opening`: the reply has no token yet (a predicted reply is drafted from its start)."""
+    def expects(self, history: Sequence[int], opening: bool = False, rows: int = 1) -> bool:
+        """Whether the lookup has a draft for `history` (a paused length counts down) that
+        pays in a pass of `rows` rows. `opening`: the reply has no token yet (a predicted
+        reply is drafted from its start)."""
+        self._check_shadow(history)
         if not self.length.allows():
             return False
-        found, source = self._lookup(history, 1, opening)
-        return bool(found) and self.sources.setdefault(source, Acceptance()).pays(self.length.k)
+        found, source = self._lookup(history, self.length.k, opening)
+        if not found:
+            return False
+        if self.sources.setdefault(source, Acceptance()).pays(self.length.k, rows):
+            return True
+        if self._shadow is None:
+            self._shadow = (len(history), found, source)
+        return False
+
+    def _check_shadow(self, history: Sequence[int]) -> None:
+        """Score the draft not fed once the reply's tokens tell how much of it was right."""
+        if self._shadow is None:
+            return
+        at, draft, source = self._shadow
+        known = history[at : at + len(draft)]
+        right = next((i for i, t in enumerate(known) if t != draft[i]), len(known))
+        if right < len(known) or len(known) == len(draft):
+            self.sources[source].update(len(draft), right)
+            self._shadow = None
 
     def draft(
         self, history: Sequence[int], constraint, room: int, opening: bool = False
