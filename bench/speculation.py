@@ -6,7 +6,8 @@ Cases (greedy, streamed through the openai SDK):
   (b) a summary that first quotes the pasted document;
   (c) free chat;
   (d) a JSON-schema reply and a forced tool call;
-  (e) four streams at once: (a), (b) and two free chats (their tokens over the span).
+  (e) four streams at once: (a), (b) and two free chats (their tokens over the time from
+      sending them to the last one, prefills included).
 Each of ours runs under the server's `auto` policy and under an evicting h2o cache
 (`kv_cache: {policy: h2o, max_kv: 256}`). Decode tok/s is (completion tokens - 1) over the
 time from the first streamed token to the last; passes per token come from /metrics;
@@ -153,20 +154,19 @@ def cases() -> dict[str, dict]:
 
 
 def run_case(server: Server, body: dict, extra: dict) -> dict:
-    """One streamed request (several at once for `streams`): decode tok/s (over every
-    stream's tokens, from the first streamed token to the last), tokens, passes per token,
-    server CPU seconds."""
+    """One streamed request (several at once for `streams`): decode tok/s (for streams,
+    their tokens over the time from sending them to the last token), tokens, passes per
+    token, server CPU seconds."""
     ours = server.name == OURS
     before = metrics(server) if ours else {}
     cpu0 = server.cpu_seconds()
-    if "streams" in body:
-        every = cases()
+    if "streams" in body:  # from sending them to the last token: when the first token
+        # comes depends on which prompt the server takes first, the prefills are the same
+        every, sent = cases(), time.perf_counter()
         with ThreadPoolExecutor(len(body["streams"])) as pool:
             runs = list(pool.map(lambda c: stream(server, every[c], extra), body["streams"]))
-        stamps = sorted(t for s, _ in runs for t in s)
         tokens = sum(n for _, n in runs)
-        seconds = stamps[-1] - stamps[0]
-        rate = (tokens - len(runs)) / seconds
+        rate = tokens / (max(s[-1] for s, _ in runs) - sent)
     else:
         stamps, tokens = stream(server, body, extra)
         seconds = stamps[-1] - stamps[0] if len(stamps) > 1 else float("nan")
@@ -283,10 +283,12 @@ distribution (the accept/resample rule; tests/test_speculation.py).
 
 Where it runs today: a conversation decoding alone whose caches are mlx-lm's plain
 KVCache (policy `full`, and `auto`'s kvarn until its dense share), where a refused
-draft is trimmed back exactly, or dense H2O caches (`h2o 256` below), also while they
+draft is trimmed back exactly, or dense H2O caches (`h2o 256` below; `h2o-merge`), also while they
 evict: a draft fits before the layer's next eviction, and the pass's scores wait for the
 verdict (docs/speculation.md), and kvarn once packed (drafts stay in its dense tail).
-Several streams decoding together, packed H2O caches, sliding windows and recurrent layers
+Several streams decoding together speculate in the round's one pass: a drafting row leaves
+its slab, rows are right-padded to the widest, and a draft goes out only where it pays for
+widening every row (case (e)). Packed H2O caches, sliding windows and recurrent layers
 decode one token a pass as before.
 `--draft-max 0` turns it off, and a
 request's `speculation: false` for that request; usage reports

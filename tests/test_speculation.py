@@ -266,13 +266,17 @@ def same_reply_in_fewer_passes(model, tokenizer, prompt, spec, max_tokens, logpr
     return plain[3], drafted[3]
 
 
-def test_an_evicting_h2o_cache_speculates_and_ends_as_without_drafts(default_model, plain_reply):
-    """Dense H2O under eviction: drafts stop short of the next eviction, refused tokens
-    leave no K/V, score or eviction behind; the reply, and the tokens each head holds with
-    their scores, are the ones decoding without drafts gives."""
+@pytest.mark.parametrize("policy", ["h2o", "h2o-merge"])
+def test_an_evicting_h2o_cache_speculates_and_ends_as_without_drafts(
+    default_model, plain_reply, policy
+):
+    """Dense H2O under eviction (and H2O that merges what it evicts): drafts stop short of
+    the next eviction, refused tokens leave no K/V, score, merge or eviction behind; the
+    reply, and the tokens each head holds with their scores, are the ones decoding without
+    drafts gives."""
     model, tokenizer = default_model
     prompt, _ = plain_reply
-    spec = CacheSpec("h2o", 128)  # the prompt alone passes it: every reply token evicts
+    spec = CacheSpec(policy, 128)  # the prompt alone passes it: every reply token evicts
     plain, g = same_reply_in_fewer_passes(model, tokenizer, prompt, spec, 64, 1e-3)
     for mine, theirs in zip(g.session.caches, plain.session.caches, strict=True):
         assert mine.seen == theirs.seen == len(g.session.tokens)
@@ -285,6 +289,12 @@ def test_an_evicting_h2o_cache_speculates_and_ends_as_without_drafts(default_mod
             for c, o in zip((mine, theirs), order, strict=True)
         ]
         assert mx.allclose(*scores, rtol=1e-3, atol=1e-4).item()
+        if policy == "h2o-merge":  # each slot stands for as many tokens
+            counts = [
+                mx.take_along_axis(c.counts[..., : c.used], o, axis=-1)
+                for c, o in zip((mine, theirs), order, strict=True)
+            ]
+            assert mx.array_equal(*counts).item()
 
 
 def test_a_packed_kvarn_cache_speculates_between_its_tiles(default_model, plain_reply):

@@ -45,6 +45,9 @@ class MergingH2OKVCache(H2OKVCache):
     # next): its ranking, [middle x middle] key cosines, picks and scatter-add are ~230 ops
     # a layer that the host would otherwise build, and a GPU launch, one by one.
     compiles_eviction = True
+    # Merging happens at eviction only, which a draft's pass defers to `settle_draft`;
+    # a refused token's slot gets back count 1 when it is freed (`reset_free_slots`).
+    verifies_drafts = True
 
     def __init__(self, max_size: int, **h2o):
         """`h2o`: H2OKVCache's knobs (sink, heavy, recent, score, evict_batch)."""
