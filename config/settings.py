@@ -98,6 +98,12 @@ class ServerSettings(BaseSettings):
         description="speculative decoding: most tokens a draft (the conversation's own "
         "n-grams, a grammar's forced tokens) feeds beside the decoding token; 0: off",
     )
+    draft_model: str | None = Field(
+        None,
+        description="speculative decoding: a small model with the served model's tokenizer "
+        "that drafts where the conversation repeats nothing (a path, a repo id, or "
+        "'default'); used by each served model whose tokenizer it shares",
+    )
     preset: PresetName = DEFAULT_PRESET
     score: ScoreRuleName = DEFAULT_SCORE
     kv_rotate: bool | None = Field(

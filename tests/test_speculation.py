@@ -14,10 +14,13 @@ import math
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 
 from cache import make_cache
 from config.cache_spec import CacheSpec
 from server.engine.batcher import Batcher
+from server.engine.draft_model import DraftModel, DraftModelError
+from server.engine.engine import load_draft_model
 from server.engine.generation import Generation, RequestSampler
 from server.engine.grammar import Grammars
 from server.engine.jobs import SamplingParams
@@ -165,12 +168,14 @@ def document_prompt(tokenizer, essay_text: str) -> list[int]:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
-def decode(model, tokenizer, prompt, spec=FULL, draft_max=0, constraint=None, **params):
+def decode(
+    model, tokenizer, prompt, spec=FULL, draft_max=0, constraint=None, draft_model=None, **params
+):
     """(tokens, logprobs, decode passes, generation) of one reply decoded alone."""
     session = Session(id="s", spec=spec, keyed=True, caches=make_cache(model, spec))
     sampling = SamplingParams(**{"max_tokens": 48, "temperature": 0.0, "logprobs": 2, **params})
     g = Generation(tokenizer, session, prompt, 0, sampling, constraint=constraint,
-                   draft_max=draft_max)  # fmt: skip
+                   draft_max=draft_max, draft_model=draft_model)  # fmt: skip
     batcher = Batcher(model, prefill_step=256, prefill_budget=256)
     logprobs, passes = [], 0
     while not g.done:
@@ -353,6 +358,9 @@ def decode_together(model, tokenizer, rows, draft_max):
     while not all(g.done for g in gens):
         done = batcher.run([g for g in gens if not g.done])
         passes += done.decode_passes
+        # one outcome per generation a round: the worker ends a request at the first Delta
+        # that finishes it, so a second would reach a request already gone
+        assert len({id(g) for g, _ in done.outcomes}) == len(done.outcomes)
         for g, delta in done.outcomes:
             assert not isinstance(delta, Exception), delta
             logprobs[id(g)] += [lp.logprob for lp in delta.logprobs]
@@ -402,6 +410,92 @@ def test_a_batch_of_four_verifies_each_rows_drafts(default_model, essay_text, mo
     for g, (*_, own) in zip(drafted[1:], alone[1:], strict=True):
         for mine, theirs in zip(g.session.caches, own.session.caches, strict=True):
             assert (mine.seen, mine.evicted) == (theirs.seen, theirs.evicted)
+
+
+# ---------------------------------------------------------------------- a draft model
+
+
+def test_a_draft_model_drafts_where_the_conversation_repeats_nothing(default_model):
+    """Free chat has no n-gram to draft from; a draft model does. The target drafting for
+    itself (claimed cheap) guesses every greedy token: the reply is the same in far fewer
+    passes, and the draft cache holds the conversation, refused drafts trimmed."""
+    model, tokenizer = default_model
+    messages = [{"role": "user", "content": "Tell me a story about a lighthouse keeper."}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    plain = decode(model, tokenizer, prompt, max_tokens=40)
+    draft = DraftModel(model, tokenizer, tokenizer, cost=0.05)
+    drafted = decode(model, tokenizer, prompt, draft_max=8, draft_model=draft, max_tokens=40)
+    assert drafted[0] == plain[0]
+    assert drafted[1] == pytest.approx(plain[1], abs=1e-3)
+    g = drafted[3]
+    assert g.drafter.sources["model"].rate > 0.8 and drafted[2] < 0.5 * plain[2], drafted[2]
+    state = g.session.draft_state
+    assert state.tokens == g.session.tokens[: len(state.tokens)]
+    assert state.caches[0].offset == len(state.tokens) >= len(g.session.tokens) - 8
+
+
+def test_a_draft_model_drafts_while_it_pays_for_its_passes():
+    """The gate prices a draft model's passes: a guesser at 0.3 of a target pass drafts
+    alone from its prior, not beside three other rows (every row's pass widens), and
+    stops once its drafts are refused."""
+
+    class Guesser:  # drafts 1s; what it is matters here only through its price
+        cost = 0.3
+
+        def propose(self, state, history, k):
+            return [1] * k, state
+
+    history = [5, 6, 7, 8]  # nothing recurs: no lookup draft
+    crowded = Drafter(8, model=Guesser(), session=Session(id="s", spec=FULL, keyed=True))
+    assert not crowded.expects(history, rows=4)
+    drafter = Drafter(8, model=Guesser(), session=Session(id="s", spec=FULL, keyed=True))
+    assert drafter.expects(history)
+    assert drafter.draft(history, None, 8) == ([1, 1, 1, 1], 0) and drafter._source == "model"
+    drafter.took(4, 0)
+    drafter.took(2, 0)
+    drafter.length.pause = 0  # the length's own pause aside
+    assert not drafter.expects(history)
+
+
+def test_a_draft_models_cache_follows_the_conversation_within_its_window(default_model):
+    """Each draft is the draft model's greedy continuation of the conversation's tokens
+    from its cache's start, whether the cache was synced (tokens added, an edit trimmed)
+    or restarted from the recent half of its window."""
+    model, tokenizer = default_model
+    draft = DraftModel(model, tokenizer, tokenizer, cost=0.05, window=64)
+
+    def greedy(tokens: list[int], k: int) -> list[int]:
+        cache, out = make_prompt_cache(model), []
+        for _ in range(k):
+            logits = model(mx.array(out[-1:] if out else tokens)[None], cache=cache)
+            out.append(mx.argmax(logits[0, -1]).item())
+        return out
+
+    history = tokenizer.encode("The quick brown fox jumps over the lazy dog, said Ann. " * 8)
+    state = None
+    for step in (history[:20], history[:28], [*history[:25], 7, 8, 9], history[:60], history):
+        drafts, state = draft.propose(state, step, 4)
+        assert drafts == greedy(step[state.start :], 4)
+        assert state.tokens == step[state.start :] + drafts[:-1]
+        assert state.caches[0].offset == len(state.tokens) <= 64
+    assert state.start > 0  # restarted: the history is past the window
+
+
+def test_a_draft_model_needs_the_same_tokenizer(default_model):
+    model, tokenizer = default_model
+
+    class Other:
+        def get_vocab(self):
+            return {"a": 0}
+
+    with pytest.raises(DraftModelError, match="tokenizer"):
+        DraftModel(model, Other(), tokenizer, cost=0.1)
+    # --draft-model as the server loads it: priced by its weights against the target's
+    notices = []
+    draft = load_draft_model("default", model, tokenizer, notices)
+    assert draft.cost == pytest.approx(1.0) and not notices
+    assert load_draft_model("default", model, Other(), notices) is None
+    assert "not used" in notices[0]
 
 
 # ---------------------------------------------------------------------- server

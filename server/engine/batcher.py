@@ -53,7 +53,7 @@ from cache.contract import draft_room, hold_draft, step_scores
 from cache.factory import dense_layers, outgrows_dense, pack_dense
 from config.cache_spec import CacheSpec
 from server.engine.generation import Generation
-from server.engine.jobs import Delta
+from server.engine.jobs import Delta, joined
 
 log = logging.getLogger("h2o_server.batcher")
 
@@ -195,27 +195,26 @@ class Batcher:
         """One pass for every decoding row, of which `drafting` feed their input and a
         draft (each verified as alone: Generation.verify) and the rest their input alone,
         in their slabs: rows right-padded to the widest, each cache taking its own."""
-        fed: dict[int, tuple[list[int], int]] = {}  # id(g) -> (its tokens, forced drafts)
+        # id(g) -> (the Delta its draw read, its tokens, its forced drafts): one Delta a
+        # round per generation (the worker ends a request at the first that finishes it)
+        fed: dict[int, tuple[Delta | None, list[int], int]] = {}
         verifying = []
         for g in drafting:
             try:
-                delta, tokens, forced = g.propose()
+                fed[id(g)] = g.propose()
             except Exception as e:  # its tokenizer or grammar: it alone fails
                 done.outcomes.append((g, e))
                 continue
-            if delta is not None:
-                done.outcomes.append((g, delta))
-            fed[id(g)] = tokens, forced
             verifying.append(g)
         try:
             alone = self._regroup([g for g in rows if g not in drafting])
             for slab in self.slabs:
                 slab.reclaim()
             ordered = [*(g for slab in self.slabs for g in slab.members), *alone, *verifying]
-            width = max(len(tokens) for tokens, _ in fed.values())
+            width = max(len(tokens) for _, tokens, _ in fed.values())
             inputs, lengths = [], []
             for g in ordered:
-                row = mx.array(fed[id(g)][0]) if id(g) in fed else g.input_array()
+                row = mx.array(fed[id(g)][1]) if id(g) in fed else g.input_array()
                 padding = mx.zeros(width - row.size, mx.int32)
                 inputs.append(mx.concatenate([row.astype(mx.int32), padding]))
                 lengths.append(row.size)
@@ -235,8 +234,8 @@ class Batcher:
         for i, g in enumerate(ordered):
             try:
                 if id(g) in fed:
-                    tokens, forced = fed[id(g)]
-                    delta = g.verify(logits[i, : len(tokens)], tokens[1:], forced)
+                    delta, tokens, forced = fed[id(g)]
+                    delta = joined(delta, g.verify(logits[i, : len(tokens)], tokens[1:], forced))
                     if delta is not None:
                         done.outcomes.append((g, delta))
                     if g.done:

@@ -19,6 +19,7 @@ from models.loading import load_model, served_model_id
 from models.shape import kv_shape, layer_windows, text_args
 from server.api.common import CacheOptions
 from server.api.tool_formats import ToolFormat, format_for
+from server.engine.draft_model import DraftModel, DraftModelError
 from server.engine.grammar import Grammars
 from server.engine.layer_budgets import load_layer_profile
 from server.sessions.prefixes import PrefixStore
@@ -92,6 +93,7 @@ class Engine:
     # How the model writes tool calls, read from its template (server/api/tool_formats).
     tool_format: ToolFormat = field(init=False)
     name: str = ""  # its catalog name (server/engine/catalog.py), set by the registry
+    draft: DraftModel | None = None  # --draft-model, where it shares this model's tokenizer
     weight_bytes: int = field(init=False)  # its parameters' bytes as loaded
 
     def __post_init__(self):
@@ -181,6 +183,8 @@ class Engine:
         engine = cls(
             model, tokenizer, model_id, shape, budget, settings, spec, store, shares_for, notices
         )
+        if settings.draft_model:
+            engine.draft = load_draft_model(settings.draft_model, model, tokenizer, notices)
         fmt = engine.tool_format
         log.info(
             "tool calls: %s format%s; reasoning: %s",
@@ -251,3 +255,17 @@ class Engine:
     def context_limit(self, spec: CacheSpec) -> int | None:
         """Most tokens (prompt + reply) a conversation may reach; None when the cache is bounded."""
         return None if spec.info.bounded else spec.max_kv
+
+
+def load_draft_model(source: str, target, target_tokenizer, notices: list[str]):
+    """--draft-model for this target, or None with a notice where it cannot serve it (a
+    server of several models uses it for those that share its tokenizer)."""
+    model, tokenizer = load_model(source)
+    try:
+        draft = DraftModel.for_target(model, tokenizer, target, target_tokenizer)
+    except DraftModelError as e:
+        notices.append(f"--draft-model {source} not used: {e}")
+        log.warning("%s", notices[-1])
+        return None
+    log.info("draft model %s: a pass costs %.2f of the model's", source, draft.cost)
+    return draft

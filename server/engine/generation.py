@@ -28,8 +28,9 @@ from mlx_lm.sample_utils import (
 from cache.batching.batch import kv_slab_layer
 from cache.contract import draft_room, hold_draft, settle_draft
 from server.engine.detokenize import IncrementalText, decoder
+from server.engine.draft_model import DraftModel
 from server.engine.grammar import Constraint
-from server.engine.jobs import Delta, Finished, SamplingParams, TokenLogprob
+from server.engine.jobs import Delta, Finished, SamplingParams, TokenLogprob, joined
 from server.engine.speculation import Drafter
 from server.sessions.conversation import keep_checkpoint
 from server.sessions.store import Session
@@ -169,6 +170,7 @@ class Generation:
         choice: int = 0,
         draft_max: int = 0,
         predicted: list[int] | None = None,
+        draft_model: DraftModel | None = None,
     ):
         self.tokenizer, self.session = tokenizer, session
         self.choice = choice  # which of the request's n choices this is
@@ -202,7 +204,9 @@ class Generation:
         self.next_input: int | mx.array | None = None
         self.sampled: tuple[mx.array, mx.array] | None = None
         # Speculative decoding (server/engine/speculation.py): None where it is off.
-        self.drafter = Drafter(draft_max, predicted or []) if draft_max else None
+        self.drafter = (
+            Drafter(draft_max, predicted or [], draft_model, session) if draft_max else None
+        )
         self._start_decoding()
 
     @property
@@ -313,9 +317,8 @@ class Generation:
         history's suffix recurs."""
         if self.drafter is None or self.room < 2:
             return False
-        if self.constraint is not None:
-            return True
-        return self.drafter.expects(self.session.tokens, not self.generated, rows)
+        found = self.drafter.expects(self.session.tokens, not self.generated, rows)
+        return found or self.constraint is not None
 
     def speculate(self, model) -> Delta | None:
         """One speculative round alone: `propose`, both fed in one forward pass, `verify`.
@@ -324,8 +327,7 @@ class Generation:
         delta, tokens, forced = self.propose()
         hold_draft(self.session.caches)
         logits = model(mx.array(tokens)[None], cache=self.session.caches)[0]
-        more = self.verify(logits, tokens[1:], forced)
-        return more if delta is None else delta.join(more) if more else delta
+        return joined(delta, self.verify(logits, tokens[1:], forced))
 
     def propose(self) -> tuple[Delta | None, list[int], int]:
         """Read last round's draw (it is this round's input) and draft what may follow it:

@@ -67,6 +67,14 @@ class Delta:
         return self
 
 
+def joined(first: Delta | None, later: Delta | None) -> Delta | None:
+    """`first` followed by `later`, either of which may be missing: a round's one Delta
+    (the worker ends a request at the first Delta that finishes it)."""
+    if first is None or later is None:
+        return first or later
+    return first.join(later)
+
+
 @dataclass
 class Finished:
     prompt_tokens: int

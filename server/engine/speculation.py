@@ -11,6 +11,9 @@ would have produced itself. Drafts come from two places that cost no model:
   reply, whatever its cache evicted, and a request's `prediction`): the tokens that
   followed the latest earlier occurrence of the history's last few tokens. An agent's
   reply repeats what it was shown: code it edits, paths, a tool result's JSON.
+Where neither has a draft that pays, a draft model (`--draft-model`, a small model with
+the same tokenizer: server/engine/draft_model.py) guesses greedily, its passes counted
+against what it saves.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from config.settings import DRAFT_MAX as MAX_DRAFT  # the adaptive length's ceiling by default
+from server.engine.draft_model import DraftModel
 
 NGRAM_SIZES = (4, 3, 2)  # suffix lengths looked up, longest first (a longer match guesses better)
 # What a speculative round costs beyond a plain one, in one-token passes: a fixed part (it
@@ -93,12 +97,13 @@ class Acceptance:
         self.taken = self.DECAY * self.taken + accepted
         self.tried = self.DECAY * self.tried + accepted + (accepted < proposed)
 
-    def pays(self, k: int, rows: int = 1) -> bool:
+    def pays(self, k: int, rows: int = 1, per_token: float = 0.0) -> bool:
         """Whether a draft of k pays in a pass of `rows` rows: every row's input widens to
-        k + 1 tokens, so the cost is paid per row, the tokens gained by this one alone."""
+        k + 1 tokens, so the cost is paid per row, the tokens gained by this one alone;
+        `per_token`: what making a drafted token costs (a draft model's pass)."""
         r = self.rate
         expected = r * (1 - r**k) / (1 - r) if r < 1 else float(k)
-        if expected > rows * (ROUND_COST + TOKEN_COST * k):
+        if expected > rows * (ROUND_COST + TOKEN_COST * k) + per_token * k:
             return True
         self.taken = self.FORGET * self.taken + (1 - self.FORGET) * 1.0
         self.tried = self.FORGET * self.tried + (1 - self.FORGET) * 2.0
@@ -148,9 +153,18 @@ class DraftLength:
 
 class Drafter:
     """One reply's drafts: the grammar's forced tokens first, else the n-gram lookup over
-    its conversation, at the length its acceptance earned."""
+    its conversation, else a draft model's (server/engine/draft_model.py), at the length
+    its acceptance earned. `session` keeps the draft model's cache across turns."""
 
-    def __init__(self, ceiling: int = MAX_DRAFT, predicted: Sequence[int] = ()):
+    def __init__(
+        self,
+        ceiling: int = MAX_DRAFT,
+        predicted: Sequence[int] = (),
+        model: DraftModel | None = None,
+        session=None,
+    ):
+        self.model, self.session = model, session
+        self._from_model = False  # this round's draft comes from the model
         self.index = NgramIndex()
         self.predicted = NgramIndex()  # a request's predicted reply (chat's `prediction`)
         self.predicted.extend(predicted)
@@ -177,16 +191,20 @@ class Drafter:
         pays in a pass of `rows` rows. `opening`: the reply has no token yet (a predicted
         reply is drafted from its start)."""
         self._check_shadow(history)
+        self._from_model = False
         if not self.length.allows():
             return False
-        found, source = self._lookup(history, self.length.k, opening)
-        if not found:
-            return False
-        if self.sources.setdefault(source, Acceptance()).pays(self.length.k, rows):
-            return True
-        if self._shadow is None:
-            self._shadow = (len(history), found, source)
-        return False
+        k = self.length.k
+        found, source = self._lookup(history, k, opening)
+        if found:
+            if self.sources.setdefault(source, Acceptance()).pays(k, rows):
+                return True
+            if self._shadow is None:
+                self._shadow = (len(history), found, source)
+        if self.model is not None:  # a draft model agrees on most tokens: from 3 in 4
+            model = self.sources.setdefault("model", Acceptance(taken=3.0, tried=4.0))
+            self._from_model = model.pays(k, rows, self.model.cost)
+        return self._from_model
 
     def _check_shadow(self, history: Sequence[int]) -> None:
         """Score the draft not fed once the reply's tokens tell how much of it was right."""
@@ -211,7 +229,14 @@ class Drafter:
             forced = constraint.forced()[: min(room, self.length.ceiling)]
             if forced:
                 return forced, len(forced)
-        drafts, self._source = self._lookup(history, min(room, self.length.k), opening)
+        k = min(room, self.length.k)
+        if self._from_model:
+            self._source = "model"
+            drafts, self.session.draft_state = self.model.propose(
+                self.session.draft_state, history, k
+            )
+            return drafts, 0
+        drafts, self._source = self._lookup(history, k, opening)
         return drafts, 0
 
     def _lookup(

@@ -326,6 +326,7 @@ class Worker:
             choice,
             self._draft_max(job),
             self._predicted(job, engine.tokenizer),
+            engine.draft,
         )
 
     def _draft_max(self, job: Job) -> int:

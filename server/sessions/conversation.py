@@ -45,6 +45,9 @@ class Session:
     # an edited or re-rendered history rewinds to). Never spilled: a restored session
     # rewinds only as far as its attention layers allow and its state is exact.
     checkpoints: dict[int, list[list]] = field(default_factory=dict)
+    # --draft-model's cache for this conversation (server/engine/draft_model.py DraftState):
+    # never spilled, rebuilt from the tokens when needed.
+    draft_state: object | None = None
 
     def refresh_stats(self) -> None:
         """Publish plain numbers for handlers (called by the worker).

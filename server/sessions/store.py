@@ -273,7 +273,7 @@ class SessionStore:
         session.busy = False
         session.last_used = time.time()
         if session.throwaway:
-            session.caches = None
+            session.caches, session.draft_state = None, None
             session.checkpoints.clear()
         elif broken:
             log.warning("session %s discarded: its request failed midway", session.id)
@@ -396,7 +396,7 @@ class SessionStore:
             log.error("session %s could not be spilled (%s)", session.id, e)
             self._drop(session, "spill failed")
             return
-        session.caches, session.spill_path = None, path
+        session.caches, session.spill_path, session.draft_state = None, path, None
         session.checkpoints.clear()  # their arrays go with the caches
         self._disown(session)  # written first: whoever claims it next finds the file
         session.refresh_stats()
@@ -448,6 +448,7 @@ class SessionStore:
     def _reset(self, session: Session, spec: CacheSpec) -> None:
         session.spec, session.caches, session.tokens = spec, self.make_caches(spec), []
         session.checkpoints.clear()
+        session.draft_state = None
 
     def _forget(self, session: Session) -> None:
         if session.spill_path is not None and self._own(session, ask=False):
