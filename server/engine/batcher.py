@@ -227,7 +227,7 @@ class Batcher:
             logits = self.model(mx.stack(inputs), cache=caches)
         except Exception as e:  # the pass itself: every row it carried
             done.outcomes += [(g, e) for g in rows if g in verifying or g not in drafting]
-            self.slab, self.h2o_slabs = KVSlab(), {}
+            self.reset()
             return
         done.decode_passes = 1
         plain, draws = [], []
@@ -268,6 +268,11 @@ class Batcher:
         for slab in self.slabs:
             if g in slab:
                 slab.leave(g, None if broken else g.session.caches)
+
+    def reset(self) -> None:
+        """Forget every slab after a pass failed: half updated, perhaps, so their members'
+        sessions are lost (their requests fail)."""
+        self.slab, self.h2o_slabs = KVSlab(), {}
 
     def lend(self) -> None:
         """Slab members' own caches show their contents until the next round (readers on
@@ -380,8 +385,7 @@ class Batcher:
             logits = self._forward(inputs, [g.session.caches for g in alone])
         except Exception as e:  # the pass itself: every row it carried
             done.outcomes += [(g, e) for g in rows]
-            # half updated, perhaps; their members' sessions are lost
-            self.slab, self.h2o_slabs = KVSlab(), {}
+            self.reset()
             return [], []
         if any(g.constraint for g in rows):
             mx.async_eval(logits)  # the pass runs while the host computes grammar masks

@@ -196,12 +196,35 @@ class Worker:
         self._ready.set()
         while not self._stopping:
             self._take_inbox(block=not self._active)  # waiting jobs alone wait for a handover
-            if self.draining:
-                self._drain()
-            else:
-                self._admit()
-            self._round()
-            self._tick()
+            try:
+                if self.draining:
+                    self._drain()
+                else:
+                    self._admit()
+                self._round()
+                self._tick()
+            except Exception as e:  # a fault outside any one request's: those it held end
+                self._recover(e)
+
+    def _recover(self, error: Exception) -> None:
+        """A round failed outside the per-request handling (a bug): every active request
+        ends with a 500 and its session is dropped (its caches may be half updated); the
+        worker goes on serving, where it would otherwise leave every request hanging."""
+        log.error("a round failed: its %d requests end with an error", len(self._active),
+                  exc_info=error)  # fmt: skip
+        failed = {}
+        for job, gen in list(self._active):
+            failed[id(job)] = job
+            try:
+                self._finish(job, gen, broken=True)
+            except Exception:  # its own bookkeeping may be what failed
+                if (job, gen) in self._active:
+                    self._active.remove((job, gen))
+        self._choices.clear()  # every choice of those requests ended with them
+        for loaded in self.models.loaded.values():
+            loaded.batcher.reset()
+        for job in failed.values():
+            self._fail(job, 500, f"the server failed this request: {type(error).__name__}: {error}")
 
     def _tick(self) -> None:
         if time.monotonic() < self._next_tick or self._drained.is_set():
