@@ -107,6 +107,11 @@ def weight_file_bytes(name: str) -> int:
         return 0
 
 
+def parameter_bytes(model: nn.Module) -> int:
+    """A loaded model's parameters' bytes, as they sit in memory."""
+    return sum(a.nbytes for _, a in tree_flatten(model.parameters()))
+
+
 def load_model(name: str = DEFAULT_MODEL) -> tuple[nn.Module, TokenizerWrapper]:
     """Load a model and its tokenizer by name (see module docstring)."""
     if on_cpu() and (warning := slow_blas_warning()):

@@ -18,6 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from cache import make_cache
 from config.cache_spec import CacheSpec
+from models.loading import parameter_bytes
 from server.engine.batcher import Batcher
 from server.engine.draft_model import DraftModel, DraftModelError
 from server.engine.engine import load_draft_model
@@ -492,9 +493,9 @@ def test_a_draft_model_needs_the_same_tokenizer(default_model):
         DraftModel(model, Other(), tokenizer, cost=0.1)
     # --draft-model as the server loads it: priced by its weights against the target's
     notices = []
-    draft = load_draft_model("default", model, tokenizer, notices)
+    draft = load_draft_model("default", parameter_bytes(model), tokenizer, notices)
     assert draft.cost == pytest.approx(1.0) and not notices
-    assert load_draft_model("default", model, Other(), notices) is None
+    assert load_draft_model("default", parameter_bytes(model), Other(), notices) is None
     assert "not used" in notices[0]
 
 

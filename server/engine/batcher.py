@@ -111,7 +111,7 @@ class Batcher:
         t0 = time.perf_counter()
         decoding = [g for g in gens if not g.prefilling]
         rows = self._pack_outgrown(decoding, lambda g, k: len(g.session.tokens) + k, done)
-        if len(rows) == 1 and self._speculates(rows[0]):
+        if len(rows) == 1 and self._takes_drafts(rows[0]) and rows[0].expects_drafts():
             self._speculate(rows[0], done)
             done.decode_seconds = time.perf_counter() - t0
             return done
@@ -143,19 +143,19 @@ class Batcher:
                 g.sampled, g.next_input = draw, draw[0]
                 done.decoding.append(g)
 
-    def _speculates(self, g: Generation, asked: bool = False) -> bool:
-        """Whether a decoding row takes a speculative round (server/engine/speculation.py):
-        its caches give a refused draft back exactly (cache/contract.py `draft_room`: a
-        plain KVCache trims; a dense H2O cache until its next eviction), it stays clear of
-        its dense share (packing runs a token a round), and it has a draft (`asked`:
-        already known)."""
+    def _takes_drafts(self, g: Generation) -> bool:
+        """Whether a decoding row out of any slab may take a speculative round
+        (server/engine/speculation.py): its caches give a refused draft back exactly
+        (cache/contract.py `draft_room`: a plain KVCache trims; a dense H2O cache until its
+        next eviction), and it stays clear of its dense share (packing runs a token a
+        round). Whether it has a draft is `Generation.expects_drafts`."""
         s = g.session
         if g.drafter is None or draft_room(s.caches) == 0:
             return False
         rounds = math.ceil(dense_layers(s.caches) / PACK_LAYERS) + 1
-        if outgrows_dense(s.spec, s.caches, len(s.tokens) + g.drafter.length.ceiling + rounds):
-            return False
-        return asked or g.expects_drafts()
+        return not outgrows_dense(
+            s.spec, s.caches, len(s.tokens) + g.drafter.length.ceiling + rounds
+        )
 
     def _speculate(self, g: Generation, done: Round) -> None:
         """One speculative round for `g` alone: its draw read, a draft verified with it."""
@@ -179,7 +179,7 @@ class Batcher:
         wanting = [g for g in rows if self._may_draft(g) and g.expects_drafts(len(rows))]
         for g in wanting:
             self.leave(g)
-        return [g for g in wanting if self._speculates(g, asked=True)]
+        return [g for g in wanting if self._takes_drafts(g)]
 
     def _may_draft(self, g: Generation) -> bool:
         """Whether g's caches may take a draft, read without taking it out of a slab (a
@@ -207,10 +207,8 @@ class Batcher:
                 continue
             verifying.append(g)
         try:
-            alone = self._regroup([g for g in rows if g not in drafting])
-            for slab in self.slabs:
-                slab.reclaim()
-            ordered = [*(g for slab in self.slabs for g in slab.members), *alone, *verifying]
+            seated, alone = self._seat([g for g in rows if g not in drafting])
+            ordered = [*seated, *verifying]
             width = max(len(tokens) for _, tokens, _ in fed.values())
             inputs, lengths = [], []
             for g in ordered:
@@ -248,9 +246,7 @@ class Batcher:
             except Exception as e:  # this request's grammar, processors or sampler
                 done.outcomes.append((g, e))
                 self.leave(g, broken=id(g) in fed)
-        scored = [c for g in alone for c in g.session.caches]
-        scored += [layer for slab in self.h2o_slabs.values() for layer in slab.layers]
-        mx.async_eval([x for d in draws for x in d], step_scores(scored))
+        self._launch(draws, alone)
         self._read_draws(plain, draws, done)
 
     def prefill(self, gens: list[Generation], decoding: bool) -> Round:
@@ -375,10 +371,7 @@ class Batcher:
     def _decode(self, rows: list[Generation], done: Round) -> tuple[list, list]:
         """One forward pass feeding every row's next input; (rows still going, their draws)."""
         try:
-            alone = self._regroup(rows)
-            for slab in self.slabs:
-                slab.reclaim()
-            rows = [*(g for slab in self.slabs for g in slab.members), *alone]
+            rows, alone = self._seat(rows)
             inputs = mx.concatenate([g.input_array() for g in rows])[:, None]
             for g in rows:
                 g.fed()
@@ -397,11 +390,23 @@ class Batcher:
                 done.outcomes.append((g, e))
                 draws.append(None)
         kept = [(g, d) for g, d in zip(rows, draws, strict=True) if d is not None]
-        # The step's scores with its tokens (the caches wait for it: scores_with_step).
+        self._launch([d for _, d in kept], alone)
+        return [g for g, _ in kept], [d for _, d in kept]
+
+    def _seat(self, rows: list[Generation]) -> tuple[list[Generation], list[Generation]]:
+        """Bring the slabs up to `rows` (`_regroup`): (every row in the order a pass feeds
+        them, the slabs' members first; the rows decoding in their own caches)."""
+        alone = self._regroup(rows)
+        for slab in self.slabs:
+            slab.reclaim()
+        return [*(g for slab in self.slabs for g in slab.members), *alone], alone
+
+    def _launch(self, draws: list, alone: list[Generation]) -> None:
+        """Start computing the pass's draws with the step's scores (the caches of `alone`
+        and the H2O slabs wait for them: scores_with_step)."""
         scored = [c for g in alone for c in g.session.caches]
         scored += [layer for slab in self.h2o_slabs.values() for layer in slab.layers]
-        mx.async_eval([x for _, d in kept for x in d], step_scores(scored))
-        return [g for g, _ in kept], [d for _, d in kept]
+        mx.async_eval([x for d in draws for x in d], step_scores(scored))
 
     def _forward(self, inputs: mx.array, sessions: list[list]) -> mx.array:
         """Last-position logits [rows, vocab] of one token per slab row, then per session."""

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 DRAFT_WINDOW = 2048  # tokens a conversation's draft cache holds at most
@@ -46,13 +45,6 @@ class DraftModel:
                 "windows, recurrent state): use a plain attention model"
             )
         self.model, self.cost, self.window = model, cost, window
-
-    @classmethod
-    def for_target(cls, model, tokenizer, target, target_tokenizer) -> DraftModel:
-        def size(m) -> int:
-            return sum(a.nbytes for _, a in tree_flatten(m.parameters()))
-
-        return cls(model, tokenizer, target_tokenizer, cost=size(model) / size(target))
 
     def propose(
         self, state: DraftState | None, history: Sequence[int], k: int

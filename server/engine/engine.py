@@ -7,15 +7,13 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from mlx.utils import tree_flatten
-
 from cache import ATTENTION, configure, make_cache
 from cache.budget import Budget, ModelShape, fit_spec, parse_bytes, session_bytes
 from cache.factory import unbound_rule_notices, window_fallback
 from cache.kernel_check import check_kernels
 from config.cache_spec import CacheSpec
 from config.settings import ServerSettings
-from models.loading import load_model, served_model_id
+from models.loading import load_model, parameter_bytes, served_model_id
 from models.shape import kv_shape, layer_windows, text_args
 from server.api.common import CacheOptions
 from server.api.tool_formats import ToolFormat, format_for
@@ -99,7 +97,7 @@ class Engine:
     def __post_init__(self):
         self.grammars = Grammars(self.tokenizer, self.vocab_size)
         self.tool_format = format_for(self.tokenizer)
-        self.weight_bytes = sum(a.nbytes for _, a in tree_flatten(self.model.parameters()))
+        self.weight_bytes = parameter_bytes(self.model)
 
     @classmethod
     def load(cls, settings: ServerSettings) -> Engine:
@@ -184,7 +182,9 @@ class Engine:
             model, tokenizer, model_id, shape, budget, settings, spec, store, shares_for, notices
         )
         if settings.draft_model:
-            engine.draft = load_draft_model(settings.draft_model, model, tokenizer, notices)
+            engine.draft = load_draft_model(
+                settings.draft_model, engine.weight_bytes, tokenizer, notices
+            )
         fmt = engine.tool_format
         log.info(
             "tool calls: %s format%s; reasoning: %s",
@@ -257,12 +257,17 @@ class Engine:
         return None if spec.info.bounded else spec.max_kv
 
 
-def load_draft_model(source: str, target, target_tokenizer, notices: list[str]):
-    """--draft-model for this target, or None with a notice where it cannot serve it (a
-    server of several models uses it for those that share its tokenizer)."""
+def load_draft_model(
+    source: str, target_bytes: int, target_tokenizer, notices: list[str]
+) -> DraftModel | None:
+    """--draft-model for a target of `target_bytes` of weights, or None with a notice where
+    it cannot serve it (a server of several models uses it for those that share its
+    tokenizer)."""
     model, tokenizer = load_model(source)
     try:
-        draft = DraftModel.for_target(model, tokenizer, target, target_tokenizer)
+        draft = DraftModel(
+            model, tokenizer, target_tokenizer, cost=parameter_bytes(model) / target_bytes
+        )
     except DraftModelError as e:
         notices.append(f"--draft-model {source} not used: {e}")
         log.warning("%s", notices[-1])
