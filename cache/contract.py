@@ -115,9 +115,10 @@ class LayerCache(mlx_lm_cache._BaseCache):
 
     # ------------------------------------------------------------ speculative decoding
 
-    # Whether this kind of cache ever takes a draft (its `draft_room` says how many now,
-    # from its state, which a slab member lends to its slab).
-    verifies_drafts: ClassVar[bool] = False
+    # Whether this cache ever takes a draft (its `draft_room` says how many now, from its
+    # state, which a slab member lends to its slab): a class's, or its configuration's
+    # (a property: packed H2O without a dense tail).
+    verifies_drafts: bool = False
 
     def draft_room(self) -> int:
         """Draft tokens a verify pass may feed beside the decoding token, every one of which

@@ -245,16 +245,9 @@ def test_generate_step_evicting(model, prefill_step_size):
 @pytest.fixture(scope="module")
 def tokenizer():
     """A word-level tokenizer over VOCAB tokens `t0` ... `t255`, no EOS."""
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from word_tokenizer import word_level
 
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
-    return TokenizerWrapper(hf)
+    return word_level(VOCAB)
 
 
 def test_stream_generate(model, tokenizer):

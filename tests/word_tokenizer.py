@@ -45,3 +45,17 @@ def save_word_tokenizer(
     hf.save_pretrained(folder)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ids[eos]}))
     return ids
+
+
+def word_level(vocab_size: int):
+    """An in-memory word-level tokenizer over `vocab_size` tokens `t0` ... (no EOS), as
+    mlx-lm wraps one: for a random-weight model whose ids are all words."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    return TokenizerWrapper(PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0"))

@@ -37,6 +37,8 @@ DEFAULT_FLOOR = 0.2  # of a head's uniform heavy share it always keeps
 
 class AdaptiveH2OKVCache(H2OKVCache):
     slot_extra_bytes = ADAPTIVE_BOOKKEEPING  # the head id
+    # A verify pass's tokens are reordered as decode steps store them (`_keep_drafted`).
+    verifies_drafts = True
 
     def __init__(self, max_size: int, *, floor: float = DEFAULT_FLOOR, **h2o):
         """`h2o`: H2OKVCache's knobs (sink, heavy, recent, score, evict_batch)."""
@@ -89,6 +91,22 @@ class AdaptiveH2OKVCache(H2OKVCache):
         self.used = end
         self.offset += N
         return self._fetch()
+
+    def _keep_drafted(self, fed: int, kept: int) -> mx.array:
+        """A verify pass stored its tokens head-major (every head's `fed`, head by head):
+        the kept ones move token-major, as decode steps lay them out, and the refused go."""
+        H, n = self.n_heads, self.used
+        start = n - H * fed
+        slot = start + np.arange(fed)[None, :] + fed * np.arange(H)[:, None]  # [head, token]
+        order = np.concatenate([np.arange(start), slot[:, :kept].T.reshape(-1)])
+        idx = mx.array(order, dtype=mx.int32)
+        for name in ("keys", "values", "positions", "heads", "scores"):
+            buf = getattr(self, name)
+            buf[:, :, : idx.size] = mx.take(buf[:, :, :n], idx, axis=2)
+        self.used = idx.size
+        self.offset -= fed - kept
+        self.reset_free_slots()
+        return idx
 
     def attention_mask(self, n_q_heads: int, n_new: int, mask=None) -> mx.array:
         """[B, n_q_heads, n_new, slots]: a query head sees its KV head's slots, causally."""

@@ -244,15 +244,21 @@ class H2OKVCache(HeavyHitters, ScoredCache):
         stored), then take the kept tokens' query rows of the held scores, over the keys
         they saw, and evict as `kept` decode steps would have."""
         held, self.held = self.held, None
+        slots = self._keep_drafted(fed, kept)
+        for logits, probs in held or []:
+            self.add_scores(
+                *(None if x is None else x[:, :, :kept, slots] for x in (logits, probs))
+            )
+        self.evict_if_full()
+
+    def _keep_drafted(self, fed: int, kept: int) -> slice | mx.array:
+        """Give back the slots of the refused tokens (the newest); the slots the verify
+        pass's logits cover that stay, in their new order."""
         if fed > kept:
             self.used -= (fed - kept) * self._slots_per_token
             self.offset -= fed - kept
             self.reset_free_slots()
-        n = self.used
-        for logits, probs in held or []:
-            rows = (slice(None), slice(None), slice(0, kept), slice(0, n))
-            self.add_scores(logits[rows], None if probs is None else probs[rows])
-        self.evict_if_full()
+        return slice(0, self.used)
 
     # ------------------------------------------------------------------ protocol
 

@@ -192,6 +192,14 @@ class QuantizedH2OKVCache(H2OKVCache):
     slab_rows = True
 
     @property
+    def verifies_drafts(self) -> bool:
+        """A draft's tokens are packed into the newest slots, which dense H2O's
+        `settle_draft` gives back exactly. Not with a dense tail: a verify pass's early
+        queries would read packed what decoding one by one reads dense (the tokens its
+        later ones push out of the tail)."""
+        return not self.tail
+
+    @property
     def fills_holes(self) -> bool:
         """Not with a dense tail: it serves the last slots (sinks never move: they stay)."""
         return not self.tail
@@ -221,6 +229,14 @@ class QuantizedH2OKVCache(H2OKVCache):
         check_group(head_dim, spec.group_size)
         if spec.rotates():
             hadamard_block(head_dim)
+
+    # ------------------------------------------------------------ speculative decoding
+
+    def draft_room(self) -> int:
+        """As dense H2O's, once the sink pool is full (a draft never writes it)."""
+        if self.sink_keys is not None and self.seen < self.sink:
+            return 0
+        return super().draft_room()
 
     # ------------------------------------------------------------------ in a slab
 

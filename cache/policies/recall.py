@@ -53,6 +53,9 @@ ARCHIVE_BITS = RECALL_BITS  # +0.5% perplexity when attended (h2o-q8, docs/quant
 class RecallH2OKVCache(H2OKVCache):
     # A prompt's attention over the archive is merged after the sinks would apply.
     takes_sinks = False
+    # A verify pass is a decode step of several queries: it reads the cache only, and its
+    # queries choose nothing (`archive_part`, `observe`); eviction waits for the verdict.
+    verifies_drafts = True
 
     def __init__(
         self,
@@ -108,6 +111,8 @@ class RecallH2OKVCache(H2OKVCache):
         queries: a chunk of `n_queries` > 1, or the single token right after chunks (the
         server feeds a prompt's last token as the first decode step). None for decode
         steps, or when the archive is empty."""
+        if self.held is not None:  # a verify pass: decode steps read the cache only
+            return None
         if self.archived_positions is None or not (n_queries > 1 or self._window is not None):
             return None
         # Unpacked once per call, not per query block: the dense kernel is the fast one.
@@ -118,12 +123,17 @@ class RecallH2OKVCache(H2OKVCache):
         """Queries (post-RoPE) of every attention call. A prompt's last `RECALL_WINDOW`
         (its chunks', then the single token after them) choose what comes back, once,
         when that token's scores are in (evict_if_full)."""
-        if queries.shape[2] == 1 and self._window is None:
-            return  # decoding
+        if self.held is not None or (queries.shape[2] == 1 and self._window is None):
+            return  # decoding (a verify pass's queries are decode steps')
         rows = queries if self._window is None else mx.concatenate([self._window, queries], 2)
         self._window = rows[:, :, -RECALL_WINDOW:]
         self._recall_due = queries.shape[2] == 1
         self._scale = scale
+
+    def draft_room(self) -> int:
+        """None while a prompt's recall waits for its last token, fed alone as the first
+        decode step; then as dense H2O's."""
+        return 0 if self._window is not None else super().draft_room()
 
     def evict_if_full(self) -> None:
         if self._recall_due:

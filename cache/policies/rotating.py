@@ -30,6 +30,34 @@ from cache.contract import LayerCache
 class SinkRotatingKVCache(RotatingKVCache, LayerCache):
     """RotatingKVCache whose chunk masks keep the sinks visible and that stores <= max_size."""
 
+    # A verify pass is a chunk: it stores through concatenation (new arrays), so the ring
+    # before it is still there to go back to (`hold_draft`, `settle_draft`).
+    verifies_drafts = True
+    held: tuple | None = None  # (keys, values, offset, _idx) before a verify pass
+
+    def draft_room(self) -> int:
+        """Drafts that fit the window beside the decoding token: the kept ones are read
+        back from the newest stored tokens."""
+        return 0 if self.keys is None else self.max_size - 1
+
+    def hold_draft(self) -> None:
+        self.held = (self.keys, self.values, self.offset, self._idx)
+
+    def settle_draft(self, fed: int, kept: int) -> None:
+        """Refused tokens pushed older ones out of the window: go back to the ring before
+        the pass and store the kept tokens again (the pass left the fed ones last, in
+        order), as decoding them would have."""
+        held, self.held = self.held, None
+        if held is None or fed == kept:
+            return
+        keys, values = self.keys, self.values
+        self.keys, self.values, self.offset, self._idx = held
+        if kept:
+            start = keys.shape[2] - fed
+            self.update_and_fetch(
+                keys[..., start : start + kept, :], values[..., start : start + kept, :]
+            )
+
     @classmethod
     def from_spec(cls, spec, window: int | None = None) -> SinkRotatingKVCache:
         """max_kv tokens; sinks only in global layers: in a sliding-window layer, tokens
