@@ -281,29 +281,44 @@ UNBOUNDED = 1 << 30  # draft tokens a cache that trims exactly whatever it took 
 
 def draft_room(caches: list) -> int:
     """Draft tokens a verify pass over these layers may feed (LayerCache.draft_room;
-    mlx-lm's KVCache trims exactly whatever it took: UNBOUNDED)."""
+    mlx-lm's KVCache trims exactly whatever it took, and a recurrent state goes back to
+    before the pass, its kept tokens fed again (`settle_draft`): UNBOUNDED)."""
     rooms = [
         c.draft_room() if isinstance(c, LayerCache)
-        else UNBOUNDED if type(c) is mlx_lm_cache.KVCache
-        else 0  # recurrent state, sliding windows: a refused token cannot be taken back
+        else UNBOUNDED if type(c) is mlx_lm_cache.KVCache or is_state(c)
+        else 0  # mlx-lm's RotatingKVCache: a refused token cannot be taken back once wrapped
         for c in caches
     ]  # fmt: skip
     return min(rooms, default=0)
 
 
 def hold_draft(caches: list) -> None:
+    """The next pass feeds a draft: each layer keeps what it needs to give it back (a
+    recurrent state, its arrays before the pass: the layers assign new ones)."""
     for c in caches:
         if isinstance(c, LayerCache):
             c.hold_draft()
+        elif is_state(c):
+            c.held_draft = list(c.cache)
 
 
-def settle_draft(caches: list, fed: int, kept: int) -> None:
-    """After a verify pass (`hold_draft` before it): the first `kept` of `fed` stay."""
+def settle_draft(caches: list, fed: int, kept: int) -> bool:
+    """After a verify pass (`hold_draft` before it): the first `kept` of `fed` stay. A
+    recurrent state holds no token apart from the others, so where one refused a token,
+    every layer goes back to before the pass and True says: feed the kept tokens again."""
+    replay = fed > kept and any(is_state(c) for c in caches)
+    if replay:
+        kept = 0
     for c in caches:
         if isinstance(c, LayerCache):
             c.settle_draft(fed, kept)
-        elif fed > kept:  # mlx-lm's KVCache: the only other kind that speculates
+        elif is_state(c):
+            held = c.__dict__.pop("held_draft", None)
+            if replay and held is not None:
+                c.cache = held
+        elif fed > kept:  # mlx-lm's KVCache
             c.trim(fed - kept)
+    return replay
 
 
 def compact(cache: Any) -> None:

@@ -81,11 +81,16 @@ class SlidingWindowMixin:
 class WindowedH2OKVCache(SlidingWindowMixin, H2OKVCache):
     """Dense H2O inside a sliding window."""
 
+    # Its mask follows each query's own position, and expired tokens go only at eviction,
+    # which waits for a draft's verdict as dense H2O's does.
+    verifies_drafts = True
+
 
 class WindowedQuantizedH2OKVCache(SlidingWindowMixin, QuantizedH2OKVCache):
     """Packed (h2o-q8, h2o-q4, h2o-mixed k8v4) H2O inside a sliding window."""
 
     dense_sinks = dense_tail = False  # its sinks leave with the window; no pools
+    verifies_drafts = True  # no dense tail (QuantizedH2OKVCache.verifies_drafts)
 
 
 class WindowedMixedH2OKVCache(SlidingWindowMixin, MixedH2OKVCache):

@@ -233,7 +233,8 @@ class Batcher:
             try:
                 if id(g) in fed:
                     delta, tokens, forced = fed[id(g)]
-                    delta = joined(delta, g.verify(logits[i, : len(tokens)], tokens[1:], forced))
+                    verified = g.verify(self.model, logits[i, : len(tokens)], tokens[1:], forced)
+                    delta = joined(delta, verified)
                     if delta is not None:
                         done.outcomes.append((g, delta))
                     if g.done:

@@ -327,7 +327,7 @@ class Generation:
         delta, tokens, forced = self.propose()
         hold_draft(self.session.caches)
         logits = model(mx.array(tokens)[None], cache=self.session.caches)[0]
-        return joined(delta, self.verify(logits, tokens[1:], forced))
+        return joined(delta, self.verify(model, logits, tokens[1:], forced))
 
     def propose(self) -> tuple[Delta | None, list[int], int]:
         """Read last round's draw (it is this round's input) and draft what may follow it:
@@ -350,17 +350,18 @@ class Generation:
             )
         return delta, [self.next_input, *drafts], forced
 
-    def verify(self, logits: mx.array, drafts: list[int], forced: int = 0) -> Delta | None:
+    def verify(self, model, logits: mx.array, drafts: list[int], forced: int = 0) -> Delta | None:
         """The pass that fed this round's input and `drafts` (its caches held:
         `hold_draft`) gave `logits` [k + 1, vocab]: keep the drafted tokens the model takes
         (RequestSampler.verify); the caches give back the rest (cache/contract.py
         `settle_draft`: as if never fed), and the grammar forgets them. The token drawn
         after the kept ones is this generation's next input, as a plain round's draw. The
         first `forced` drafts are the grammar's (always taken: not counted against the
-        draft length)."""
+        draft length). Recurrent layers that refused a token go back to before the pass,
+        and `model` takes the kept tokens again (`_replay`)."""
         caches = self.session.caches
         if self.done:  # the input ended the reply: fed so the caches hold what the tokens say
-            settle_draft(caches, len(drafts) + 1, 1)
+            self._replay(model, settle_draft(caches, len(drafts) + 1, 1), 1)
             mx.eval([c.state for c in caches])
             return None
         rows, consumed = self._draft_rows(logits, drafts)
@@ -371,8 +372,9 @@ class Generation:
             piece = self.accept(drafts[kept], logprobs[kept])
             delta = piece if delta is None else delta.join(piece)
             kept += 1
-        settle_draft(caches, len(drafts) + 1, kept + 1)
+        replay = settle_draft(caches, len(drafts) + 1, kept + 1)
         self.session.tokens.extend(drafts[:kept])
+        self._replay(model, replay, kept + 1)
         if self.constraint is not None and consumed > kept:
             self.constraint.rollback(consumed - kept)
         self.drafter.took(len(drafts), kept, forced)
@@ -381,6 +383,12 @@ class Generation:
         else:
             self.sampled, self.next_input = (draw, logprobs[taken]), draw
         return delta
+
+    def _replay(self, model, replay: bool, n: int) -> None:
+        """Where the caches went back to before a verify pass (`settle_draft`: recurrent
+        layers), feed its `n` kept tokens (the conversation's last) again."""
+        if replay:
+            model(mx.array(self.session.tokens[-n:])[None], cache=self.session.caches)
 
     def _draft_rows(self, logits: mx.array, drafts: list[int]) -> tuple[mx.array, int]:
         """The logits [k + 1, vocab] each position draws from (penalties over the drafts

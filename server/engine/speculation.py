@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cache.contract import is_state
 from config.settings import DRAFT_MAX as MAX_DRAFT  # the adaptive length's ceiling by default
 from server.engine.draft_model import DraftModel
 
@@ -97,13 +98,17 @@ class Acceptance:
         self.taken = self.DECAY * self.taken + accepted
         self.tried = self.DECAY * self.tried + accepted + (accepted < proposed)
 
-    def pays(self, k: int, rows: int = 1, per_token: float = 0.0) -> bool:
+    def pays(self, k: int, rows: int = 1, per_token: float = 0.0, replays: bool = False) -> bool:
         """Whether a draft of k pays in a pass of `rows` rows: every row's input widens to
         k + 1 tokens, so the cost is paid per row, the tokens gained by this one alone;
-        `per_token`: what making a drafted token costs (a draft model's pass)."""
+        `per_token`: what making a drafted token costs (a draft model's pass); `replays`:
+        a refused token costs a pass more (recurrent layers take the kept tokens again)."""
         r = self.rate
         expected = r * (1 - r**k) / (1 - r) if r < 1 else float(k)
-        if expected > rows * (ROUND_COST + TOKEN_COST * k) + per_token * k:
+        cost = rows * (ROUND_COST + TOKEN_COST * k) + per_token * k
+        if replays:  # refused with probability 1 - r^k: a pass of the kept tokens again
+            cost += (1 - r**k) * (1 + TOKEN_COST * expected)
+        if expected > cost:
             return True
         self.taken = self.FORGET * self.taken + (1 - self.FORGET) * 1.0
         self.tried = self.FORGET * self.tried + (1 - self.FORGET) * 2.0
@@ -195,15 +200,16 @@ class Drafter:
         if not self.length.allows():
             return False
         k = self.length.k
+        replays = any(map(is_state, getattr(self.session, "caches", None) or []))
         found, source = self._lookup(history, k, opening)
         if found:
-            if self.sources.setdefault(source, Acceptance()).pays(k, rows):
+            if self.sources.setdefault(source, Acceptance()).pays(k, rows, replays=replays):
                 return True
             if self._shadow is None:
                 self._shadow = (len(history), found, source)
         if self.model is not None:  # a draft model agrees on most tokens: from 3 in 4
             model = self.sources.setdefault("model", Acceptance(taken=3.0, tried=4.0))
-            self._from_model = model.pays(k, rows, self.model.cost)
+            self._from_model = model.pays(k, rows, self.model.cost, replays)
         return self._from_model
 
     def _check_shadow(self, history: Sequence[int]) -> None:
