@@ -24,6 +24,7 @@ ttl = "2s"
 [small]
 source = "gemma3-270m"
 pin = true
+draft_model = false
 """
 
 
@@ -43,6 +44,23 @@ def test_a_models_file_names_models_with_aliases_ttl_and_pin(tmp_path):
     assert entries["small"].pin and entries["small"].ttl is None
 
 
+def test_a_models_files_draft_model_is_that_models_own(tmp_path):
+    """A table's draft_model replaces --draft-model for its model (false: none); a model
+    without one keeps the server's."""
+    text = MODELS_FILE + '\n[paired]\nsource = "/models/Qwen3-8B"\ndraft_model = "/models/q06"\n'
+    settings = ServerSettings(
+        model="default", models_file=write(tmp_path, text), draft_model="/models/any"
+    )
+    registry = ModelRegistry(settings, load_engine=None)
+    drafts = {e.name: registry.model_settings(e).draft_model for e in catalog(settings)}
+    assert drafts == {
+        "SmolLM2-135M-Instruct": "/models/any",
+        "coder": "/models/any",
+        "small": None,
+        "paired": "/models/q06",
+    }
+
+
 @pytest.mark.parametrize(
     ("text", "says"),
     [
@@ -50,6 +68,7 @@ def test_a_models_file_names_models_with_aliases_ttl_and_pin(tmp_path):
         ("[a]\nsource = 'x'\nttl = 'soon'\n", "ttl is seconds or a duration"),
         ("[a]\nsource = 'x'\npinned = true\n", "unknown keys ['pinned']"),
         ("[a]\nsource = 'x'\naliases = 'b'\n", "aliases is a list"),
+        ("[a]\nsource = 'x'\ndraft_model = true\n", "draft_model is a source"),
         ("[a\nsource = 'x'\n", "--models-file"),
     ],
 )

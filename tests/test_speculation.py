@@ -232,6 +232,25 @@ def test_sampled_reply_is_reproducible_with_its_seed(default_model, plain_reply)
     assert first[3].drafter.proposed > 0
 
 
+def test_a_seeded_reply_is_the_same_alone_and_in_a_batch(default_model, essay_text):
+    """Whether a round drafts changes which random draws a sampled reply takes: a seeded
+    request decides it from its own conversation alone, never from the rows beside it, so
+    its reply is the one it gets alone whatever the load."""
+    model, tokenizer = default_model
+    prompt = document_prompt(tokenizer, essay_text)
+
+    def chat(text: str) -> list[int]:
+        messages = [{"role": "user", "content": text}]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    seeded = {"temperature": 0.3, "seed": 7}
+    alone = decode(model, tokenizer, prompt, draft_max=12, max_tokens=40, **seeded)
+    rows = [(prompt, FULL, 40), (prompt, FULL, 40), (chat("Say hello."), FULL, 40)]
+    together, _ = decode_together(model, tokenizer, rows, draft_max=12, **seeded)
+    assert alone[3].drafter.accepted > 0
+    assert together[0].generated == together[1].generated == alone[0]
+
+
 def test_dense_first_session_speculates_then_packs(default_model, plain_reply):
     """auto's kvarn holds a conversation dense until its share, then packs it a few layers
     a round: speculation stops short of the share, and the reply is the same."""
@@ -388,14 +407,16 @@ def test_json_reply_takes_the_grammars_forced_tokens(default_model):
     assert drafted[3].drafter.forced >= 8  # the keys, spelled by the grammar
 
 
-def decode_together(model, tokenizer, rows, draft_max):
+def decode_together(model, tokenizer, rows, draft_max, **sampling):
     """(generations, decode passes) of replies decoded in one Batcher: `rows` of
-    (prompt, spec, max_tokens), greedy."""
+    (prompt, spec, max_tokens), greedy unless `sampling` says otherwise."""
     batcher = Batcher(model, prefill_step=256, prefill_budget=4096)
     gens = []
     for i, (prompt, spec, max_tokens) in enumerate(rows):
         session = Session(id=f"s{i}", spec=spec, keyed=True, caches=make_cache(model, spec))
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=2)
+        params = SamplingParams(
+            **{"max_tokens": max_tokens, "temperature": 0.0, "logprobs": 2, **sampling}
+        )
         gens.append(Generation(tokenizer, session, prompt, 0, params, draft_max=draft_max))
     passes, logprobs = 0, {id(g): [] for g in gens}
     while not all(g.done for g in gens):

@@ -28,6 +28,9 @@ class ModelEntry:
     aliases: frozenset[str]  # every name a request may use for it (the id included)
     ttl: float | None = None  # its own --model-ttl (a models file's `ttl`)
     pin: bool = False  # never unloaded for another or for idling (--pin, a file's `pin`)
+    # Its own draft model (a file's `draft_model`): a source, or "" for none; None: the
+    # server's --draft-model.
+    draft: str | None = None
 
 
 def split_alias(text: str) -> tuple[str | None, str]:
@@ -76,7 +79,7 @@ def source_of(name: str, models_dir: str | None = None) -> str:
     return name
 
 
-MODEL_KEYS = {"source", "aliases", "ttl", "pin"}
+MODEL_KEYS = {"source", "aliases", "ttl", "pin", "draft_model"}
 
 
 def file_models(path: Path) -> list[ModelEntry]:
@@ -87,6 +90,7 @@ def file_models(path: Path) -> list[ModelEntry]:
     aliases = ["claude-sonnet-4-5"]              # more names requests may use
     ttl = "1h"                                   # idle time before it unloads
     pin = true                                   # never unloaded
+    draft_model = "/models/Qwen3-0.6B-4bit"      # its own --draft-model (false: none)
     """
     try:
         tables = tomllib.loads(path.read_text())
@@ -110,8 +114,12 @@ def file_models(path: Path) -> list[ModelEntry]:
             raise ValueError(f"{where}: ttl is seconds or a duration such as '1h'") from None
         if not isinstance(pin := table.get("pin", False), bool):
             raise ValueError(f"{where}: pin is true or false")
+        draft = table.get("draft_model")
+        if draft is not None and not (isinstance(draft, str) and draft) and draft is not False:
+            raise ValueError(f"{where}: draft_model is a source (a path, repo id or name) or false")
+        draft = "" if draft is False else draft
         names = frozenset({name, table["source"], *aliases})
-        found.append(ModelEntry(name, table["source"], names, ttl, pin))
+        found.append(ModelEntry(name, table["source"], names, ttl, pin, draft))
     return found
 
 

@@ -314,9 +314,12 @@ class Generation:
     def expects_drafts(self, rows: int = 1) -> bool:
         """Whether this round should feed a draft (asked once a round, for a row that may
         speculate beside `rows` - 1 others): a grammar may force tokens; else the
-        history's suffix recurs."""
+        history's suffix recurs. A seeded sampled reply asks as if alone: which rounds
+        draft decides which random draws it takes, so the rows beside it must not."""
         if self.drafter is None or self.room < 2:
             return False
+        if self.params.seed is not None:
+            rows = 1
         found = self.drafter.expects(self.session.tokens, not self.generated, rows)
         return found or self.constraint is not None
 

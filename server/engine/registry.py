@@ -264,8 +264,11 @@ class ModelRegistry:
 
     def model_settings(self, entry: ModelEntry) -> ServerSettings:
         """The settings one model's Engine loads with: its source and id, its share of
-        --kv-budget, its own spill folder (the default model's is --spill-dir itself)."""
+        --kv-budget, its own spill folder (the default model's is --spill-dir itself), its
+        own draft model where its models-file table names one."""
         update: dict = {"model": entry.source}
+        if entry.draft is not None:
+            update["draft_model"] = entry.draft or None
         if entry.name != self.default or not self.settings.served_model_name:
             update["served_model_name"] = [entry.name]
         if min(self.settings.max_loaded_models, len(self.entries)) > 1:
