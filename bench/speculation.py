@@ -25,7 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench.mlx_folder import export_default
+from bench.mlx_folder import export_embedded
 from bench.report import command, machine, publish
 from bench.server_load import MLX_LM, OURS, Server, start_mlx_lm, start_ours
 from bench.text import essay_text
@@ -206,10 +206,13 @@ def metrics(server: Server) -> dict[str, float]:
     return {k: float(v) for k, v in (ln.split() for ln in text.splitlines() if ln[:1] != "#")}
 
 
-def measure(rounds: int, letters: str = "abcde", policies: tuple = ("auto", "h2o 256")) -> dict:
+def measure(
+    rounds: int, letters: str = "abcde", policies: tuple = ("auto", "h2o 256"), model="default"
+) -> dict:
     """{(variant, policy, case): [row per round]}, variants interleaved within each round;
-    `letters`: the cases run, by their letter; `policies`: POLICIES' names."""
-    folder = export_default()
+    `letters`: the cases run, by their letter; `policies`: POLICIES' names; `model`: the
+    embedded model served (models/loading.py: default, gemma3-270m)."""
+    folder = export_embedded(model)
     work = {
         name: body
         for name, body in cases().items()
@@ -313,9 +316,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--policies", nargs="+", default=["auto", "h2o 256"], choices=list(POLICIES)
     )
+    parser.add_argument("--model", default="default", help="an embedded model: gemma3-270m")
     args = parser.parse_args(argv)
-    results = measure(args.rounds, args.cases, tuple(args.policies))
-    body = [machine(), "", table(results)]
+    results = measure(args.rounds, args.cases, tuple(args.policies), args.model)
+    body = [machine(), f"Model: {args.model}", "", table(results)]
     line = command("bench.speculation", argv)
     publish("Speculative decoding", INTRO, line, body, args.out)
 
