@@ -8,6 +8,7 @@ from config.cache_spec import CacheSpec
 from server.engine.batcher import Batcher
 from server.engine.generation import Generation
 from server.engine.jobs import SamplingParams
+from server.engine.speculation import Acceptance
 from server.sessions.store import Session
 
 FULL = CacheSpec("full", 4096)
@@ -72,3 +73,9 @@ def document_reply(default_model, essay_text: str) -> tuple[list[int], tuple]:
     model, tokenizer = default_model
     prompt = document_prompt(tokenizer, essay_text)
     return prompt, decode(model, tokenizer, prompt)
+
+
+def feed_every_draft(monkeypatch) -> None:
+    """The cost gate opened: every draft found is fed, so a test checks verification
+    wherever the gate would have let few through."""
+    monkeypatch.setattr(Acceptance, "pays", lambda self, *args, **kwargs: True)

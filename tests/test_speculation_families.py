@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from decoding import decode
+from decoding import decode, feed_every_draft
 from families import FAMILIES, VOCAB, build
 from word_tokenizer import word_level
 
@@ -26,7 +26,6 @@ from config.cache_spec import CacheSpec
 from config.policies import AUTO
 from models.shape import kv_shape
 from server.engine.generation import Generation
-from server.engine.speculation import Acceptance
 
 pytestmark = pytest.mark.slow(seconds=60)
 
@@ -59,7 +58,7 @@ def test_greedy_reply_is_the_same_with_drafts(family, policy, tokenizer, monkeyp
     uninstall_router(model)
     assert draft_room(caches) > 0, [type(c).__name__ for c in caches]
     plain = decode(model, tokenizer, PROMPT, spec, max_tokens=TOKENS)
-    monkeypatch.setattr(Acceptance, "pays", lambda self, *args, **kwargs: True)
+    feed_every_draft(monkeypatch)
     replays = []
     replay = Generation._replay
     monkeypatch.setattr(
@@ -91,7 +90,7 @@ def test_h2o_inside_a_window_wider_than_max_kv_speculates(policy, tokenizer, mon
     uninstall_router(model)
     assert any(kind.startswith("Windowed") for kind in kinds), kinds
     plain = decode(model, tokenizer, prompt, spec, max_tokens=TOKENS)
-    monkeypatch.setattr(Acceptance, "pays", lambda self, *args, **kwargs: True)
+    feed_every_draft(monkeypatch)
     drafted = decode(model, tokenizer, prompt, spec, draft_max=6, max_tokens=TOKENS)
     assert drafted[0] == plain[0]
     assert drafted[1] == pytest.approx(plain[1], abs=0.05)

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from decoding import FULL, decode, decode_together, document_prompt, document_reply
+from decoding import (
+    FULL,
+    decode,
+    decode_together,
+    document_prompt,
+    document_reply,
+    feed_every_draft,
+)
 
 from cache import make_cache
 from config.cache_spec import CacheSpec
 from server.engine.batcher import Batcher
-from server.engine.speculation import Acceptance
 
 pytestmark = pytest.mark.slow(seconds=120)
 
@@ -210,7 +216,7 @@ def test_rows_of_other_policies_verify_their_drafts_in_one_pass(
     policies = {"h2o-ada": 1e-3, "h2o-recall": 1e-3, "h2o-q8": 0.1}  # logprobs within
     rows = [(prompt, CacheSpec(policy, 128), 40) for policy in policies]
     alone = [decode(model, tokenizer, prompt, spec, max_tokens=n) for prompt, spec, n in rows]
-    monkeypatch.setattr(Acceptance, "pays", lambda self, *args, **kwargs: True)
+    feed_every_draft(monkeypatch)
     drafted, passes = decode_together(model, tokenizer, rows, draft_max=12)
     for g, (tokens, logprobs, *_), tolerance in zip(drafted, alone, policies.values(), strict=True):
         assert g.generated == tokens

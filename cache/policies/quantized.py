@@ -234,14 +234,12 @@ class QuantizedH2OKVCache(H2OKVCache):
 
     def draft_room(self) -> int:
         """As dense H2O's, once the sink pool is full (a draft never writes it)."""
-        if self.sink_keys is not None and self.seen < self.sink:
-            return 0
-        return super().draft_room()
+        return 0 if self.sinks_filling else super().draft_room()
 
     # ------------------------------------------------------------------ in a slab
 
     def slab_key(self) -> Hashable | None:
-        if self.sink_keys is not None and self.seen < self.sink:  # its sink pool still fills
+        if self.sinks_filling:
             return None
         if self.tail_keys is not None and self.tail_filled() < self.tail:  # so does its tail
             return None
@@ -283,7 +281,7 @@ class QuantizedH2OKVCache(H2OKVCache):
             return self._decode_at_final_size(keys, values)
         if self.key_center is not None:
             keys = keys - self.key_center
-        if self.sink_keys is not None and self.seen < self.sink:
+        if self.sinks_filling:
             n = min(keys.shape[2], self.sink - self.seen)
             self.sink_keys[:, :, self.seen : self.seen + n] = keys[:, :, :n]
             self.sink_values[:, :, self.seen : self.seen + n] = values[:, :, :n]
@@ -359,6 +357,11 @@ class QuantizedH2OKVCache(H2OKVCache):
             shape = (*keys.shape[:2], self.tail, keys.shape[3])
             self.tail_keys = mx.zeros(shape, dtype=keys.dtype)
             self.tail_values = mx.zeros(shape, dtype=values.dtype)
+
+    @property
+    def sinks_filling(self) -> bool:
+        """Whether the dense sink pool still takes the tokens that come."""
+        return self.sink_keys is not None and self.seen < self.sink
 
     def _pool(self) -> int:
         """Sink tokens served from the dense pool; they shadow packed slots [0, pool)."""

@@ -131,7 +131,7 @@ class RecallH2OKVCache(H2OKVCache):
         self._scale = scale
 
     def draft_room(self) -> int:
-        """None while a prompt's recall waits for its last token, fed alone as the first
+        """No draft while a prompt's recall waits for its last token, fed alone as the first
         decode step; then as dense H2O's."""
         return 0 if self._window is not None else super().draft_room()
 
